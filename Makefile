@@ -1,0 +1,29 @@
+# Two commands: `make test` (install everything, run the suite) and `make demo` (the main job).
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup test demo bench golden crds lint clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m kvpool_connector.cli demo $(DEMO_ARGS)
+
+bench: setup
+	$(PY) -m kvpool_connector.cli bench store
+	$(PY) -m kvpool_connector.cli bench e2e
+
+# Regenerate checked-in artefacts derived from the pydantic models / render function.
+crds: setup
+	$(PY) -m kvpool_operator.cli crd --write crds/
+
+golden: setup
+	$(PY) -m kvpool_operator.cli golden --write tests/operator/golden/
+
+clean:
+	rm -rf $(VENV) bin .pytest_cache

@@ -1,0 +1,144 @@
+"""Generate small Llama-architecture models with random weights, fully offline.
+
+The demo, the benchmarks and the tests need a model vLLM can serve with text prompts,
+and this fleet's build machines cannot reach a model hub. A random-weight model is
+enough to measure prefill cost and to check that cache hits are token-identical to
+recompute (greedy decoding is deterministic whatever the weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# A few kilobytes of varied English so the byte-level BPE learns useful merges.
+_CORPUS_SEED = """
+The quick brown fox jumps over the lazy dog. A key-value cache stores attention keys and
+values so that a transformer does not recompute them for tokens it has already seen.
+Long contexts make the cache large: offloading moves it from accelerator memory to host
+memory, local NVMe disks, Redis or object storage such as S3 and MinIO. Kubernetes runs
+the inference fleet; an operator reconciles a custom resource into deployments, services
+and volumes. Engineers measure time to first token, throughput and hit rates per tier.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048 4096 8192 16384. Punctuation: , . ; : ! ?
+( ) [ ] { } " ' - _ / \\ @ # $ % ^ & * + = < > | ~ `.
+User: hello, can you summarise this document? Assistant: certainly, here is a summary.
+"""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape of a generated model; `bench` makes an 8k prefill cost seconds on a CPU."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    vocab_size: int = 2048
+    seed: int = 1234
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset("tiny", 128, 2, 4, 2, 256, 32768),
+    "bench": ModelPreset("bench", 1024, 8, 16, 4, 2816, 32768),
+}
+
+
+def default_cache_dir() -> Path:
+    """Where generated models live between runs (override with KVPOOL_MODEL_CACHE)."""
+    env = os.environ.get("KVPOOL_MODEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpool" / "models"
+
+
+def _train_tokenizer(vocab_size: int, out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [line for line in (_CORPUS_SEED * 20).splitlines() if line.strip()]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def _build(preset: ModelPreset, out_dir: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _train_tokenizer(preset.vocab_size, out_dir)
+    torch.manual_seed(preset.seed)
+    config = LlamaConfig(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "kvpool-preset.json").write_text(json.dumps(asdict(preset), indent=2))
+
+
+def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> Path:
+    """Return the path of the generated model, building it once (atomic rename)."""
+    spec = PRESETS[preset]
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    tag = f"{spec.name}-h{spec.hidden_size}-l{spec.num_hidden_layers}-v{spec.vocab_size}-s{spec.seed}"
+    final = root / tag
+    if (final / "kvpool-preset.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}-", dir=root))
+    _build(spec, tmp)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process won the race; theirs is as good as ours
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Generate a local random-weight Llama model")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--cache-dir", default=None)
+    args = ap.parse_args(argv)
+    print(ensure_model(args.preset, args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Real Redis and S3-compatible servers on loopback, started as child processes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
+@dataclass
+class RedisServer:
+    """A password-protected redis-server on a loopback port; can be stopped and restarted."""
+
+    password: str = field(default_factory=lambda: secrets.token_hex(8))
+    port: int = field(default_factory=free_port)
+    maxmemory: str = "1gb"
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-redis-")))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found: run `make setup` (installs it with apt)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", self.password,
+             "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+             "--proto-max-bulk-len", "512mb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port, proc=self.proc)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class S3Server:
+    """moto's standalone S3-compatible HTTP server on loopback, with one bucket."""
+
+    bucket: str = "kvpool-test"
+    access_key: str = "kvpool-access"
+    secret_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    region: str = "us-east-1"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name=self.region,
+            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}),
+        )
+
+    def start(self, create_bucket: bool = True) -> "S3Server":
+        env = dict(os.environ, **self.env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )
+        wait_port(self.port, proc=self.proc)
+        if create_bucket:
+            self.client().create_bucket(Bucket=self.bucket)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

