@@ -1,16 +1,65 @@
-"""`kvpool`: the user CLI (demo, bench, render, validate)."""
+"""`kvpool`: the user CLI.
+
+  kvpool demo [...]            the main job on one machine: vLLM + kvpool connector, chat workload
+  kvpool bench store [...]     tier throughput against raw baselines
+  kvpool bench e2e [...]       TTFT: recompute vs hits from each tier vs ExampleConnector
+  kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
+  kvpool validate FILE         check a connector config or a KVCachePool manifest
+  kvpool model [--preset P]    generate the local random-weight model used by demo/bench
+
+Each subcommand lives in its own module and is imported only when used, so the CLI starts
+fast and works in images that lack the other parts (no vLLM in the operator image).
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from importlib import import_module
+
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvpool_connector.demo", "run vLLM with the kvpool connector on a chat workload"),
+    "bench store": ("kvpool_connector.bench.store_bench", "tier throughput vs raw baselines"),
+    "bench e2e": ("kvpool_connector.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
+    "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests"),
+    "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
+    "model": ("kvpool_connector.testbed.localmodel", "generate the local demo/bench model"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvpool <command> [args]", "", "commands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _resolve(argv: list[str]) -> tuple[str, list[str]] | None:
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in _COMMANDS:
+            return name, argv[words:]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool")
-    ap.add_subparsers(dest="cmd", required=True)
-    ap.parse_args(argv)
-    return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    found = _resolve(argv)
+    if found is None:
+        print(f"kvpool: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    name, rest = found
+    target = _COMMANDS[name][0]
+    module_name, _, func_name = target.partition(":")
+    try:
+        module = import_module(module_name)
+    except ImportError as exc:
+        print(f"kvpool {name}: needs a component that is not installed ({exc}); "
+              f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
+        return 2
+    rc = getattr(module, func_name or "main")(rest)
+    return int(rc or 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""Start real vLLM engines in child processes: an OpenAI-compatible server or an offline
+engine driven over a pipe.
+
+Each engine is a separate process tree, so tests and benchmarks can check what a *fresh*
+engine gets from a shared cache, and a crash never takes the caller down. Engines run on
+whatever platform vLLM detects (the CPU platform on build machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .servers import free_port
+
+ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for an engine process: fixed hash seed, bounded CPU KV space, quiet logs."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of paged KV cache on the CPU platform
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
+
+    def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 max_model_len: int = 8192, log_path: str | Path | None = None):
+        self.model = str(model)
+        self.port = free_port()
+        self.kv_transfer_config = kv_transfer_config
+        self.extra_args = list(extra_args or [])
+        self.env = engine_env(env)
+        self.max_model_len = max_model_len
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model, "--served-model-name", "local",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(self.max_model_len), "--seed", "0",
+               "--enforce-eager", "--enable-prompt-tokens-details"]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> "VllmServer":
+        import urllib.request
+
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM server not healthy after {ENGINE_START_TIMEOUT}s; log tail:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _kill_tree(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class OfflineEngine:
+    """A `vllm.LLM` in a child process, driven by JSON lines over stdin/stdout.
+
+    `generate` takes token-id prompts (exact control over lengths and prefixes) and returns,
+    per prompt, the greedy output token ids and vLLM's `num_cached_tokens`.
+    """
+
+    def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
+                 env: dict[str, str] | None = None, **llm_kwargs: Any):
+        self.args = {"model": str(model), "kv_transfer_config": kv_transfer_config,
+                     "llm_kwargs": {"max_model_len": 8192, "enforce_eager": True, "seed": 0,
+                                    **llm_kwargs}}
+        self.env = engine_env(env)
+        self.log_path = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "OfflineEngine":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool_connector.testbed.engine_worker", json.dumps(self.args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            env=self.env, start_new_session=True, text=True, bufsize=1,
+        )
+        self._reply(timeout=ENGINE_START_TIMEOUT)  # {"ready": true}
+        return self
+
+    def _reply(self, timeout: float) -> dict:
+        import select
+
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"engine did not answer in {timeout}s; log tail:\n{self.log_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{self.log_tail()}")
+                if line.startswith("KVPOOL_REPLY "):
+                    msg = json.loads(line[len("KVPOOL_REPLY "):])
+                    if "error" in msg:
+                        raise RuntimeError(f"engine error: {msg['error']}")
+                    return msg
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = 900) -> list[dict]:
+        """Greedy-decode token prompts; returns [{"token_ids", "num_cached_tokens", "ttft_s"}]."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout)["outputs"]
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                if self.proc.stdin:
+                    self.proc.stdin.close()
+                self.proc.wait(60)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+            _kill_tree(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> "OfflineEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

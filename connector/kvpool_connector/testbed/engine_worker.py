@@ -1,0 +1,54 @@
+"""Child process behind `OfflineEngine`: owns a `vllm.LLM`, answers JSON requests on stdin.
+
+Replies are single lines prefixed with `KVPOOL_REPLY ` on stdout, so anything vLLM prints
+there cannot be mistaken for a reply.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _reply(msg: dict) -> None:
+    sys.stdout.write("KVPOOL_REPLY " + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(args["llm_kwargs"])
+    if args.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = args["kv_transfer_config"]
+    llm = LLM(model=args["model"], **kwargs)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            params = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0,
+                                    ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            result = []
+            for o in outs:
+                m = o.metrics
+                ttft = None
+                if m is not None and getattr(m, "first_token_latency", None) is not None:
+                    ttft = m.first_token_latency
+                result.append({"token_ids": list(o.outputs[0].token_ids),
+                               "num_cached_tokens": o.num_cached_tokens or 0,
+                               "ttft_s": ttft, "batch_s": elapsed})
+            _reply({"outputs": result})
+        except Exception as exc:  # report, keep serving: the caller decides
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+if __name__ == "__main__":
+    main()
