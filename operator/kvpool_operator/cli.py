@@ -1,16 +1,111 @@
-"""`kvpool-operator`: run the operator, or render a pool's manifests offline."""
+"""`kvpool-operator`: run the operator, render a pool offline, regenerate the CRD and golden files.
+
+  kvpool-operator run [--namespace NS ...] [--all-namespaces] [--liveness URL] [--peering NAME]
+  kvpool-operator render -f pool.yaml [--namespace NS]
+  kvpool-operator crd --write crds/
+  kvpool-operator golden --write tests/operator/golden/
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+from pathlib import Path
+
+import yaml
+
+from kvpool_operator import crd, yamlio
+from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.settings import Settings
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvpool_operator.reconcile.handlers import build_registry
+
+    settings = Settings.from_env()
+    namespaces = list(args.namespace or settings.namespaces)
+    clusterwide = args.all_namespaces or not namespaces
+    log_format = {"plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON, "full": kopf.LogFormat.FULL}
+    kopf.configure(verbose=args.verbose, log_format=log_format[settings.log_format])
+    asyncio.run(
+        kopf.operator(
+            registry=build_registry(settings),
+            clusterwide=clusterwide,
+            namespaces=[] if clusterwide else namespaces,
+            liveness_endpoint=args.liveness,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+        )
+    )
+    return 0
+
+
+def render_file(path: str, namespace: str | None, settings: Settings) -> str:
+    """All children of every KVCachePool in a YAML file, as one multi-document YAML stream."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    out = []
+    for doc in yaml.safe_load_all(text):
+        if doc:
+            out.extend(render(doc, settings, namespace))
+    return yamlio.dump_all(out)
+
+
+def _render(args: argparse.Namespace) -> int:
+    try:
+        sys.stdout.write(render_file(args.filename, args.namespace, Settings.from_env()))
+    except InvalidPool as exc:
+        print(f"error: {args.filename}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _crd(args: argparse.Namespace) -> int:
+    if args.write:
+        print(crd.write(Path(args.write)))
+    else:
+        sys.stdout.write(crd.crd_yaml())
+    return 0
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from kvpool_operator.golden import write_golden
+
+    for path in write_golden(Path(args.write)):
+        print(path)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool-operator")
-    ap.add_subparsers(dest="cmd", required=True)
-    ap.parse_args(argv)
-    return 0
+    ap = argparse.ArgumentParser(prog="kvpool-operator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run the operator (kopf)")
+    run.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable; globs ok)")
+    run.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces")
+    run.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--peering", help="kopf peering name: replicas coordinate so only one is active")
+    run.add_argument("--verbose", action="store_true")
+    run.set_defaults(fn=_run)
+
+    rnd = sub.add_parser("render", help="print a pool's child manifests (offline)")
+    rnd.add_argument("-f", "--filename", required=True, help="KVCachePool YAML ('-' for stdin)")
+    rnd.add_argument("--namespace", "-n", help="namespace of the children (default: the pool's or 'default')")
+    rnd.set_defaults(fn=_render)
+
+    c = sub.add_parser("crd", help="print or write the CRD generated from the models")
+    c.add_argument("--write", metavar="DIR", help="write <DIR>/kvpool.dev_kvcachepools.yaml")
+    c.set_defaults(fn=_crd)
+
+    g = sub.add_parser("golden", help="regenerate golden renders of examples/*.yaml")
+    g.add_argument("--write", metavar="DIR", required=True)
+    g.set_defaults(fn=_golden)
+
+    args = ap.parse_args(argv)
+    return args.fn(args)
 
 
 if __name__ == "__main__":

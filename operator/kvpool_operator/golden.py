@@ -1,0 +1,36 @@
+"""Golden renders: examples/<name>.yaml -> tests/operator/golden/<name>.yaml (namespace `kvpool`).
+
+Written by `make golden`, reviewed by hand, compared byte for byte by the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpool_operator.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+GOLDEN_NAMESPACE = "kvpool"
+GOLDEN_SETTINGS = Settings(connector_image="ghcr.io/kvpool/kvpool-vllm:golden")
+
+
+def examples() -> list[Path]:
+    return sorted(EXAMPLES.glob("*.yaml"))
+
+
+def golden_text(example: Path) -> str:
+    from kvpool_operator.cli import render_file
+
+    header = f"# Golden render of examples/{example.name} (make golden). Review changes by hand.\n"
+    return header + render_file(str(example), GOLDEN_NAMESPACE, GOLDEN_SETTINGS)
+
+
+def write_golden(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for example in examples():
+        path = directory / example.name
+        path.write_text(golden_text(example))
+        written.append(path)
+    return written

@@ -1,0 +1,406 @@
+"""The KVCachePool API (`kvpool.dev/v1alpha1`): the single source of truth.
+
+The CRD's OpenAPI schema (crd.py), the offline renderer and the reconciler all read these
+pydantic models. Every rule that the API server enforces with CEL (`x-kubernetes-validations`,
+attached here with `json_schema_extra`) is also enforced by a pydantic validator with the same
+message, so a spec rejected by the cluster is rejected offline too, and vice versa.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from kubernetes.utils.quantity import parse_quantity
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpool.dev"
+VERSION = "v1alpha1"
+KIND = "KVCachePool"
+PLURAL = "kvcachepools"
+SINGULAR = "kvcachepool"
+SHORT_NAMES = ["kvp"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Binary or decimal suffixes; no exponent form, no milli (a byte count has no fractions).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+ZERO_PATTERN = r"^0+(\.0+)?[a-zA-Z]*$"
+SIZE_RULE = {"rule": f"!self.matches('{ZERO_PATTERN}')", "message": "must be a positive size"}
+
+
+def _positive_size(value: str) -> str:
+    if not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a size such as 64Gi, 500G or 1Ti")
+    if re.match(ZERO_PATTERN, value):
+        raise ValueError("must be a positive size")
+    return value
+
+
+Size = Annotated[
+    str,
+    AfterValidator(_positive_size),
+    Field(
+        max_length=32,
+        json_schema_extra={"pattern": QUANTITY_PATTERN, "x-kubernetes-validations": [SIZE_RULE]},
+    ),
+]
+
+
+def size_bytes(value: str) -> int:
+    """Bytes of a Kubernetes quantity (64Gi -> 68719476736)."""
+    return int(parse_quantity(value))
+
+
+def _rules(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
+    """`x-kubernetes-validations` entries: (CEL rule, message, fieldPath or None)."""
+    out = []
+    for rule, message, path in rules:
+        entry = {"rule": rule, "message": message}
+        if path:
+            entry["fieldPath"] = path
+        out.append(entry)
+    return {"x-kubernetes-validations": out}
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors (typos surface)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid"
+    )
+
+
+# Kubernetes types passed through untouched; the API server validates them in the child objects.
+K8sObject = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
+]
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253, description="Name of a Secret in the pool's namespace.")
+    key: str = Field(min_length=1, max_length=253, description="Key inside the Secret.")
+
+
+class ModelSpec(_Model):
+    name: str = Field(
+        min_length=1,
+        description="What vLLM serves: a Hugging Face hub id or a path inside the image or a volume.",
+    )
+    image: str = Field(
+        "",
+        description="Engine image (vLLM with kvpool_connector installed). Empty: the operator's default "
+        "connector image.",
+    )
+    gpus: int = Field(1, ge=0, le=64, description="GPUs per replica (nvidia.com/gpu). 0 runs vLLM on CPU.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="vLLM --tensor-parallel-size; must not exceed gpus when gpus > 0."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra `vllm serve` arguments, appended after the operator's."
+    )
+    env: list[K8sObject] = Field(
+        default_factory=list, description="core/v1 EnvVar list passed to the engine container unchanged."
+    )
+    resources: K8sObject = Field(
+        default_factory=dict,
+        description="core/v1 ResourceRequirements merged over the operator's (GPU limit, tier requests).",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "self.gpus == 0 || self.tensorParallelSize <= self.gpus",
+                "tensorParallelSize must not exceed gpus",
+                ".tensorParallelSize",
+            )
+        )
+    )
+
+    @model_validator(mode="after")
+    def _tp_fits(self) -> ModelSpec:
+        if self.gpus and self.tensor_parallel_size > self.gpus:
+            raise ValueError("tensorParallelSize must not exceed gpus")
+        return self
+
+
+class CpuTier(_Model):
+    size: Size = Field(description="Pinned host memory for the CPU tier per replica (for example 64Gi).")
+    eviction_policy: Literal["lru", "arc"] = Field("lru", description="Eviction policy of the CPU tier.")
+
+
+class HostPathVolume(_Model):
+    path: str = Field(min_length=1, pattern=r"^/", description="Node directory (for example an NVMe mount).")
+
+
+class EmptyDirVolume(_Model):
+    medium: Literal["", "Memory"] = Field(
+        "", description="emptyDir medium; the tier size becomes sizeLimit and an ephemeral-storage request."
+    )
+
+
+class EphemeralVolume(_Model):
+    storage_class_name: str = Field(
+        "", description="StorageClass of the per-pod generic ephemeral volume (empty: cluster default)."
+    )
+
+
+class PvcVolume(_Model):
+    claim_name: str = Field(min_length=1, description="Existing PersistentVolumeClaim shared by all replicas.")
+
+
+_ONE_OF_VOLUME = (
+    "[has(self.hostPath), has(self.emptyDir), has(self.ephemeral), "
+    "has(self.persistentVolumeClaim)].filter(x, x).size() == 1"
+)
+
+
+class DiskVolume(_Model):
+    host_path: HostPathVolume | None = Field(None, description="A node directory, typically local NVMe.")
+    empty_dir: EmptyDirVolume | None = Field(None, description="Pod-local scratch space.")
+    ephemeral: EphemeralVolume | None = Field(None, description="A generic ephemeral volume per pod.")
+    persistent_volume_claim: PvcVolume | None = Field(None, description="An existing claim.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                _ONE_OF_VOLUME,
+                "exactly one of hostPath, emptyDir, ephemeral, persistentVolumeClaim must be set",
+                None,
+            )
+        )
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> DiskVolume:
+        chosen = [self.host_path, self.empty_dir, self.ephemeral, self.persistent_volume_claim]
+        if sum(v is not None for v in chosen) != 1:
+            raise ValueError("exactly one of hostPath, emptyDir, ephemeral, persistentVolumeClaim must be set")
+        return self
+
+    @property
+    def kind(self) -> str:
+        for name in ("host_path", "empty_dir", "ephemeral", "persistent_volume_claim"):
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("validated one-of")
+
+
+class DiskTier(_Model):
+    size: Size = Field(description="Capacity of the disk tier per replica (the store evicts beyond it).")
+    volume: DiskVolume = Field(description="Where the disk tier lives; exactly one volume source.")
+
+
+class ManagedRedis(_Model):
+    memory: Size = Field(description="Redis memory; maxmemory is 85% of it with allkeys-lru eviction.")
+    image: str = Field("", description="Redis image (empty: the operator's default).")
+
+
+class ExternalRedis(_Model):
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        pattern=r"^rediss?://",
+        description="redis:// or rediss:// URL without a password.",
+    )
+    password_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding the Redis password (reaches the engine only as env)."
+    )
+
+
+_ONE_OF_BACKEND = "[has(self.managed), has(self.external)].filter(x, x).size() == 1"
+_ONE_OF_BACKEND_MESSAGE = "exactly one of managed, external must be set"
+
+
+class _Backend(_Model):
+    """A backend tier run by the operator (`managed`) or brought by the user (`external`)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules((_ONE_OF_BACKEND, _ONE_OF_BACKEND_MESSAGE, None)))
+
+    @model_validator(mode="after")
+    def _one_of(self) -> _Backend:
+        if (getattr(self, "managed") is None) == (getattr(self, "external") is None):
+            raise ValueError(_ONE_OF_BACKEND_MESSAGE)
+        return self
+
+
+class RedisTier(_Backend):
+    managed: ManagedRedis | None = Field(None, description="A Redis StatefulSet run by the operator.")
+    external: ExternalRedis | None = Field(None, description="An existing Redis.")
+
+
+class ManagedS3(_Model):
+    storage: Size = Field(description="Size of MinIO's persistent volume.")
+    storage_class_name: str = Field("", description="StorageClass of MinIO's volume (empty: cluster default).")
+    image: str = Field("", description="MinIO image (empty: the operator's default).")
+
+
+class S3CredentialsRef(_Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret with the S3 access key pair.")
+    access_key_key: str = Field("accessKey", description="Key of the access key id in the Secret.")
+    secret_key_key: str = Field("secretKey", description="Key of the secret access key in the Secret.")
+
+
+class ExternalS3(_Model):
+    endpoint: str = Field(
+        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL."
+    )
+    bucket: str = Field(min_length=3, max_length=63, description="Bucket for KV objects.")
+    region: str = Field("us-east-1", description="S3 region.")
+    prefix: str = Field("", description="Key prefix inside the bucket.")
+    path_style: bool = Field(False, description="Path-style addressing (MinIO, Ceph); AWS uses virtual hosts.")
+    credentials_secret_ref: S3CredentialsRef | None = Field(
+        None, description="Secret with the access key pair (empty: the pod's own identity, e.g. IRSA)."
+    )
+
+
+class S3Tier(_Backend):
+    managed: ManagedS3 | None = Field(None, description="A MinIO StatefulSet run by the operator.")
+    external: ExternalS3 | None = Field(None, description="An existing S3-compatible store.")
+
+
+class Tiers(_Model):
+    cpu: CpuTier | None = Field(None, description="Host-memory tier (required in native mode).")
+    disk: DiskTier | None = Field(None, description="Local disk / NVMe tier.")
+    redis: RedisTier | None = Field(None, description="Redis tier shared by all replicas.")
+    s3: S3Tier | None = Field(None, description="S3 / MinIO tier shared by all replicas and pools.")
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            ("has(self.cpu) || has(self.disk) || has(self.redis) || has(self.s3)", "at least one tier is required", None)
+        )
+    )
+
+    @model_validator(mode="after")
+    def _any(self) -> Tiers:
+        if not (self.cpu or self.disk or self.redis or self.s3):
+            raise ValueError("at least one tier is required")
+        return self
+
+
+class NativeOptions(_Model):
+    kvpool_secondary_tier: bool = Field(
+        True,
+        description="In native mode, reach Redis/S3 tiers through kvpool's secondary tier for vLLM's "
+        "TieringOffloadingSpec (needs the kvpool connector image). False: native mode takes cpu and disk only.",
+    )
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Engine pod nodeSelector.")
+    tolerations: list[K8sObject] = Field(default_factory=list, description="core/v1 Tolerations for engine pods.")
+    affinity: K8sObject = Field(default_factory=dict, description="core/v1 Affinity for engine pods.")
+
+
+class ServiceSpec(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
+    port: int = Field(8000, ge=1, le=65535, description="Service port of the OpenAI-compatible API.")
+
+
+class NetworkPolicySpec(_Model):
+    enabled: bool = Field(
+        False, description="Create a NetworkPolicy so only this pool's engine pods reach its managed Redis/MinIO."
+    )
+
+
+_SPEC_RULES = (
+    (
+        "self.connector != 'native' || has(self.tiers.cpu)",
+        "native mode needs tiers.cpu (vLLM's OffloadingConnector always has a CPU tier)",
+        ".tiers",
+    ),
+    (
+        "self.connector != 'native' || self.native.kvpoolSecondaryTier || "
+        "(!has(self.tiers.redis) && !has(self.tiers.s3))",
+        "native mode reaches Redis/S3 only through the kvpool secondary tier: set "
+        "native.kvpoolSecondaryTier=true or remove tiers.redis and tiers.s3",
+        ".tiers",
+    ),
+    ("self.chunkTokens % 16 == 0", "chunkTokens must be a multiple of 16 (vLLM's block size)", ".chunkTokens"),
+)
+
+
+class KVCachePoolSpec(_Model):
+    """Desired state: a vLLM fleet with KV offloading tiers and their backends."""
+
+    replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (scale subresource).")
+    model: ModelSpec = Field(description="The model and engine container.")
+    connector: Literal["tiered", "native"] = Field(
+        "tiered",
+        description="tiered: kvpool's KVPoolConnector with all tiers; native: vLLM's OffloadingConnector "
+        "(cpu, optional fs disk tier, Redis/S3 through the kvpool secondary tier).",
+    )
+    chunk_tokens: int = Field(256, ge=16, le=65536, description="Tokens per stored KV chunk (multiple of 16).")
+    tiers: Tiers = Field(description="Offloading tiers, fastest first.")
+    native: NativeOptions = Field(default_factory=NativeOptions, description="Options of native mode.")
+    scheduling: Scheduling = Field(default_factory=Scheduling, description="Engine pod placement.")
+    service: ServiceSpec = Field(default_factory=ServiceSpec, description="The OpenAI API Service.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="NetworkPolicy for managed backends."
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES))
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> KVCachePoolSpec:
+        if self.connector == "native" and self.tiers.cpu is None:
+            raise ValueError(_SPEC_RULES[0][1])
+        if (
+            self.connector == "native"
+            and not self.native.kvpool_secondary_tier
+            and (self.tiers.redis or self.tiers.s3)
+        ):
+            raise ValueError(_SPEC_RULES[1][1])
+        if self.chunk_tokens % 16:
+            raise ValueError(_SPEC_RULES[2][1])
+        return self
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str = Field(description="Condition type, e.g. Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    observed_generation: int | None = Field(None, description="Generation this condition was computed for.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    reason: str = Field(description="CamelCase machine-readable reason.")
+    message: str = Field("", description="Human-readable details.")
+
+
+class Endpoints(_Model):
+    openai: str = Field("", description="In-cluster URL of the OpenAI-compatible API.")
+    redis: str = Field("", description="Redis URL used by the engines (no password).")
+    s3: str = Field("", description="S3 endpoint used by the engines.")
+
+
+class KVCachePoolStatus(_Model):
+    """Observed state, kstatus compatible (observedGeneration + Ready/Reconciling/Stalled)."""
+
+    observed_generation: int | None = Field(None, description="metadata.generation last reconciled.")
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = Field(
+        None, description="Summary: Pending, Progressing, Ready, Degraded or Invalid."
+    )
+    replicas: int | None = Field(None, description="Engine pods (scale subresource).")
+    ready_replicas: int | None = Field(None, description="Engine pods passing readiness.")
+    selector: str | None = Field(None, description="Label selector of engine pods (scale subresource).")
+    conditions: list[Condition] = Field(default_factory=list, description="metav1.Conditions.")
+    endpoints: Endpoints | None = Field(None, description="Where clients and engines reach the pool.")
+
+
+def parse_spec(spec: dict[str, Any]) -> KVCachePoolSpec:
+    """Validate a pool's spec from the API (camelCase dict)."""
+    return KVCachePoolSpec.model_validate(spec)
+
+
+def format_error(exc: Exception) -> str:
+    """One line per problem, each naming the field (`spec.tiers.cpu.size: must be a positive size`)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for err in errors():
+        loc = ".".join(str(p) for p in ("spec", *err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,1 @@
+"""Reconciliation: children.py decides and applies; handlers.py wires it into kopf."""

@@ -1,0 +1,251 @@
+"""Bring a pool's children to the rendered state: apply what differs, keep generated Secrets, prune.
+
+The decision of what to do is pure (`plan`); `reconcile` is the thin I/O around it.
+Children are found by label (`kvpool.dev/pool=<name>`, `app.kubernetes.io/managed-by`) and are
+pruned only when they carry an ownerReference to this very pool (same uid).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes.client import ApiException
+from kubernetes.utils.quantity import parse_quantity
+
+from kvpool_operator import models
+from kvpool_operator.kube import Kube
+from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
+from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.render.connector import redis_url, referenced_secrets, s3_endpoint
+from kvpool_operator.render.secrets import generate_keys
+from kvpool_operator.settings import Settings
+from kvpool_operator.status import Observation, compute_status
+
+Key = tuple[str, str, str]  # apiVersion, kind, name
+
+
+def key_of(manifest: dict[str, Any]) -> Key:
+    return (manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"])
+
+
+def describe(key: Key) -> str:
+    return f"{key[1]}/{key[2]}"
+
+
+def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": models.API_VERSION,
+        "kind": models.KIND,
+        "name": meta["name"],
+        "uid": meta.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def with_owner(manifest: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(manifest)
+    out["metadata"]["ownerReferences"] = [ref]
+    return out
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == {} or value == [] or value == ""
+
+
+def _scalar_equal(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    if isinstance(want, (int, float, str)) and isinstance(have, (int, float, str)) and not isinstance(want, bool):
+        if str(want) == str(have):
+            return True  # the API server turns quantities like `1` into "1"
+        try:
+            return parse_quantity(want) == parse_quantity(have)  # "1024Mi" == "1Gi"
+        except ValueError:
+            return False
+    return False
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Does the live object already contain everything rendered? (Server defaults are ignored.)"""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return False
+        return all(
+            (k in have and is_subset(v, have[k])) or (k not in have and _empty(v)) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
+    return _scalar_equal(want, have)
+
+
+@dataclass
+class Plan:
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    unchanged: list[Key] = field(default_factory=list)
+    prune: list[Key] = field(default_factory=list)
+
+
+def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_uid: str) -> Plan:
+    """Pure: which children to apply, which are already right, which to delete."""
+    out = Plan()
+    wanted = set()
+    for manifest in desired:
+        key = key_of(manifest)
+        wanted.add(key)
+        current = live.get(key)
+        if current is not None and generate_keys(manifest):
+            out.unchanged.append(key)  # generated credentials are created once and never rotated
+        elif current is not None and is_subset(manifest, current):
+            out.unchanged.append(key)
+        else:
+            out.apply.append(manifest)
+    out.prune = sorted(k for k, obj in live.items() if k not in wanted and owner_uid and owned_by(obj, owner_uid))
+    return out
+
+
+def fill_generated(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Random values for a Secret created for the first time (MinIO needs >= 8 characters)."""
+    out = copy.deepcopy(manifest)
+    values = {}
+    for key in generate_keys(manifest):
+        values[key] = ("kvpool-" + secrets.token_hex(6)) if key == "accessKey" else secrets.token_urlsafe(32)
+    out["stringData"] = values
+    return out
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    applied: list[str] = field(default_factory=list)  # "created Deployment/x" / "updated ..."
+    pruned: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    invalid: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def selector_string(pool_name: str) -> str:
+    return f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={pool_name},{POOL_LABEL}={pool_name}"
+
+
+def list_children(kube: Kube, namespace: str, pool_name: str) -> dict[Key, dict[str, Any]]:
+    labels = {POOL_LABEL: pool_name, "app.kubernetes.io/managed-by": MANAGER}
+    live: dict[Key, dict[str, Any]] = {}
+    for api_version, kind in CHILD_KINDS:
+        for obj in kube.list(api_version, kind, namespace, labels):
+            live[(api_version, kind, obj["metadata"]["name"])] = obj
+    return live
+
+
+def check_secrets(kube: Kube, pool: Pool) -> str | None:
+    """User-provided Secrets must exist with their keys, else engines would crash-loop."""
+    problems = []
+    for field_path, name, key in referenced_secrets(pool):
+        secret = kube.get("v1", "Secret", pool.namespace, name)
+        if secret is None:
+            problems.append(f"{field_path}: Secret {name!r} not found in namespace {pool.namespace!r}")
+        elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+            problems.append(f"{field_path}: Secret {name!r} has no key {key!r}")
+    return "; ".join(dict.fromkeys(problems)) or None
+
+
+def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[str, Any]], **kw: Any) -> Observation:
+    meta = body["metadata"]
+    name = meta["name"]
+    backends = {}
+    endpoints = {}
+    desired = body.get("spec", {}).get("replicas", 1)
+    if pool is not None:
+        desired = pool.spec.replicas
+        for component, managed in (("redis", pool.managed_redis), ("minio", pool.managed_s3)):
+            if managed is not None:
+                backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
+        endpoints = {
+            "openai": f"http://{pool.svc_host(pool.name)}:{pool.spec.service.port}",
+            "redis": redis_url(pool),
+            "s3": s3_endpoint(pool),
+        }
+    return Observation(
+        generation=meta.get("generation"),
+        desired_replicas=desired,
+        selector=selector_string(name),
+        deployment=live.get(("apps/v1", "Deployment", name)),
+        backends=backends,
+        endpoints=endpoints,
+        previous=body.get("status") or {},
+        **kw,
+    )
+
+
+def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) -> Outcome:
+    """One full pass. Invalid specs touch no child; API errors on one child do not stop the others."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    live = list_children(kube, namespace, name)
+    try:
+        pool = load_pool(body, settings)
+        invalid = check_secrets(kube, pool)
+    except InvalidPool as exc:
+        pool, invalid = None, str(exc)
+    if invalid is not None:
+        status = compute_status(_observation(body, pool, live, invalid=invalid), now)
+        return Outcome(status=status, invalid=invalid, unchanged=len(live))
+
+    assert pool is not None
+    ref = owner_reference(body)
+    desired = [with_owner(m, ref) for m in render_pool(pool)]
+    steps = plan(desired, live, uid)
+    outcome = Outcome(status={}, unchanged=len(steps.unchanged))
+    for manifest in steps.apply:
+        key = key_of(manifest)
+        body_to_send = fill_generated(manifest) if generate_keys(manifest) else manifest
+        verb = "updated" if key in live else "created"
+        try:
+            live[key] = kube.apply(body_to_send)
+            outcome.applied.append(f"{verb} {describe(key)}")
+        except ApiException as exc:
+            outcome.errors.append(f"{describe(key)}: {exc.status} {exc.reason}: {_api_message(exc)}")
+    for key in steps.prune:
+        try:
+            kube.delete(key[0], key[1], namespace, key[2])
+            live.pop(key, None)
+            outcome.pruned.append(describe(key))
+        except ApiException as exc:
+            outcome.errors.append(f"prune {describe(key)}: {exc.status} {exc.reason}")
+    obs = _observation(body, pool, live, apply_errors=tuple(outcome.errors))
+    outcome.status = compute_status(obs, now)
+    return outcome
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body or "{}").get("message", "") or str(exc.body)[:300]
+    except ValueError:
+        return str(exc.body)[:300]
+
+
+def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: str) -> dict[str, Any]:
+    """Status only (on child events): reads children, changes nothing but the pool's status."""
+    meta = body["metadata"]
+    live = list_children(kube, meta["namespace"], meta["name"])
+    previous = body.get("status") or {}
+    # Not a reconcile: report the generation last reconciled, not the one just written.
+    body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
+    try:
+        pool = load_pool(body, settings)
+    except InvalidPool as exc:
+        return compute_status(_observation(body, None, live, invalid=str(exc)), now)
+    invalid = None
+    for cond in previous.get("conditions", []) or []:
+        if cond.get("type") == "ConfigValid" and cond.get("status") == "False":
+            invalid = cond.get("message") or "invalid"
+    return compute_status(_observation(body, pool, live, invalid=invalid), now)

@@ -1,0 +1,136 @@
+"""kopf handlers: thin shells around reconcile/children.py.
+
+create/update/resume run a full pass; a timer repeats it (drift correction, status refresh);
+Deployment/StatefulSet events of our children refresh the owner's status at once. Status goes
+through kopf's `patch` so it lands together with kopf's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import kopf
+from kubernetes.client import ApiException
+
+from kvpool_operator import models
+from kvpool_operator.kube import Kube
+from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, refresh_status
+from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.settings import Settings
+
+RETRY_DELAY = 15.0
+FINALIZER = "kvpool.dev/finalizer"
+ANNOTATION_PREFIX = "kvpool.dev"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _kube(memo: kopf.Memo) -> Kube:
+    kube = memo.get("kube")
+    if kube is None:
+        raise kopf.TemporaryError("Kubernetes client not initialised yet", delay=1)
+    return kube
+
+
+def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous: dict[str, Any]) -> None:
+    """Kubernetes Events for what changed; warnings for invalid specs (once per message) and errors."""
+    for change in outcome.applied:
+        kopf.info(body, reason="Applied", message=change)
+    for pruned in outcome.pruned:
+        kopf.info(body, reason="Pruned", message=f"deleted {pruned} (no longer rendered)")
+    if outcome.invalid is not None:
+        was = [c for c in previous.get("conditions", []) if c.get("type") == "ConfigValid"]
+        if not was or was[0].get("message") != outcome.invalid:
+            kopf.warn(body, reason="InvalidSpec", message=f"{outcome.invalid}; existing children left untouched")
+        logger.warning("invalid spec, children untouched: %s", outcome.invalid)
+    for error in outcome.errors:
+        kopf.warn(body, reason="ApplyFailed", message=error)
+
+
+def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+               logger: logging.Logger) -> dict[str, Any]:
+    try:
+        outcome = reconcile(_kube(memo), dict(body), settings, now())
+    except ApiException as exc:  # listing/reading failed: the API is unwell, retry with backoff
+        raise kopf.TemporaryError(f"Kubernetes API error {exc.status} {exc.reason}", delay=RETRY_DELAY) from exc
+    patch.status.update(outcome.status)
+    _report(outcome, body, logger, dict(body.get("status") or {}))
+    if outcome.errors:
+        raise kopf.TemporaryError("; ".join(outcome.errors), delay=RETRY_DELAY)
+    if outcome.invalid is not None and "Secret" in outcome.invalid:
+        # A missing Secret may appear any moment: keep checking (typos in the spec wait for an edit).
+        raise kopf.TemporaryError(outcome.invalid, delay=RETRY_DELAY * 2)
+    return {"applied": len(outcome.applied), "pruned": len(outcome.pruned), "unchanged": outcome.unchanged}
+
+
+def build_registry(settings: Settings, login: Callable[..., Any] | None = None) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler; `login` overrides how kopf reaches the API (tests)."""
+    registry = kopf.OperatorRegistry()
+    resource = dict(group=models.GROUP, version=models.VERSION, plural=models.PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login_fn(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return (login or kopf.login_via_client)(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+        settings.posting.level = logging.WARNING  # our own Events are explicit; no per-handler noise
+        settings.execution.max_workers = 8
+        if memo.get("kube") is None:
+            memo["kube"] = Kube.from_environment()
+
+    @kopf.on.create(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
+    @kopf.on.update(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
+    @kopf.on.resume(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
+    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                     **_: Any) -> dict[str, Any]:
+        return _reconcile(settings, body, patch, memo, logger)
+
+    @kopf.timer(**resource, registry=registry, interval=settings.reconcile_interval,
+                initial_delay=settings.reconcile_interval, idle=None, id="drift")
+    def drift_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                 **_: Any) -> None:
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            _reconcile(settings, body, patch, memo, logger)
+        except kopf.TemporaryError as exc:  # a timer retries on its own next tick
+            logger.warning("drift correction incomplete: %s", exc)
+
+    child_labels = {"app.kubernetes.io/managed-by": MANAGER, POOL_LABEL: kopf.PRESENT}
+
+    def child_status(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        """A child workload changed (pods became ready, a rollout finished): refresh the owner's status."""
+        owner_name = body["metadata"]["labels"][POOL_LABEL]
+        namespace = body["metadata"]["namespace"]
+        kube = memo.get("kube")
+        if kube is None:
+            return
+        try:
+            pool = kube.get(models.API_VERSION, models.KIND, namespace, owner_name)
+            if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
+                return
+            status = refresh_status(kube, pool, settings, now())
+            if not is_subset(status, pool.get("status") or {}):
+                kube.patch_status(namespace, owner_name, status)
+        except ApiException as exc:
+            logger.warning("status refresh of %s/%s failed: %s", namespace, owner_name, exc.reason)
+
+    for plural in ("deployments", "statefulsets"):
+        kopf.on.event("apps", "v1", plural, labels=child_labels, registry=registry, id=f"status-{plural}")(
+            child_status
+        )
+
+    @kopf.on.delete(**resource, registry=registry, optional=True, id="goodbye")
+    def goodbye(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        logger.info("pool deleted; Kubernetes garbage-collects its children through ownerReferences")
+
+    return registry

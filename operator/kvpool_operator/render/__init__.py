@@ -1,0 +1,55 @@
+"""Pure rendering: a KVCachePool (+ operator settings) -> the child manifests. No I/O.
+
+`render(pool, settings)` is what the reconciler applies, what `kvpool-operator render` prints and
+what the golden tests pin. Children carry no ownerReferences here: the reconciler adds them at
+apply time (it knows the pool's uid); offline output stays reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_operator.render.common import InvalidPool, Pool, load_pool
+from kvpool_operator.render.configmap import render_configmap
+from kvpool_operator.render.engine import render_engine
+from kvpool_operator.render.minio import render_minio
+from kvpool_operator.render.networkpolicy import render_networkpolicy
+from kvpool_operator.render.pdb import render_pdb
+from kvpool_operator.render.redis import render_redis
+from kvpool_operator.render.secrets import render_secrets
+from kvpool_operator.render.service import render_service
+from kvpool_operator.settings import Settings
+
+__all__ = ["InvalidPool", "Pool", "load_pool", "render", "render_pool", "CHILD_KINDS"]
+
+# Dependencies first: Secrets and config before the workloads that mount them.
+RENDERERS = (
+    render_secrets,
+    render_configmap,
+    render_redis,
+    render_minio,
+    render_networkpolicy,
+    render_engine,
+    render_service,
+    render_pdb,
+)
+
+# (apiVersion, kind) of everything render can produce: what the reconciler lists for pruning.
+CHILD_KINDS = (
+    ("v1", "Secret"),
+    ("v1", "ConfigMap"),
+    ("apps/v1", "StatefulSet"),
+    ("v1", "Service"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+
+
+def render_pool(pool: Pool) -> list[dict[str, Any]]:
+    return [manifest for renderer in RENDERERS for manifest in renderer(pool)]
+
+
+def render(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> list[dict[str, Any]]:
+    """All child manifests of a KVCachePool object; raises InvalidPool naming the bad field."""
+    return render_pool(load_pool(pool, settings, namespace))

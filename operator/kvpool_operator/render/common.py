@@ -1,0 +1,115 @@
+"""What every child shares: names, labels, selectors, the pool context, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_operator import models
+from kvpool_operator.settings import Settings
+
+MANAGER = "kvpool-operator"
+POOL_LABEL = "kvpool.dev/pool"
+CHECKSUM_ANNOTATION = "kvpool.dev/config-checksum"
+GENERATE_ANNOTATION = "kvpool.dev/generate-keys"
+MAX_POOL_NAME = 57  # "<name>-minio" must stay a 63-character DNS label
+
+CONFIG_DIR = "/etc/kvpool"
+CONFIG_FILE = f"{CONFIG_DIR}/connector.yaml"
+DISK_PATH = "/var/lib/kvpool/disk"
+HTTP_PORT = 8000
+REDIS_PORT = 6379
+MINIO_PORT = 9000
+MINIO_BUCKET = "kvpool"
+
+REDIS_PASSWORD_ENV = "KVPOOL_REDIS_PASSWORD"
+S3_ACCESS_KEY_ENV = "KVPOOL_S3_ACCESS_KEY"
+S3_SECRET_KEY_ENV = "KVPOOL_S3_SECRET_KEY"
+
+
+class InvalidPool(ValueError):
+    """The pool cannot be rendered; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A validated pool: metadata plus the parsed spec."""
+
+    name: str
+    namespace: str
+    spec: models.KVCachePoolSpec
+    settings: Settings
+
+    # names of children
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-kvpool"
+
+    @property
+    def redis(self) -> str:
+        return f"{self.name}-redis"
+
+    @property
+    def minio(self) -> str:
+        return f"{self.name}-minio"
+
+    @property
+    def network_policy(self) -> str:
+        return f"{self.name}-backends"
+
+    def svc_host(self, service: str) -> str:
+        return f"{service}.{self.namespace}.svc"
+
+    def labels(self, component: str) -> dict[str, str]:
+        return {
+            "app.kubernetes.io/name": "kvpool",
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": MANAGER,
+            "app.kubernetes.io/part-of": "kvpool",
+            POOL_LABEL: self.name,
+        }
+
+    def selector(self, component: str) -> dict[str, str]:
+        return {"app.kubernetes.io/instance": self.name, "app.kubernetes.io/component": component, POOL_LABEL: self.name}
+
+    def meta(self, name: str, component: str, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels(component), **extra}
+
+    @property
+    def managed_redis(self) -> models.ManagedRedis | None:
+        return self.spec.tiers.redis.managed if self.spec.tiers.redis else None
+
+    @property
+    def managed_s3(self) -> models.ManagedS3 | None:
+        return self.spec.tiers.s3.managed if self.spec.tiers.s3 else None
+
+
+def load_pool(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> Pool:
+    """Validate a KVCachePool object (as from the API or a YAML file)."""
+    if pool.get("kind") not in (None, models.KIND) or pool.get("apiVersion") not in (None, models.API_VERSION):
+        raise InvalidPool(f"expected apiVersion {models.API_VERSION} kind {models.KIND}")
+    meta = pool.get("metadata") or {}
+    name = meta.get("name") or ""
+    if not name:
+        raise InvalidPool("metadata.name: required")
+    if len(name) > MAX_POOL_NAME:
+        raise InvalidPool(f"metadata.name: at most {MAX_POOL_NAME} characters (children append -minio)")
+    ns = namespace or meta.get("namespace") or "default"
+    try:
+        spec = models.parse_spec(pool.get("spec") or {})
+    except ValueError as exc:
+        raise InvalidPool(models.format_error(exc)) from exc
+    return Pool(name=name, namespace=ns, spec=spec, settings=settings)
+
+
+def checksum(*parts: Any) -> str:
+    """Stable sha256 of JSON-serialisable parts (dict order does not matter)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}

@@ -1,0 +1,176 @@
+"""The engine's KV connector configuration: `--kv-transfer-config` and the mounted store config.
+
+tiered: kvpool's KVPoolConnector reads every tier from /etc/kvpool/connector.yaml.
+native: vLLM's OffloadingConnector (`cpu_bytes_to_use`, `eviction_policy`, `block_size`); a disk
+tier becomes TieringOffloadingSpec's `fs` secondary tier, Redis/S3 become kvpool's secondary tier
+(`kvpool_connector.vllm_tiers`) which reads the same store config file.
+Secrets never appear here: the store config names environment variables instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_operator import models
+from kvpool_operator.render.common import (
+    CONFIG_FILE,
+    DISK_PATH,
+    MINIO_BUCKET,
+    MINIO_PORT,
+    REDIS_PASSWORD_ENV,
+    REDIS_PORT,
+    S3_ACCESS_KEY_ENV,
+    S3_SECRET_KEY_ENV,
+    Pool,
+    secret_env,
+)
+
+KVPOOL_CONNECTOR = "KVPoolConnector"
+KVPOOL_MODULE = "kvpool_connector.vllm"
+KVPOOL_TIER_TYPE = "kvpool"
+KVPOOL_TIER_MODULE = "kvpool_connector.vllm_tiers"
+
+
+def _per_rank(pool: Pool, size: str) -> str:
+    """Tier sizes in the spec are per pod; with tensor parallelism every rank keeps its own share."""
+    tp = pool.spec.model.tensor_parallel_size
+    return size if tp == 1 else str(models.size_bytes(size) // tp)
+
+
+def redis_url(pool: Pool) -> str:
+    redis = pool.spec.tiers.redis
+    if redis is None:
+        return ""
+    if redis.external is not None:
+        return redis.external.url
+    return f"redis://{pool.svc_host(pool.redis)}:{REDIS_PORT}/0"
+
+
+def s3_endpoint(pool: Pool) -> str:
+    s3 = pool.spec.tiers.s3
+    if s3 is None:
+        return ""
+    if s3.external is not None:
+        return s3.external.endpoint
+    return f"http://{pool.svc_host(pool.minio)}:{MINIO_PORT}"
+
+
+def _redis_tier(pool: Pool) -> dict[str, Any]:
+    redis = pool.spec.tiers.redis
+    assert redis is not None
+    tier: dict[str, Any] = {"type": "redis", "url": redis_url(pool)}
+    if redis.managed is not None or (redis.external and redis.external.password_secret_ref):
+        tier["password_env"] = REDIS_PASSWORD_ENV
+    return tier
+
+
+def _s3_tier(pool: Pool) -> dict[str, Any]:
+    s3 = pool.spec.tiers.s3
+    assert s3 is not None
+    if s3.managed is not None:
+        return {
+            "type": "s3",
+            "endpoint": s3_endpoint(pool),
+            "bucket": MINIO_BUCKET,
+            "prefix": "",
+            "region": "us-east-1",
+            "access_key_env": S3_ACCESS_KEY_ENV,
+            "secret_key_env": S3_SECRET_KEY_ENV,
+            "path_style": True,
+            "create_bucket": True,
+        }
+    ext = s3.external
+    assert ext is not None
+    tier = {
+        "type": "s3",
+        "endpoint": ext.endpoint,
+        "bucket": ext.bucket,
+        "prefix": ext.prefix,
+        "region": ext.region,
+    }
+    if ext.credentials_secret_ref is not None:
+        tier |= {"access_key_env": S3_ACCESS_KEY_ENV, "secret_key_env": S3_SECRET_KEY_ENV}
+    return tier | {"path_style": ext.path_style, "create_bucket": False}
+
+
+def store_config(pool: Pool) -> dict[str, Any] | None:
+    """The YAML mounted at /etc/kvpool/connector.yaml, or None when the mode needs none."""
+    tiers = pool.spec.tiers
+    out: list[dict[str, Any]] = []
+    if pool.spec.connector == "tiered":
+        if tiers.cpu:
+            out.append({"type": "cpu", "size": _per_rank(pool, tiers.cpu.size), "eviction": tiers.cpu.eviction_policy})
+        if tiers.disk:
+            out.append({"type": "disk", "path": DISK_PATH, "size": _per_rank(pool, tiers.disk.size)})
+    if tiers.redis:
+        out.append(_redis_tier(pool))
+    if tiers.s3:
+        out.append(_s3_tier(pool))
+    if not out:
+        return None
+    return {"namespace": f"{pool.namespace}/{pool.name}", "chunk_tokens": pool.spec.chunk_tokens, "tiers": out}
+
+
+def kv_transfer_config(pool: Pool) -> dict[str, Any]:
+    """The JSON passed as `vllm serve --kv-transfer-config`."""
+    if pool.spec.connector == "tiered":
+        return {
+            "kv_connector": KVPOOL_CONNECTOR,
+            "kv_connector_module_path": KVPOOL_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_file": CONFIG_FILE},
+        }
+    tiers = pool.spec.tiers
+    assert tiers.cpu is not None  # validated: native needs a CPU tier
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": models.size_bytes(tiers.cpu.size),
+        "eviction_policy": tiers.cpu.eviction_policy,
+        "block_size": pool.spec.chunk_tokens,
+    }
+    secondary: list[dict[str, Any]] = []
+    if tiers.disk:
+        secondary.append({"type": "fs", "root_dir": DISK_PATH})
+    if tiers.redis or tiers.s3:
+        secondary.append({"type": KVPOOL_TIER_TYPE, "module_path": KVPOOL_TIER_MODULE, "config_file": CONFIG_FILE})
+    if secondary:
+        extra |= {"spec_name": "TieringOffloadingSpec", "secondary_tiers": secondary}
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def secret_envs(pool: Pool) -> list[dict[str, Any]]:
+    """Credentials reach the engine only as env valueFrom.secretKeyRef."""
+    tiers = pool.spec.tiers
+    env: list[dict[str, Any]] = []
+    if tiers.redis and tiers.redis.managed:
+        env.append(secret_env(REDIS_PASSWORD_ENV, pool.redis, "password"))
+    elif tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
+        ref = tiers.redis.external.password_secret_ref
+        env.append(secret_env(REDIS_PASSWORD_ENV, ref.name, ref.key))
+    if tiers.s3 and tiers.s3.managed:
+        env.append(secret_env(S3_ACCESS_KEY_ENV, pool.minio, "accessKey"))
+        env.append(secret_env(S3_SECRET_KEY_ENV, pool.minio, "secretKey"))
+    elif tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
+        ref = tiers.s3.external.credentials_secret_ref
+        env.append(secret_env(S3_ACCESS_KEY_ENV, ref.name, ref.access_key_key))
+        env.append(secret_env(S3_SECRET_KEY_ENV, ref.name, ref.secret_key_key))
+    return env
+
+
+def referenced_secrets(pool: Pool) -> list[tuple[str, str, str]]:
+    """(field, secret name, key) of user-provided Secrets the engines need: checked before applying."""
+    tiers = pool.spec.tiers
+    refs = []
+    if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
+        ref = tiers.redis.external.password_secret_ref
+        refs.append(("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))
+    if tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
+        ref = tiers.s3.external.credentials_secret_ref
+        field = "spec.tiers.s3.external.credentialsSecretRef"
+        refs += [(field, ref.name, ref.access_key_key), (field, ref.name, ref.secret_key_key)]
+    return refs

@@ -1,0 +1,208 @@
+"""Deployment `<name>`: the vLLM engines with the KV connector.
+
+The pod template carries a checksum of the rendered connector config, so any config change rolls
+the pods; PYTHONHASHSEED is the same on every replica; service links are off (Kubernetes would
+otherwise inject variables such as VLLM_PORT that vLLM reads as its own settings).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from kvpool_operator.render.common import (
+    CHECKSUM_ANNOTATION,
+    CONFIG_DIR,
+    DISK_PATH,
+    HTTP_PORT,
+    MINIO_PORT,
+    REDIS_PORT,
+    Pool,
+    checksum,
+)
+from kvpool_operator.render.configmap import config_data
+from kvpool_operator.render.connector import kv_transfer_config, secret_envs
+
+# Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
+# yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
+WAIT_SCRIPT = """\
+import socket, sys, time
+deadline = time.monotonic() + int(sys.argv[1])
+for target in sys.argv[2:]:
+    host, port = target.rsplit(":", 1)
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            print("reachable:", target, flush=True)
+            break
+        except OSError:
+            time.sleep(2)
+    else:
+        print("not reachable, starting anyway:", target, flush=True)
+"""
+
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _resources(pool: Pool) -> dict[str, Any]:
+    spec = pool.spec
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.model.gpus:
+        limits["nvidia.com/gpu"] = spec.model.gpus
+    if spec.tiers.cpu:
+        requests["memory"] = spec.tiers.cpu.size  # the CPU tier is pinned host memory
+    disk = spec.tiers.disk
+    if disk and disk.volume.empty_dir is not None and disk.volume.empty_dir.medium == "":
+        requests["ephemeral-storage"] = disk.size  # reserve node disk so the kubelet never evicts us
+    base = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    return _merge(base, spec.model.resources)
+
+
+def _disk_volume(pool: Pool) -> dict[str, Any] | None:
+    disk = pool.spec.tiers.disk
+    if disk is None:
+        return None
+    vol = disk.volume
+    if vol.host_path is not None:
+        return {"name": "kv-disk", "hostPath": {"path": vol.host_path.path, "type": "DirectoryOrCreate"}}
+    if vol.empty_dir is not None:
+        empty: dict[str, Any] = {"sizeLimit": disk.size}
+        if vol.empty_dir.medium:
+            empty["medium"] = vol.empty_dir.medium
+        return {"name": "kv-disk", "emptyDir": empty}
+    if vol.ephemeral is not None:
+        claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": disk.size}}}
+        if vol.ephemeral.storage_class_name:
+            claim["storageClassName"] = vol.ephemeral.storage_class_name
+        return {
+            "name": "kv-disk",
+            "ephemeral": {"volumeClaimTemplate": {"metadata": {"labels": pool.labels("engine")}, "spec": claim}},
+        }
+    assert vol.persistent_volume_claim is not None
+    return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": vol.persistent_volume_claim.claim_name}}
+
+
+def _wait_init(pool: Pool) -> list[dict[str, Any]]:
+    targets = []
+    if pool.managed_redis:
+        targets.append(f"{pool.svc_host(pool.redis)}:{REDIS_PORT}")
+    if pool.managed_s3:
+        targets.append(f"{pool.svc_host(pool.minio)}:{MINIO_PORT}")
+    if not targets:
+        return []
+    return [
+        {
+            "name": "wait-for-backends",
+            "image": pool.spec.model.image or pool.settings.connector_image,
+            "imagePullPolicy": pool.settings.image_pull_policy,
+            "command": ["python3", "-c", WAIT_SCRIPT, str(pool.settings.backend_wait_seconds), *targets],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+            "securityContext": CONTAINER_SECURITY,
+        }
+    ]
+
+
+def render_engine(pool: Pool) -> list[dict[str, Any]]:
+    spec = pool.spec
+    model = spec.model
+    args = [
+        model.name,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--tensor-parallel-size", str(model.tensor_parallel_size),
+        "--kv-transfer-config", compact_json(kv_transfer_config(pool)),
+        *model.extra_args,
+    ]
+    env = [{"name": "PYTHONHASHSEED", "value": pool.settings.python_hash_seed}, *secret_envs(pool), *model.env]
+    mounts = [
+        {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "kvpool-config", "configMap": {"name": pool.config_map}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    disk = _disk_volume(pool)
+    if disk is not None:
+        volumes.append(disk)
+        mounts.append({"name": "kv-disk", "mountPath": DISK_PATH})
+
+    def probe(period: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": failures,
+        }
+
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": model.image or pool.settings.connector_image,
+        "imagePullPolicy": pool.settings.image_pull_policy,
+        "command": ["vllm", "serve"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "startupProbe": probe(10, 180),  # model download + load may take up to 30 minutes
+        "readinessProbe": probe(10, 3),
+        "livenessProbe": probe(15, 4),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": mounts,
+    }
+    resources = _resources(pool)
+    if resources:
+        container["resources"] = resources
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    init = _wait_init(pool)
+    if init:
+        pod_spec["initContainers"] = init
+    sched = spec.scheduling
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(sched.tolerations)
+    if sched.affinity:
+        pod_spec["affinity"] = copy.deepcopy(sched.affinity)
+
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": pool.meta(pool.name, "engine"),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": pool.selector("engine")},
+                "template": {
+                    "metadata": {
+                        "labels": pool.labels("engine"),
+                        "annotations": {CHECKSUM_ANNOTATION: checksum(config_data(pool))},
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        }
+    ]

@@ -1,0 +1,118 @@
+"""Pure status computation: from what was observed to the pool's `.status`.
+
+kstatus compatible: `observedGeneration`, a `Ready` condition for `kubectl wait` and Argo CD,
+and the kstatus pair `Reconciling` / `Stalled` that Flux and cli-utils read. Conditions keep
+their `lastTransitionTime` while their status does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady", "Reconciling", "Stalled")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything status depends on; gathered by the reconciler, no I/O here."""
+
+    generation: int | None
+    desired_replicas: int
+    selector: str
+    invalid: str | None = None  # why the spec cannot be applied (ConfigValid=False)
+    apply_errors: tuple[str, ...] = ()
+    deployment: dict[str, Any] | None = None
+    backends: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # component -> StatefulSet
+    endpoints: dict[str, str] = field(default_factory=dict)
+    previous: dict[str, Any] = field(default_factory=dict)  # the current .status
+
+
+def _condition(prev: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
+               generation: int | None, now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    old = prev.get(ctype)
+    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    cond = {"type": ctype, "status": status, "lastTransitionTime": since, "reason": reason, "message": message}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _backend_state(backends: dict[str, dict[str, Any] | None]) -> tuple[bool, str]:
+    waiting = []
+    for component, sts in sorted(backends.items()):
+        want = (sts or {}).get("spec", {}).get("replicas", 1)
+        ready = (sts or {}).get("status", {}).get("readyReplicas", 0) or 0
+        if sts is None or ready < want:
+            waiting.append(f"{component} {ready}/{want} ready")
+    return (not waiting, "; ".join(waiting))
+
+
+def _deadline_exceeded(deployment: dict[str, Any]) -> bool:
+    for cond in deployment.get("status", {}).get("conditions", []) or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return True
+    return False
+
+
+def compute_status(obs: Observation, now: str) -> dict[str, Any]:
+    prev_conditions = {c["type"]: c for c in obs.previous.get("conditions", []) or [] if "type" in c}
+    prev_phase = obs.previous.get("phase")
+    dep_status = (obs.deployment or {}).get("status", {}) or {}
+    ready = dep_status.get("readyReplicas", 0) or 0
+    updated = dep_status.get("updatedReplicas", 0) or 0
+    dep_gen = (obs.deployment or {}).get("metadata", {}).get("generation")
+    observed = dep_gen is None or dep_status.get("observedGeneration", 0) >= dep_gen
+    backends_ok, backends_msg = _backend_state(obs.backends)
+    want = obs.desired_replicas
+
+    def cond(ctype: str, ok: bool, reason: str, message: str = "") -> dict[str, Any]:
+        return _condition(prev_conditions, ctype, ok, reason, message, obs.generation, now)
+
+    stalled = False
+    if obs.invalid is not None:
+        phase, reason, message = "Invalid", "InvalidSpec", obs.invalid
+        stalled = True
+    elif obs.apply_errors:
+        phase, reason, message = "Degraded", "ApplyFailed", "; ".join(obs.apply_errors)
+        stalled = True
+    elif obs.deployment is not None and _deadline_exceeded(obs.deployment):
+        phase, reason, message = "Degraded", "ProgressDeadlineExceeded", "engine rollout exceeded its deadline"
+        stalled = True
+    elif obs.deployment is not None and observed and updated >= want and ready >= want and backends_ok:
+        phase, reason, message = "Ready", "Ready", f"{ready}/{want} engines ready"
+    elif prev_phase in ("Ready", "Degraded") and observed and updated >= want:
+        detail = backends_msg if not backends_ok else f"{ready}/{want} engines ready"
+        phase, reason, message = "Degraded", "Unavailable", detail
+    elif obs.deployment is None or (ready == 0 and prev_phase in (None, "Pending")):
+        phase, reason, message = "Pending", "Pending", "waiting for engines to be scheduled and started"
+    else:
+        waiting = [f"{ready}/{want} engines ready, {updated}/{want} updated"]
+        if not backends_ok:
+            waiting.append(backends_msg)
+        phase, reason, message = "Progressing", "RollingOut", "; ".join(waiting)
+
+    progressing = phase in ("Pending", "Progressing")
+    conditions = [
+        cond("Ready", phase == "Ready", reason, message),
+        cond("Progressing", progressing, reason if progressing else "Idle", message if progressing else ""),
+        cond("Degraded", phase == "Degraded", reason if phase == "Degraded" else "AsExpected",
+             message if phase == "Degraded" else ""),
+        cond("ConfigValid", obs.invalid is None, "InvalidSpec" if obs.invalid else "Valid", obs.invalid or ""),
+        cond("BackendsReady", backends_ok, "BackendsReady" if backends_ok else "BackendsNotReady",
+             backends_msg or ("no managed backends" if not obs.backends else "all managed backends ready")),
+        cond("Reconciling", progressing, reason if progressing else "Idle", message if progressing else ""),
+        cond("Stalled", stalled, reason if stalled else "AsExpected", message if stalled else ""),
+    ]
+    status: dict[str, Any] = {
+        "phase": phase,
+        "replicas": dep_status.get("replicas", 0) or 0,
+        "readyReplicas": ready,
+        "selector": obs.selector,
+        "conditions": conditions,
+        "endpoints": dict(obs.endpoints),
+    }
+    if obs.generation is not None:
+        status["observedGeneration"] = obs.generation
+    return status

@@ -1,0 +1,243 @@
+"""render(): golden files, Kubernetes schema validity, and the connector contract."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpool_operator.golden import examples, golden_text
+from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.render.common import CHECKSUM_ANNOTATION
+from kvpool_operator.settings import Settings
+from tests.operator.conftest import GOLDEN_DIR, K8S_VERSION, REQUIRED_EXAMPLES, example_ids, load_example
+
+TIERED_KV_TRANSFER_CONFIG = (
+    '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool_connector.vllm",'
+    '"kv_role":"kv_both","kv_load_failure_policy":"recompute",'
+    '"kv_connector_extra_config":{"config_file":"/etc/kvpool/connector.yaml"}}'
+)
+
+
+def by_kind(manifests: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [m for m in manifests if m["kind"] == kind and (name is None or m["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{kind}/{name}: {[m['metadata']['name'] for m in found]}"
+    return found[0]
+
+
+def engine(manifests):
+    return by_kind(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def kv_config(manifests) -> dict[str, Any]:
+    args = engine(manifests)["args"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def store_config(manifests) -> dict[str, Any]:
+    cm = by_kind(manifests, "ConfigMap")
+    return yaml.safe_load(cm["data"]["connector.yaml"])
+
+
+def rendered(name: str, settings: Settings, namespace: str = "kvpool") -> list[dict[str, Any]]:
+    return render(load_example(name), settings, namespace)
+
+
+def test_required_examples_exist():
+    assert set(REQUIRED_EXAMPLES) <= set(example_ids())
+
+
+@pytest.mark.parametrize("example", examples(), ids=lambda p: p.stem)
+def test_golden(example):
+    golden = GOLDEN_DIR / example.name
+    assert golden.exists(), f"missing {golden}: run `make golden` and review it"
+    assert golden_text(example) == golden.read_text(), f"{golden} is stale: run `make golden` and review the diff"
+
+
+@pytest.mark.parametrize("name", example_ids())
+def test_every_manifest_validates_against_kubernetes_schema(name, settings):
+    manifests = rendered(name, settings)
+    assert manifests
+    for manifest in manifests:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def test_tiered_full_connector_contract(settings):
+    m = rendered("tiered-full", settings)
+    args = engine(m)["args"]
+    assert args[args.index("--kv-transfer-config") + 1] == TIERED_KV_TRANSFER_CONFIG
+    assert store_config(m) == {
+        "namespace": "kvpool/tiered-full",
+        "chunk_tokens": 256,
+        "tiers": [
+            {"type": "cpu", "size": "64Gi", "eviction": "lru"},
+            {"type": "disk", "path": "/var/lib/kvpool/disk", "size": "500Gi"},
+            {"type": "redis", "url": "redis://tiered-full-redis.kvpool.svc:6379/0", "password_env": "KVPOOL_REDIS_PASSWORD"},
+            {
+                "type": "s3", "endpoint": "http://tiered-full-minio.kvpool.svc:9000", "bucket": "kvpool", "prefix": "",
+                "region": "us-east-1", "access_key_env": "KVPOOL_S3_ACCESS_KEY",
+                "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": True,
+            },
+        ],
+    }
+    mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
+    assert mounts["/etc/kvpool"] == "kvpool-config" and mounts["/var/lib/kvpool/disk"] == "kv-disk"
+    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kv-disk"]["hostPath"]["path"] == "/mnt/nvme0"
+    assert volumes["kvpool-config"]["configMap"]["name"] == "tiered-full-kvpool"
+    kinds = sorted((x["kind"], x["metadata"]["name"]) for x in m)
+    assert kinds == sorted([
+        ("Secret", "tiered-full-redis"), ("Secret", "tiered-full-minio"), ("ConfigMap", "tiered-full-kvpool"),
+        ("StatefulSet", "tiered-full-redis"), ("Service", "tiered-full-redis"),
+        ("StatefulSet", "tiered-full-minio"), ("Service", "tiered-full-minio"),
+        ("NetworkPolicy", "tiered-full-backends"), ("Deployment", "tiered-full"), ("Service", "tiered-full"),
+        ("PodDisruptionBudget", "tiered-full"),
+    ])
+
+
+@pytest.mark.parametrize("name", example_ids())
+def test_secrets_reach_the_engine_only_through_secret_key_refs(name, settings):
+    m = rendered(name, settings)
+    env = engine(m)["env"]
+    for var in env:
+        if var["name"].startswith("KVPOOL_"):
+            assert set(var) == {"name", "valueFrom"} and "secretKeyRef" in var["valueFrom"]
+    for manifest in m:
+        if manifest["kind"] == "Secret":
+            assert "data" not in manifest and "stringData" not in manifest  # values are generated at apply
+    blob = json.dumps([engine(m)["args"], by_kind(m, "ConfigMap")["data"]])
+    assert "password" not in blob.replace("password_env", "")
+
+
+def test_external_backends_use_the_users_secrets(settings):
+    m = rendered("tiered-external", settings)
+    refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in engine(m)["env"] if "valueFrom" in v}
+    assert refs == {
+        "KVPOOL_REDIS_PASSWORD": {"name": "redis", "key": "password"},
+        "KVPOOL_S3_ACCESS_KEY": {"name": "s3-creds", "key": "accessKey"},
+        "KVPOOL_S3_SECRET_KEY": {"name": "s3-creds", "key": "secretKey"},
+    }
+    tiers = {t["type"]: t for t in store_config(m)["tiers"]}
+    assert tiers["redis"]["url"] == "redis://redis.infra.svc:6379/0"
+    assert tiers["s3"]["bucket"] == "kv-cache-prod" and tiers["s3"]["create_bucket"] is False
+    # TP=4: the per-pod CPU tier is split across ranks so the pod never pins more than asked for
+    assert tiers["cpu"]["size"] == str(128 * 2**30 // 4)
+    assert not [x for x in m if x["kind"] in ("StatefulSet", "Secret")]
+    assert "initContainers" not in by_kind(m, "Deployment")["spec"]["template"]["spec"]
+    assert engine(m)["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_emptydir_disk_reserves_ephemeral_storage(settings):
+    m = rendered("tiered-emptydir", settings)
+    assert engine(m)["resources"]["requests"]["ephemeral-storage"] == "100Gi"
+    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kv-disk"]["emptyDir"] == {"sizeLimit": "100Gi"}
+    assert not [x for x in m if x["kind"] == "PodDisruptionBudget"]  # one replica: no PDB
+
+
+def test_native_cpu_uses_vllm_offloading_connector(settings):
+    cfg = kv_config(rendered("native-cpu", settings))
+    assert cfg == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * 2**30, "eviction_policy": "lru", "block_size": 256},
+    }
+
+
+def test_native_nvme_adds_fs_secondary_tier(settings):
+    m = rendered("native-nvme", settings)
+    extra = kv_config(m)["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["eviction_policy"] == "arc"
+    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/var/lib/kvpool/disk"}]
+    assert "connector.yaml" not in by_kind(m, "ConfigMap")["data"]  # vLLM needs no kvpool store config
+
+
+def test_native_shared_reaches_redis_through_kvpool_secondary_tier(settings):
+    m = rendered("native-shared", settings)
+    tiers = kv_config(m)["kv_connector_extra_config"]["secondary_tiers"]
+    assert tiers[1] == {"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers",
+                        "config_file": "/etc/kvpool/connector.yaml"}
+    assert [t["type"] for t in store_config(m)["tiers"]] == ["redis"]
+
+
+def test_native_extra_config_keys_are_the_ones_vllm_reads():
+    """The keys we render are read by vLLM 0.32's offloading spec and connector config."""
+    from pathlib import Path
+
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    spec = (root / "v1/kv_offload/tiering/spec.py").read_text()
+    cpu = (root / "v1/kv_offload/cpu/spec.py").read_text()
+    factory = (root / "v1/kv_offload/factory.py").read_text()
+    connector_cfg = (root / "distributed/kv_transfer/kv_connector/v1/offloading/config.py").read_text()
+    fs = (root / "v1/kv_offload/tiering/fs/manager.py").read_text()
+    assert '"cpu_bytes_to_use"' in cpu and '"eviction_policy"' in cpu
+    assert '"spec_name"' in factory and '"secondary_tiers"' in spec
+    assert 'extra_config.get("block_size")' in connector_cfg
+    assert "root_dir: str" in fs
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    assert "TieringOffloadingSpec" in OffloadingSpecFactory._registry
+
+
+def test_common_engine_properties(settings):
+    for name in example_ids():
+        m = rendered(name, settings)
+        dep = by_kind(m, "Deployment")
+        c = engine(m)
+        assert {"name": "PYTHONHASHSEED", "value": "0"} in c["env"]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["httpGet"]["path"] == "/health"
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        for key in ("name", "instance", "component", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{key}" in labels
+        assert len(dep["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]) == 64
+        assert dep["spec"]["template"]["spec"]["enableServiceLinks"] is False
+
+
+def test_config_change_changes_checksum_and_nothing_random(settings):
+    pool = load_example("tiered-full")
+    first = render(pool, settings)
+    assert render(pool, settings) == first  # pure and deterministic
+    pool["spec"]["tiers"]["cpu"]["size"] = "32Gi"
+    second = render(pool, settings)
+
+    def checksum(m):
+        return by_kind(m, "Deployment")["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]
+
+    assert checksum(first) != checksum(second)
+
+
+def test_managed_redis_settings(settings):
+    m = rendered("tiered-full", settings)
+    redis = by_kind(m, "StatefulSet", "tiered-full-redis")["spec"]["template"]["spec"]["containers"][0]
+    args = redis["args"]
+    assert args[args.index("--maxmemory") + 1] == str(int(16 * 2**30 * 0.85))
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "tiered-full-redis", "key": "password"}
+    minio = by_kind(m, "StatefulSet", "tiered-full-minio")
+    assert minio["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Ti"
+
+
+def test_invalid_pool_names_the_field(settings):
+    pool = load_example("tiered-full")
+    pool["spec"]["tiers"]["disk"]["volume"]["emptyDir"] = {}
+    with pytest.raises(InvalidPool, match=r"spec\.tiers\.disk\.volume: .*exactly one of hostPath"):
+        render(pool, settings)
+    pool = load_example("native-cpu")
+    del pool["spec"]["tiers"]["cpu"]
+    pool["spec"]["tiers"]["disk"] = {"size": "1Ti", "volume": {"emptyDir": {}}}
+    with pytest.raises(InvalidPool, match="native mode needs tiers.cpu"):
+        render(pool, settings)
+    pool = load_example("native-cpu")
+    pool["spec"]["tiers"]["cpu"]["sise"] = "1Gi"
+    with pytest.raises(InvalidPool, match=r"spec\.tiers\.cpu\.sise: Extra inputs are not permitted"):
+        render(pool, settings)
