@@ -1,0 +1,104 @@
+"""The connector's config: the store's config plus the connector's own keys.
+
+`kv_connector_extra_config` carries exactly this model. `config_file` (YAML or JSON with the
+same keys) is read first and the inline keys override it key by key, so a mounted file can
+hold the pool's tiers while a pod tweaks one setting. Every error names the field
+(`kv_connector_extra_config.tiers.0.size: ...`) and fails engine start.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from ..config import StoreConfig
+
+EXTRA_CONFIG = "kv_connector_extra_config"
+CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens")
+
+
+class ConnectorConfigError(ValueError):
+    """Invalid connector config; the message names the offending field."""
+
+
+class ConnectorConfig(StoreConfig):
+    """Store config + connector keys (unknown keys are rejected, like the store's)."""
+
+    chunk_tokens: int = Field(256, gt=0, le=1 << 20,
+                              description="tokens per stored object; a multiple of vLLM's "
+                                          "block size")
+    config_file: str | None = Field(None, description="YAML/JSON file with the same keys; "
+                                                      "inline keys override it")
+    layerwise: bool = Field(False, description="load layer by layer during the forward pass "
+                                               "(layer i+1 copies while layer i computes)")
+    save_decode_tokens: bool = Field(False, description="also store chunks completed by "
+                                                        "generated tokens, not only the prompt")
+
+    def store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
+        """The plain store config (connector keys removed), optionally without some tier types.
+
+        None when no tier is left (a cpu-only pool seen from the scheduler process).
+        """
+        data = self.model_dump(exclude=set(CONNECTOR_KEYS))
+        data["tiers"] = [t for t in data["tiers"] if t["type"] not in drop_types]
+        if not data["tiers"]:
+            return None
+        return StoreConfig.model_validate(data)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: cannot read {path}: {exc}") from exc
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} is not valid "
+                                   f"{'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} must hold a mapping")
+    if "config_file" in data:
+        raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} must not name "
+                                   "another config_file")
+    return data
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "tagged-")))
+        field = f"{EXTRA_CONFIG}.{loc}" if loc else EXTRA_CONFIG
+        lines.append(f"{field}: {err['msg']}")
+    return f"invalid KVPoolConnector config ({source}): " + "; ".join(lines)
+
+
+def load_connector_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """Merge `config_file` (if any) with the inline keys and validate."""
+    inline = dict(extra or {})
+    merged: dict[str, Any] = {}
+    source = "inline"
+    if inline.get("config_file"):
+        merged.update(_read_file(str(inline["config_file"])))
+        source = f"{inline['config_file']} + inline"
+    merged.update(inline)
+    try:
+        return ConnectorConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConnectorConfigError(_format(exc, source)) from None
+
+
+def check_block_size(cfg: ConnectorConfig, block_size: int) -> int:
+    """Blocks per chunk; chunk_tokens must be a whole number of vLLM blocks."""
+    if cfg.chunk_tokens % block_size:
+        raise ConnectorConfigError(
+            f"{EXTRA_CONFIG}.chunk_tokens: {cfg.chunk_tokens} is not a multiple of vLLM's "
+            f"block size {block_size} (use e.g. {max(block_size, cfg.chunk_tokens // block_size * block_size)})")
+    return cfg.chunk_tokens // block_size

@@ -1,0 +1,148 @@
+"""Where the KV of one block lives in vLLM's paged caches, for any attention backend.
+
+vLLM registers one tensor per attention layer. Its block dimension is found from the tensor
+and the block count of the KV cache config, not assumed: the standardized per-layer view is
+logical `[B, H, N, C]` (CPU backend: `[B, heads, block_size, 2*head_size]`; MLA: one latent
+per token, H == 1), older CUDA layouts put K/V first (`[2, B, ...]`), and kernel-block
+splitting makes B a multiple of the manager's block count. Whatever the strides (NHD/HND,
+layer-outer or block-outer), `index_select` along the block dimension yields the blocks in
+logical order, so the stored bytes do not depend on the physical memory layout; the backend
+and shapes still go into the fingerprint so one layout is never read as another.
+
+A chunk's payload is one contiguous buffer: for each layer in order, that layer's blocks of
+the chunk (`index_select` output). All layers of a chunk are one object: one large transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerView:
+    name: str
+    tensor: torch.Tensor  # the registered cache, kernel blocks grouped per manager block
+    block_dim: int
+    block_shape: tuple[int, ...]  # shape of one block's slice (block dim removed)
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block_shape) * self.tensor.element_size()
+
+    def gathered_shape(self, n: int) -> tuple[int, ...]:
+        s = list(self.block_shape)
+        s.insert(self.block_dim, n)
+        return tuple(s)
+
+
+def find_block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
+    """The dimension indexing blocks: dim 0 in vLLM's standardized view, else the first
+    dimension whose size is a whole multiple of the block count (kernel-block splits)."""
+    if shape and shape[0] >= num_blocks and shape[0] % num_blocks == 0:
+        return 0
+    for d, size in enumerate(shape):
+        if size >= num_blocks and size % num_blocks == 0:
+            return d
+    raise ValueError(f"no dimension of KV cache shape {tuple(shape)} holds {num_blocks} blocks")
+
+
+def layer_view(name: str, t: torch.Tensor, num_blocks: int) -> LayerView:
+    d = find_block_dim(tuple(t.shape), num_blocks)
+    ratio = t.shape[d] // num_blocks
+    if ratio > 1:  # kernel blocks: group them under their manager block
+        t = t.unflatten(d, (num_blocks, ratio))
+    shape = list(t.shape)
+    del shape[d]
+    return LayerView(name, t, d, tuple(shape))
+
+
+class KVLayout:
+    """Gather/scatter of whole chunks between the paged caches and flat byte buffers."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
+                 num_blocks: int, backend: str = "unknown"):
+        names = [n for n in layer_names if n in kv_caches] or list(kv_caches)
+        # Layers sharing one tensor (cross-layer KV sharing) are stored once.
+        seen: dict[int, str] = {}
+        self.layers: list[LayerView] = []
+        for n in names:
+            t = kv_caches[n]
+            key = t.data_ptr()
+            if key in seen:
+                continue
+            seen[key] = n
+            self.layers.append(layer_view(n, t, num_blocks))
+        if not self.layers:
+            raise ValueError("no KV cache tensors registered")
+        self.num_blocks = num_blocks
+        self.backend = backend
+        self.dtype = self.layers[0].tensor.dtype
+        self.device = self.layers[0].tensor.device
+        self.block_bytes = sum(lv.block_bytes for lv in self.layers)
+        self._index = {lv.name: i for i, lv in enumerate(self.layers)}
+
+    def fingerprint(self) -> str:
+        """Everything that decides how to interpret a payload's bytes."""
+        parts = [f"backend={self.backend}"]
+        for lv in self.layers:
+            parts.append(f"{lv.tensor.dtype}:{lv.block_dim}:{'x'.join(map(str, lv.block_shape))}")
+        return "kvlayout-v1;" + ";".join(parts)
+
+    def layer_index(self, name: str) -> int | None:
+        return self._index.get(name)
+
+    def chunk_nbytes(self, n_blocks: int) -> int:
+        return self.block_bytes * n_blocks
+
+    def _segments(self, buf: torch.Tensor, n: int):
+        """Per-layer typed views of a flat uint8 buffer holding `n` blocks per layer."""
+        off = 0
+        for lv in self.layers:
+            nb = lv.block_bytes * n
+            yield lv, buf[off:off + nb].view(lv.tensor.dtype).view(lv.gathered_shape(n))
+            off += nb
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks (all layers) into `out`, a flat uint8 buffer of chunk_nbytes(n)."""
+        idx = block_ids.to(self.device, non_blocking=True)
+        for lv, seg in self._segments(out, len(block_ids)):
+            if seg.device == lv.tensor.device:
+                torch.index_select(lv.tensor, lv.block_dim, idx, out=seg)
+            else:  # device cache -> pinned host buffer
+                seg.copy_(lv.tensor.index_select(lv.block_dim, idx), non_blocking=True)
+
+    def scatter(self, src: torch.Tensor, n_in_src: int, rows: torch.Tensor,
+                block_ids: torch.Tensor, layer: int | None = None) -> None:
+        """Copy blocks `rows` (positions within the payload) of a payload holding
+        `n_in_src` blocks into the paged caches at `block_ids`; one layer or all."""
+        idx = block_ids.to(self.device, non_blocking=True)
+        full = len(rows) == n_in_src and bool((rows == torch.arange(n_in_src)).all())
+        for i, (lv, seg) in enumerate(self._segments(src, n_in_src)):
+            if layer is not None and i != layer:
+                continue
+            part = seg if full else seg.index_select(lv.block_dim, rows)
+            if part.device != lv.tensor.device:
+                part = part.to(lv.tensor.device, non_blocking=True)
+            lv.tensor.index_copy_(lv.block_dim, idx, part)
+
+
+def spec_fingerprint(kv_cache_config, model: str) -> str:
+    """What both the scheduler and the workers know about the KV layout, before any tensor
+    exists: used inside chunk keys so both sides compute the same keys."""
+    groups = kv_cache_config.kv_cache_groups
+    parts = [f"model={model}", f"layout={getattr(kv_cache_config, 'kv_cache_layout', None)}"]
+    for g in groups:
+        s = g.kv_cache_spec
+        fields = [type(s).__name__]
+        for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
+                     "cache_dtype_str", "page_size_bytes"):
+            if hasattr(s, attr):
+                try:
+                    fields.append(f"{attr}={getattr(s, attr)}")
+                except Exception:  # a property that does not apply to this spec
+                    pass
+        parts.append(",".join(fields) + f",layers={len(g.layer_names)}")
+    return ";".join(parts)

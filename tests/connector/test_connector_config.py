@@ -1,0 +1,72 @@
+"""KVPoolConnector config: file + inline merge, errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpool_connector.connector.config import (
+    ConnectorConfigError,
+    check_block_size,
+    load_connector_config,
+)
+
+TIERS = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": "/tmp/x", "size": "1Gi"}]
+
+
+def test_defaults_and_connector_keys():
+    cfg = load_connector_config({"tiers": TIERS})
+    assert (cfg.chunk_tokens, cfg.layerwise, cfg.save_decode_tokens) == (256, False, False)
+    cfg = load_connector_config({"tiers": TIERS, "chunk_tokens": 512, "layerwise": True})
+    assert cfg.chunk_tokens == 512 and cfg.layerwise
+
+
+def test_inline_keys_override_the_file(tmp_path):
+    f = tmp_path / "pool.yaml"
+    f.write_text("namespace: from-file\nchunk_tokens: 512\ntiers:\n  - {type: cpu, size: 1Gi}\n")
+    cfg = load_connector_config({"config_file": str(f), "chunk_tokens": 128})
+    assert cfg.namespace == "from-file"  # only in the file
+    assert cfg.chunk_tokens == 128       # inline wins
+    assert cfg.tiers[0].size == 1 << 30
+    j = tmp_path / "pool.json"
+    j.write_text(json.dumps({"tiers": TIERS, "layerwise": True}))
+    assert load_connector_config({"config_file": str(j), "layerwise": False}).layerwise is False
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"tiers": TIERS, "chunk_tokens": 0}, "kv_connector_extra_config.chunk_tokens"),
+    ({"tiers": TIERS, "chunk_tokenz": 256}, "kv_connector_extra_config.chunk_tokenz"),
+    ({"tiers": [{"type": "cpu", "size": "lots"}]}, "kv_connector_extra_config.tiers.0.cpu.size"),
+    ({"tiers": []}, "kv_connector_extra_config.tiers"),
+    ({"tiers": TIERS, "layerwise": "sometimes"}, "kv_connector_extra_config.layerwise"),
+    ({"config_file": "/nonexistent/pool.yaml"}, "kv_connector_extra_config.config_file"),
+])
+def test_invalid_config_names_the_field(extra, field):
+    with pytest.raises(ConnectorConfigError) as exc:
+        load_connector_config(extra)
+    assert field in str(exc.value)
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("tiers: [unclosed\n")
+    with pytest.raises(ConnectorConfigError, match="config_file"):
+        load_connector_config({"config_file": str(f)})
+
+
+def test_chunk_tokens_must_be_whole_blocks():
+    cfg = load_connector_config({"tiers": TIERS, "chunk_tokens": 256})
+    assert check_block_size(cfg, 128) == 2
+    assert check_block_size(cfg, 16) == 16
+    with pytest.raises(ConnectorConfigError, match="chunk_tokens: 256 is not a multiple"):
+        check_block_size(cfg, 96)
+
+
+def test_store_config_without_cpu_tier_for_the_scheduler():
+    cfg = load_connector_config({"tiers": TIERS, "namespace": "ns1", "chunk_tokens": 512})
+    lower = cfg.store_config(drop_types=("cpu",))
+    assert [t.type for t in lower.tiers] == ["disk"] and lower.namespace == "ns1"
+    assert not hasattr(lower, "chunk_tokens")
+    only_cpu = load_connector_config({"tiers": TIERS[:1]})
+    assert only_cpu.store_config(drop_types=("cpu",)) is None

@@ -1,0 +1,63 @@
+"""Chunk keys: from vLLM's own sha256 block-hash chain, equal across processes, different
+for anything that changes the KV bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+from kvpool_connector.connector.keys import KeySpace, chunk_keys
+
+SPACE = KeySpace(namespace="pool", model="/models/m", dtype="torch.bfloat16/auto",
+                 layout="spec-fp", tp_rank=0, tp_size=1, hash_algo="sha256", chunk_tokens=256)
+
+
+def _block_hashes(tokens: list[int], block_size: int = 128) -> list[bytes]:
+    init_none_hash(sha256)
+    from vllm.v1.core import kv_cache_utils
+    parent, out = kv_cache_utils.NONE_HASH, []
+    for i in range(len(tokens) // block_size):
+        parent = hash_block_tokens(sha256, parent, tokens[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def test_only_complete_chunks_get_keys_and_the_key_is_the_last_block_hash():
+    hashes = _block_hashes(list(range(1000)))  # 7 full blocks -> 3 full chunks of 2 blocks
+    keys = chunk_keys(SPACE.prefix(), hashes, 2)
+    assert len(keys) == 3
+    assert all(k.startswith(SPACE.prefix()) and k.endswith(hashes[2 * i + 1])
+               for i, k in enumerate(keys))
+    assert chunk_keys(SPACE.prefix(), hashes, 2, start=1, limit=2) == keys[1:2]
+    assert chunk_keys(SPACE.prefix(), hashes[:1], 2) == []  # shorter than a chunk
+
+
+def test_a_changed_token_changes_its_chunk_and_every_later_one():
+    a = list(range(1024))
+    b = list(a)
+    b[300] += 1  # inside chunk 1 (tokens 256..511)
+    ka = chunk_keys(SPACE.prefix(), _block_hashes(a), 2)
+    kb = chunk_keys(SPACE.prefix(), _block_hashes(b), 2)
+    assert ka[0] == kb[0] and all(x != y for x, y in zip(ka[1:], kb[1:]))
+
+
+def test_key_space_separates_models_layouts_dtypes_and_ranks():
+    variants = [dataclasses.replace(SPACE, **{f: v}) for f, v in [
+        ("model", "/models/other"), ("layout", "other-fp"), ("dtype", "torch.float16/auto"),
+        ("tp_rank", 1), ("tp_size", 2), ("namespace", "other"), ("hash_algo", "xxhash"),
+        ("chunk_tokens", 512)]]
+    prefixes = {v.prefix() for v in variants} | {SPACE.prefix()}
+    assert len(prefixes) == len(variants) + 1
+
+
+def test_keys_are_equal_across_processes_with_different_hash_seeds():
+    code = ("from kvpool_connector.connector.keys import KeySpace;"
+            "print(KeySpace('pool','/m','bf16','fp',0,1,'sha256',256).prefix().hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()
+            for seed in ("0", "12345")}
+    assert outs == {KeySpace('pool', '/m', 'bf16', 'fp', 0, 1, 'sha256', 256).prefix().hex()}
