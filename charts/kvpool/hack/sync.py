@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -49,8 +50,30 @@ def argocd_cm_patch(lua: str) -> str:
     return GENERATED.format(source="charts/kvpool/health/kvcachepool.lua") + body
 
 
-def rbac_yaml(rules: dict[str, list[dict]]) -> str:
-    return GENERATED.format(source="kvpool_operator.rbac") + yaml.safe_dump(rules, sort_keys=False)
+def split_rules(rules: list[dict], cluster_scoped: set[tuple[str, str]]) -> tuple[list[dict], list[dict]]:
+    """(cluster-scoped part, namespaced part) of PolicyRules; a rule naming both kinds is split.
+
+    Namespaced mode needs the cluster-scoped part in a ClusterRole and the rest in a Role per
+    watched namespace; together they grant exactly `rules`.
+    """
+    cluster, namespaced = [], []
+    for rule in rules:
+        for target, keep in ((cluster, True), (namespaced, False)):
+            for group in rule["apiGroups"]:
+                resources = [r for r in rule["resources"] if ((group, r) in cluster_scoped) == keep]
+                if resources:
+                    target.append({**rule, "apiGroups": [group], "resources": resources})
+    return cluster, namespaced
+
+
+def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]]) -> str:
+    """files/rbac.yaml: the operator's rules verbatim (cluster-wide mode) and split (namespaced mode)."""
+    cluster, namespaced = split_rules(rules, cluster_scoped)
+    # A JSON round trip unshares the verb lists, so the YAML carries no anchors/aliases.
+    doc = json.loads(json.dumps({"all": rules, "clusterScoped": cluster, "namespaced": namespaced}))
+    return GENERATED.format(source="kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED)") + yaml.safe_dump(
+        doc, sort_keys=False
+    )
 
 
 def expected_files(repo: Path = REPO) -> dict[Path, str]:
@@ -59,6 +82,9 @@ def expected_files(repo: Path = REPO) -> dict[Path, str]:
     out: dict[Path, str] = {}
     for crd in sorted((repo / "crds").glob("*.yaml")):
         out[chart / "files" / "crds" / crd.name] = crd.read_text()
+    from kvpool_operator import rbac
+
+    out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED)
     lua = (chart / "health" / "kvcachepool.lua").read_text()
     out[repo / "examples" / "gitops" / "argocd" / "argocd-cm-health.yaml"] = argocd_cm_patch(lua)
     return out

@@ -49,6 +49,7 @@ local byType = conditions(status)
 local ready = byType["Ready"]
 local degraded = byType["Degraded"]
 local configValid = byType["ConfigValid"]
+local stalled = byType["Stalled"]
 
 if configValid ~= nil and configValid.status == "False" then
   hs.status = "Degraded"
@@ -63,6 +64,11 @@ end
 if degraded ~= nil and degraded.status == "True" then
   hs.status = "Degraded"
   hs.message = describe(degraded, "Degraded")
+  return hs
+end
+if stalled ~= nil and stalled.status == "True" then
+  hs.status = "Degraded"
+  hs.message = describe(stalled, "Stalled")
   return hs
 end
 if ready ~= nil and ready.status == "True" then

@@ -1,0 +1,132 @@
+"""The chart's monitors and dashboard fit what the operator and the connector really produce.
+
+ServiceMonitor/PodMonitor selectors are checked against the Service and pod labels that
+kvpool_operator.render gives a pool's engines; the dashboard's queries against the metrics that
+kvpool_connector.store.metrics registers and those vLLM itself exports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpool_operator.render import render as render_pool
+from kvpool_operator.settings import Settings
+from tests.operator.chartkit import CHART, REPO, one, render
+
+EXAMPLE = REPO / "examples" / "tiered-full.yaml"
+DASHBOARD = json.loads((CHART / "dashboards" / "kvpool-connector.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engine_children() -> tuple[dict, dict]:
+    pool = yaml.safe_load(EXAMPLE.read_text())
+    children = render_pool(pool, Settings(), "llm")
+    deployments = [c for c in children if c["kind"] == "Deployment"]
+    assert len(deployments) == 1
+    service = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == pool["metadata"]["name"])
+    return deployments[0], service
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_pod_monitor_selects_engine_pods_and_their_metrics_port(engine_children):
+    deployment, _ = engine_children
+    monitor = one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]
+    pod = deployment["spec"]["template"]
+    assert _matches(monitor["selector"]["matchLabels"], pod["metadata"]["labels"])
+    ports = {p.get("name") for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert monitor["podMetricsEndpoints"][0]["port"] in ports
+    for label in monitor["podTargetLabels"]:
+        assert label in pod["metadata"]["labels"]
+
+
+def test_service_monitor_selects_the_engine_service_only(engine_children):
+    deployment, service = engine_children
+    monitor = one(render({"metrics.serviceMonitor.enabled": True}), "ServiceMonitor")["spec"]
+    assert _matches(monitor["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    others = [c for c in render_pool(yaml.safe_load(EXAMPLE.read_text()), Settings(), "llm")
+              if c["kind"] == "Service" and c is not service and c["metadata"]["name"] != service["metadata"]["name"]]
+    assert others, "the example has backend Services (Redis, MinIO) that must not be scraped as engines"
+    for other in others:
+        assert not _matches(monitor["selector"]["matchLabels"], other["metadata"]["labels"])
+
+
+def test_monitors_follow_the_watched_namespaces():
+    spec = one(render({"metrics.podMonitor.enabled": True, "watch.namespaces": ["a", "b"]}), "PodMonitor")["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": ["a", "b"]}
+    spec = one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+
+
+def _exprs() -> list[str]:
+    return [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]] + [
+        v["query"]["query"] for v in DASHBOARD["templating"]["list"] if v["type"] == "query"
+    ]
+
+
+def _connector_series() -> set[str]:
+    """Series names the connector's metrics expose (counters get _total, histograms _bucket...)."""
+    from prometheus_client import REGISTRY
+
+    import kvpool_connector.store.metrics  # noqa: F401  (registers the kvpool_* metrics)
+
+    names = set()
+    for metric in REGISTRY.collect():
+        if metric.name.startswith("kvpool_"):
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(metric.type, [""])
+            names |= {metric.name + s for s in suffixes}
+    return names
+
+
+def _vllm_metric_names() -> set[str]:
+    spec = importlib.util.find_spec("vllm")  # the installed package's files; importing it is slow
+    assert spec is not None and spec.origin is not None
+    names = set()
+    for path in Path(spec.origin).parent.joinpath("v1", "metrics").rglob("*.py"):
+        names |= set(re.findall(r'"(vllm:[a-z_]+)"', path.read_text()))
+    return names
+
+
+def _metric_part(expr: str) -> str:
+    """The expression without label matchers, grouping clauses and label_values' label argument."""
+    expr = re.sub(r"\{[^}]*\}", "", expr)
+    expr = re.sub(r"\b(by|without)\s*\([^)]*\)", "", expr)
+    return re.sub(r"label_values\(([^,]+),[^)]*\)", r"\1", expr)
+
+
+def test_dashboard_uses_only_real_metrics():
+    series = _connector_series()
+    vllm_names = _vllm_metric_names()
+    used = {m for e in _exprs() for m in re.findall(r"\b((?:kvpool_|vllm:)[a-z_:]+)", _metric_part(e))}
+    assert any(u.startswith("kvpool_") for u in used) and any(u.startswith("vllm:") for u in used)
+    for name in used:
+        if name.startswith("kvpool_"):
+            assert name in series, f"{name} is not a connector metric ({sorted(series)})"
+        else:
+            base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+            assert base in vllm_names, f"{name} is not a vLLM metric"
+
+
+def test_dashboard_covers_the_issue_panels_and_labels():
+    titles = " ".join(p["title"].lower() for p in DASHBOARD["panels"])
+    for topic in ("hit rate per tier", "bytes moved", "load latency", "drops", "corrupt"):
+        assert topic in titles
+    from kvpool_connector.store.metrics import EVENTS
+
+    events = {m for e in _exprs() for m in re.findall(r'event=~?"([a-z_|]+)"', e) for m in m.split("|")}
+    assert events <= set(EVENTS), events - set(EVENTS)
+    assert {"hits", "misses", "drops", "corrupt"} <= events
+    pool_label = "kvpool_dev_pool"  # podTargetLabels kvpool.dev/pool, sanitised by Prometheus
+    assert one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]["podTargetLabels"] == ["kvpool.dev/pool"]
+    assert all(pool_label in e for p in DASHBOARD["panels"] for e in (t["expr"] for t in p["targets"]))
+    ids = [p["id"] for p in DASHBOARD["panels"]]
+    assert len(ids) == len(set(ids))

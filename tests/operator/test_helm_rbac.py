@@ -1,0 +1,100 @@
+"""The chart's RBAC is exactly the operator's one list, kvpool_operator.rbac.RBAC_RULES.
+
+Cluster-wide mode renders that list verbatim into the ClusterRole. Namespaced mode splits it: the
+cluster-scoped resources (kopf's CRD discovery, namespaces, cluster peering) stay in a ClusterRole,
+the rest goes into a Role in each watched namespace, and together they grant exactly the list.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpool_operator import rbac
+from kvpool_operator.render import render as render_pool
+from kvpool_operator.settings import Settings
+from tests.operator.chartkit import CHART, REPO, by_kind, load_sync_module, one, render
+
+WATCHED = ["team-a", "team-b"]
+
+
+def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) grants of a rule list."""
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_chart_rbac_file_is_generated_from_the_operator_list():
+    sync = load_sync_module()
+    want = sync.rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED)
+    assert (CHART / "files" / "rbac.yaml").read_text() == want, "run `python charts/kvpool/hack/sync.py --write`"
+
+
+def test_cluster_wide_mode_grants_exactly_the_operator_rules():
+    docs = render()
+    role = one(docs, "ClusterRole")
+    assert role["rules"] == rbac.RBAC_RULES
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    sa = one(docs, "ServiceAccount")["metadata"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == sa["name"]
+
+
+def test_namespaced_mode_splits_the_list_without_adding_or_losing_a_grant():
+    docs = render({"watch.namespaces": WATCHED})
+    cluster_role = one(docs, "ClusterRole")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == WATCHED
+    for role in roles:
+        assert role["rules"] == roles[0]["rules"]
+        assert not {(g, r) for g, r, _ in triples(role["rules"])} & rbac.CLUSTER_SCOPED
+    assert {(g, r) for g, r, _ in triples(cluster_role["rules"])} <= rbac.CLUSTER_SCOPED
+    assert triples(cluster_role["rules"]) | triples(roles[0]["rules"]) == triples(rbac.RBAC_RULES)
+    assert not triples(cluster_role["rules"]) & triples(roles[0]["rules"])
+    sa = one(docs, "ServiceAccount")["metadata"]
+    for binding in by_kind(docs, "RoleBinding"):
+        assert binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == WATCHED
+
+
+def test_split_rules_splits_a_mixed_rule():
+    split_rules = load_sync_module().split_rules
+    rule = {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "patch"]}
+    cluster, namespaced = split_rules([rule], {("kopf.dev", "clusterkopfpeerings")})
+    assert cluster == [{"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["get", "patch"]}]
+    assert namespaced == [{"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["get", "patch"]}]
+
+
+def test_rbac_create_false_renders_no_rbac():
+    docs = render({"rbac.create": False})
+    assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
+
+
+def _plural(kind: str) -> str:
+    low = kind.lower()
+    return low[:-1] + "ies" if low.endswith("y") else low + "s"
+
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_watched_namespace_role_covers_every_child_the_operator_renders(example: Path):
+    """What the operator server-side applies and prunes in a watched namespace, the Role allows."""
+    role = by_kind(render({"watch.namespaces": WATCHED}), "Role")[0]
+    grants = triples(role["rules"])
+    for pool in yaml.safe_load_all(example.read_text()):
+        if not pool:
+            continue
+        for child in render_pool(pool, Settings(), "team-a"):
+            group = child["apiVersion"].rpartition("/")[0]
+            for verb in ("get", "create", "patch", "delete"):
+                assert (group, _plural(child["kind"]), verb) in grants, f"{child['kind']} {verb}"
+
+
+def test_examples_exist_for_the_coverage_check():
+    assert len(EXAMPLES) >= 5
