@@ -1,0 +1,205 @@
+"""Configuration models of the tiered KV store: the single source of truth for its config.
+
+Imports only pydantic and pyyaml, so the operator (no torch, no redis, no boto3 in its
+image) can validate the config it renders. The vLLM connector extends `StoreConfig` with
+its own keys by subclassing it (every model forbids unknown keys, so a typo fails with a
+message naming the field instead of silently doing nothing).
+
+Sizes accept integers (bytes) or strings with binary ("4Gi", "500Mi", "64Ki") or decimal
+("4G", "500M", "64k") suffixes. Secrets are never part of the config: tiers name the
+environment variables (or files) that hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """'4Gi' -> 4294967296, '500M' -> 500000000, 1024 -> 1024. Raises ValueError on junk."""
+    if isinstance(value, bool):
+        raise ValueError(f"size must be an integer or a string like '4Gi', not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != int(value):
+            raise ValueError(f"size must be a whole, non-negative number of bytes: {value}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"size must be an integer or a string like '4Gi', not {type(value).__name__}")
+    m = _SIZE_RE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"invalid size {value!r}: use bytes or a suffix Ki, Mi, Gi, Ti (or k, M, G, T)")
+    n = float(m.group(1)) * _UNITS[unit]
+    if n != int(n):
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return int(n)
+
+
+Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+PositiveSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _TierBase(_Strict):
+    name: str | None = Field(None, description="tier label in stats/metrics; defaults to the type "
+                                               "(with a suffix when a type repeats)")
+    queue_size: int | None = Field(None, ge=1, description="bounded write queue of a lower tier; "
+                                                           "defaults to the store's queue_size")
+    workers: int = Field(2, ge=1, le=64, description="writer threads serving the queue")
+    timeout_seconds: float | None = Field(None, gt=0, le=60,
+                                          description="per-call bound; defaults to the store's")
+
+
+class CpuTierConfig(_TierBase):
+    """Preallocated host-memory arena of fixed-size slots."""
+
+    type: Literal["cpu"] = "cpu"
+    size: PositiveSize = Field(parse_size("4Gi"), description="arena bytes (hard bound)")
+    eviction: Literal["lru", "arc"] = "lru"
+    slot_size: PositiveSize | None = Field(None, description="bytes per slot; default: the size "
+                                           "of the first stored object rounded up to 4 KiB")
+    pin_memory: bool | None = Field(None, description="pinned (page-locked) arena; default: "
+                                                      "when CUDA is available")
+
+
+class DiskTierConfig(_TierBase):
+    """A directory on a local filesystem (node NVMe), capped and evicting."""
+
+    type: Literal["disk"] = "disk"
+    path: str = Field(min_length=1)
+    size: PositiveSize = Field(description="bytes on disk (hard bound, shared by processes that "
+                                           "use the same path and namespace)")
+    fsync: Literal["never", "file", "always"] = Field(
+        "never", description="never: rely on the page cache; file: fsync each object before "
+                             "rename; always: also fsync the directory after rename")
+    direct_io: bool = Field(False, description="O_DIRECT with aligned buffers where the "
+                                               "filesystem supports it (falls back otherwise)")
+    rescan_seconds: float = Field(10.0, ge=0, description="how often the index is refreshed "
+                                  "from disk (objects of other processes, capacity); 0 = never")
+
+
+class RedisTierConfig(_TierBase):
+    type: Literal["redis"] = "redis"
+    url: str = Field(pattern=r"^(redis|rediss|unix)://", description="redis://, rediss:// (TLS) "
+                                                                    "or unix:// URL, no password")
+    password_env: str | None = Field(None, description="environment variable with the password")
+    password_file: str | None = Field(None, description="file with the password (mounted secret)")
+    username: str | None = None
+    ttl_seconds: int | None = Field(None, gt=0)
+    key_prefix: str = Field("kvpool:", max_length=64)
+    max_connections: int = Field(16, ge=1, le=1024)
+    batch_bytes: PositiveSize = Field(parse_size("32Mi"), description="bytes per pipeline, so one "
+                                      "batch never occupies the server for long")
+    tls_ca_file: str | None = None
+    tls_insecure: bool = False
+
+    @model_validator(mode="after")
+    def _no_inline_password(self):
+        if re.match(r"^rediss?://[^/@]*:[^/@]+@", self.url):
+            raise ValueError("url: must not contain a password; use password_env or password_file")
+        return self
+
+
+class S3TierConfig(_TierBase):
+    type: Literal["s3"] = "s3"
+    endpoint: str | None = Field(None, pattern=r"^https?://", description="None = AWS")
+    bucket: str = Field(min_length=3, max_length=63)
+    prefix: str = ""
+    region: str = "us-east-1"
+    access_key_env: str | None = "AWS_ACCESS_KEY_ID"
+    secret_key_env: str | None = "AWS_SECRET_ACCESS_KEY"
+    path_style: bool | None = Field(None, description="path-style addressing (MinIO); default: "
+                                                      "on when an endpoint is set")
+    create_bucket: bool = False
+    max_connections: int = Field(16, ge=1, le=512)
+    negative_cache_seconds: float = Field(2.0, ge=0, description="how long a missing object is "
+                                          "remembered by contains_prefix")
+    verify_tls: bool = True
+
+
+TierConfig = Annotated[
+    Union[CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig],
+    Field(discriminator="type"),
+]
+
+_NAMESPACE_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+class StoreConfig(_Strict):
+    """The tiered store. Subclass it to add keys (the vLLM connector does)."""
+
+    namespace: str = Field("default", pattern=_NAMESPACE_RE,
+                           description="isolates pools sharing a directory, Redis or bucket")
+    tiers: list[TierConfig] = Field(min_length=1, description="ordered, fastest first")
+    timeout_seconds: float = Field(0.5, gt=0, le=60, description="bound of every store call")
+    queue_size: int = Field(256, ge=1, description="default write-queue length of lower tiers")
+    batch_max: int = Field(32, ge=1, description="objects a writer takes from its queue at once")
+    backoff_initial_seconds: float = Field(0.25, gt=0)
+    backoff_max_seconds: float = Field(10.0, gt=0)
+    promote: bool = Field(True, description="copy lower-tier hits into the faster tiers")
+    metrics: bool = Field(True, description="export Prometheus metrics")
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = tier_names(self.tiers)
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers: names must be unique, got {names}")
+        return self
+
+
+def tier_names(tiers: list) -> list[str]:
+    """Label of each tier: its `name`, else its type (disk, disk2, ... when a type repeats)."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in tiers:
+        if t.name:
+            out.append(t.name)
+            continue
+        seen[t.type] = seen.get(t.type, 0) + 1
+        out.append(t.type if seen[t.type] == 1 else f"{t.type}{seen[t.type]}")
+    return out
+
+
+C = TypeVar("C", bound=StoreConfig)
+
+
+def load_store_config(source: Any, model: type[C] = StoreConfig) -> C:  # type: ignore[assignment]
+    """A validated config from a model instance, a dict, or a YAML/JSON file path.
+
+    `model` lets a subclass (the connector's config) reuse the loader.
+    """
+    if isinstance(source, model):
+        return source
+    if isinstance(source, StoreConfig):
+        return model.model_validate(source.model_dump())
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        return model.model_validate(data)
+    if isinstance(source, dict):
+        return model.model_validate(source)
+    raise TypeError(f"store config must be a dict, a file path or {model.__name__}, "
+                    f"not {type(source).__name__}")

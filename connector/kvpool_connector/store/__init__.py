@@ -1,0 +1,50 @@
+"""Tiered KV store: cpu arena, local disk, Redis and S3 tiers behind one batch API.
+
+    from kvpool_connector.store import open_store
+    store = open_store(config, layout=b"llama-8b|bf16|kv:2x32x8x128|blk16")
+    store.put_many(keys, payloads)               # returns once the first tier holds them
+    store.get_many(keys) -> [memoryview | bytes | None, ...]   # None = miss
+    store.get_many_into(keys, buffers) -> [nbytes | None, ...]  # fill caller buffers
+    store.contains_prefix(keys) -> int           # leading keys present in some tier
+    store.flush(); store.stats(); store.close()
+
+config: a dict, a YAML/JSON path or a `kvpool_connector.config.StoreConfig`.
+keys: bytes (1..1024; the connector uses 32-byte sha256-derived keys). Objects are named by
+the key's hex under the namespace in every tier.
+payloads: anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays) or
+contiguous CPU torch tensors (viewed as bytes, no copy). The caller may reuse its buffers as
+soon as put_many returns.
+
+Layout fingerprint: `open_store(config, layout=...)` sets the store's default (bytes or str of
+any length describing model, dtype, KV layout, chunk size, TP rank...); every call accepts
+`layout=` to override it. It is hashed to 16 bytes and stored in each object's header; an
+object written under another layout is a miss, counted as `foreign_layout`, and removed.
+
+Semantics: the first tier is written synchronously, the others through bounded queues
+(full -> dropped and counted). Reads probe tiers in order, verify the header and checksum
+(cpu: header fields only, memory is trusted), and promote lower-tier hits upwards. A failing
+or slow tier is skipped with backoff; no call raises on backend errors or takes longer than
+`timeout_seconds` (remote tiers run on a pool with that deadline). stats() returns
+{"namespace", "layout", "tiers": {name: {hits, misses, bytes_in, bytes_out, evictions,
+drops, errors, timeouts, corrupt, foreign_layout, rejected, promotions, healthy,
+queue_depth, type, [objects, used_bytes, capacity_bytes]}}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import StoreConfig, load_store_config
+from .format import layout_digest
+from .tiered import TieredStore
+from .tiers.base import BufferTooSmall
+
+
+def open_store(config: Any, layout: bytes | str | None = None) -> TieredStore:
+    """A store for a config (dict, YAML/JSON path or StoreConfig) and a default layout."""
+    cfg = config if isinstance(config, StoreConfig) else load_store_config(config)
+    return TieredStore(cfg, layout=layout)
+
+
+__all__ = ["BufferTooSmall", "StoreConfig", "TieredStore", "layout_digest", "load_store_config",
+           "open_store"]

@@ -1,0 +1,188 @@
+"""Host-memory tier: one preallocated arena split into fixed-size slots.
+
+No allocation per object: an object takes ceil(size / slot_size) slots from a free list
+(objects bigger than a slot span several slots, not necessarily adjacent; objects bigger
+than the whole arena are rejected and counted). The arena is pinned when CUDA is available
+so device copies from it are DMA-able. Memory is trusted: the index (key, length, layout)
+replaces the stored header, so reads check the layout but compute no checksum.
+
+Reads copy once: `get_many` returns `bytes`, `get_into` fills the caller's buffer. Returning
+views into the arena would let a concurrent eviction overwrite bytes the caller holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+
+from ..eviction import make_policy
+from ..format import Record, Status
+from .base import BufferTooSmall, Tier
+
+log = logging.getLogger("kvpool.store")
+_ROUND = 4096
+
+
+def allocate_arena(size: int, pin: bool | None) -> tuple[memoryview, object]:
+    """(flat byte view, owner) of `size` bytes; pages are committed on first touch.
+
+    pin=None pins when torch is already loaded (as in vLLM) and CUDA is available; the store
+    never imports torch just to find out."""
+    torch = sys.modules.get("torch")
+    if pin or (pin is None and torch is not None):
+        try:
+            import torch
+
+            if pin or torch.cuda.is_available():
+                t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                return memoryview(t.numpy()), t
+        except Exception as e:  # no torch, no CUDA: fall back to pageable memory
+            if pin:
+                log.warning("cpu tier: pinned arena unavailable (%s); using pageable memory", e)
+    import numpy as np
+
+    arr = np.empty(size, dtype=np.uint8)
+    return memoryview(arr), arr
+
+
+@dataclass(slots=True)
+class _Entry:
+    slots: tuple[int, ...]
+    length: int
+    layout: bytes
+
+
+class CpuTier(Tier):
+    type = "cpu"
+    needs_blob = False
+    native_into = True
+
+    def __init__(self, cfg, namespace, stats) -> None:
+        super().__init__(cfg, namespace, stats)
+        self.capacity = cfg.size
+        self._arena, self._owner = allocate_arena(cfg.size, cfg.pin_memory)
+        self._lock = threading.Lock()
+        self._index: dict[bytes, _Entry] = {}
+        self.slot_size = 0
+        self.nslots = 0
+        self._free: list[int] = []
+        self._policy = None
+        if cfg.slot_size:
+            self._init_slots(cfg.slot_size)
+
+    def _init_slots(self, slot_size: int) -> None:
+        self.slot_size = min(slot_size, self.capacity)
+        self.nslots = self.capacity // self.slot_size
+        self._free = list(range(self.nslots - 1, -1, -1))
+        self._policy = make_policy(self.cfg.eviction, self.nslots)
+
+    def _release(self, key: bytes, evicted: bool) -> None:
+        e = self._index.pop(key)
+        self._free.extend(e.slots)
+        self._policy.remove(key, evicted)
+
+    def put_many(self, records: list[Record]) -> None:
+        for rec in records:
+            self._put(rec)
+
+    def _put(self, rec: Record) -> None:
+        n = len(rec.payload)
+        with self._lock:
+            if not self.slot_size:
+                self._init_slots(-(-max(n, 1) // _ROUND) * _ROUND)
+            ss = self.slot_size
+            units = max(1, -(-n // ss))
+            if units > self.nslots:
+                self.stats.inc("rejected")
+                return
+            if rec.key in self._index:
+                self._release(rec.key, evicted=False)
+            self._policy.admit(rec.key)
+            while len(self._free) < units:
+                victim = self._policy.victim()
+                self._release(victim, evicted=True)
+                self.stats.inc("evictions")
+            slots = tuple(self._free.pop() for _ in range(units))
+            arena, src = self._arena, rec.payload
+            for i, s in enumerate(slots):
+                chunk = src[i * ss:(i + 1) * ss]
+                arena[s * ss:s * ss + len(chunk)] = chunk
+            self._index[rec.key] = _Entry(slots, n, rec.layout)
+            self._policy.insert(rec.key, units)
+        self.stats.inc("bytes_in", n)
+
+    def _lookup(self, key: bytes, layout: bytes) -> _Entry | None:
+        """Entry of key under the lock; a foreign-layout entry is dropped and counted."""
+        e = self._index.get(key)
+        if e is None:
+            return None
+        if e.layout != layout:
+            self._release(key, evicted=False)
+            self.stats.inc(Status.FOREIGN_LAYOUT.value)
+            return None
+        self._policy.touch(key)
+        return e
+
+    def _copy_out(self, e: _Entry, out: memoryview) -> None:
+        ss, arena = self.slot_size, self._arena
+        for i, s in enumerate(e.slots):
+            m = min(ss, e.length - i * ss)
+            out[i * ss:i * ss + m] = arena[s * ss:s * ss + m]
+
+    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
+        out: list[Record | None] = []
+        nbytes = 0
+        for key in keys:
+            with self._lock:
+                e = self._lookup(key, layout)
+                if e is None:
+                    out.append(None)
+                    continue
+                if len(e.slots) == 1:
+                    s = e.slots[0] * self.slot_size
+                    data = bytes(self._arena[s:s + e.length])
+                else:
+                    buf = bytearray(e.length)
+                    self._copy_out(e, memoryview(buf))
+                    data = buf
+            nbytes += e.length
+            out.append(Record(key, layout, memoryview(data)))
+        self.stats.inc("bytes_out", nbytes)
+        return out
+
+    def get_into(self, key: bytes, layout: bytes, out: memoryview) -> int | None:
+        with self._lock:
+            e = self._lookup(key, layout)
+            if e is None:
+                return None
+            if e.length > len(out):
+                raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than the "
+                                 f"object ({e.length})")
+            self._copy_out(e, out)
+        self.stats.inc("bytes_out", e.length)
+        return e.length
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def delete_many(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                if k in self._index:
+                    self._release(k, evicted=False)
+
+    def usage(self) -> dict:
+        with self._lock:
+            used = (self.nslots - len(self._free)) * self.slot_size
+            return {"objects": len(self._index), "used_bytes": used,
+                    "capacity_bytes": self.capacity, "slot_size": self.slot_size}
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._free = []
+            self._arena = memoryview(b"")
+            self._owner = None

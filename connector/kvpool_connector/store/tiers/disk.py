@@ -1,0 +1,348 @@
+"""Local-disk tier: one file per object under <path>/<namespace>/<xx>/<key hex>.kv.
+
+- Hard capacity: an in-memory index (key -> size, LRU order) is charged before each write
+  and evicts the least recently used files until the new object fits.
+- Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
+  this or another process) see a whole object or none; fsync as configured.
+- Large I/O: a single writev of header+payload; reads go straight into the caller's buffer
+  (`get_into`, preadv) or one buffer per object. With direct_io, O_DIRECT through
+  page-aligned buffers (falls back to buffered I/O where the filesystem refuses it).
+- Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
+  only, oldest mtime first) and refreshed every rescan_seconds, which picks up objects other
+  processes wrote and re-applies the capacity bound; reads always try the file itself.
+- A full disk or a permission error raises here; the orchestrator counts it and drops.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+
+from ..format import Record, Status, check_header, checksum, header_size
+from .base import BufferTooSmall, Tier, log
+
+_SUFFIX = ".kv"
+_ALIGN = 4096
+_STALE_TMP_SECONDS = 600
+
+
+class DiskTier(Tier):
+    type = "disk"
+    needs_blob = False
+    native_into = True
+
+    def __init__(self, cfg, namespace, stats) -> None:
+        super().__init__(cfg, namespace, stats)
+        self.root = os.path.join(os.path.abspath(cfg.path), namespace)
+        self.tmpdir = os.path.join(self.root, ".tmp")
+        self.capacity = cfg.size
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._used = 0
+        self._direct = bool(cfg.direct_io) and hasattr(os, "O_DIRECT")
+        self._stop = threading.Event()
+        try:
+            os.makedirs(self.tmpdir, exist_ok=True)
+        except OSError as e:  # e.g. read-only volume: writes will fail and be counted
+            log.warning("disk tier: cannot create %s: %s", self.tmpdir, e)
+        self.rescan()
+        self._rescanner = None
+        if cfg.rescan_seconds > 0:
+            self._rescanner = threading.Thread(target=self._rescan_loop, daemon=True,
+                                               name=f"kvpool-disk-rescan-{namespace}")
+            self._rescanner.start()
+
+    # -- paths and index ------------------------------------------------------------------
+    def path(self, key: bytes) -> str:
+        h = key.hex()
+        return os.path.join(self.root, h[:2], h + _SUFFIX)
+
+    def _scan(self) -> list[tuple[float, bytes, int]]:
+        found = []
+        now = time.time()
+        try:
+            tops = list(os.scandir(self.root))
+        except OSError:
+            return found
+        for top in tops:
+            if not top.is_dir(follow_symlinks=False):
+                continue
+            if top.name == ".tmp":
+                self._clean_tmp(top.path, now)
+                continue
+            try:
+                with os.scandir(top.path) as it:
+                    for ent in it:
+                        name = ent.name
+                        if not name.endswith(_SUFFIX):
+                            continue
+                        try:
+                            key = bytes.fromhex(name[:-len(_SUFFIX)])
+                            st = ent.stat(follow_symlinks=False)
+                        except (ValueError, OSError):
+                            continue
+                        found.append((st.st_mtime, key, st.st_size))
+            except OSError:
+                continue
+        found.sort()
+        return found
+
+    @staticmethod
+    def _clean_tmp(path: str, now: float) -> None:
+        """Temp files of writers that died long ago (live writers finish in seconds)."""
+        try:
+            for ent in os.scandir(path):
+                try:
+                    if now - ent.stat().st_mtime > _STALE_TMP_SECONDS:
+                        os.unlink(ent.path)
+                except OSError:
+                    pass
+        except OSError:
+            pass
+
+    def rescan(self) -> None:
+        """Rebuild the index from the directory, keeping our recency order for known keys."""
+        found = self._scan()
+        with self._lock:
+            old = self._index
+            new: OrderedDict[bytes, int] = OrderedDict((k, size) for _, k, size in found)
+            for k in old:  # our recency order wins for the keys we know
+                if k in new:
+                    new.move_to_end(k)
+            self._index = new
+            self._used = sum(new.values())
+            victims = self._evict_locked(0)
+        self._unlink_all(victims)
+
+    def _rescan_loop(self) -> None:
+        while not self._stop.wait(self.cfg.rescan_seconds):
+            try:
+                self.rescan()
+            except Exception as e:  # never let the thread die
+                log.warning("disk tier: rescan failed: %s", e)
+
+    def _evict_locked(self, incoming: int) -> list[bytes]:
+        victims = []
+        while self._index and self._used + incoming > self.capacity:
+            k, size = self._index.popitem(last=False)
+            self._used -= size
+            victims.append(k)
+        return victims
+
+    def _unlink_all(self, keys: list[bytes]) -> None:
+        for k in keys:
+            try:
+                os.unlink(self.path(k))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.debug("disk tier: eviction of %s failed: %s", k.hex()[:16], e)
+        self.stats.inc("evictions", len(keys))
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def _learn(self, key: bytes, size: int) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            self._used += size - (old or 0)
+            self._index[key] = size
+
+    # -- writes ---------------------------------------------------------------------------
+    def put_many(self, records: list[Record]) -> None:
+        for rec in records:
+            self._put(rec)
+
+    def _put(self, rec: Record) -> None:
+        hdr = rec.header()
+        size = len(hdr) + len(rec.payload)
+        if size > self.capacity:
+            self.stats.inc("rejected")
+            return
+        with self._lock:
+            old = self._index.pop(rec.key, None)
+            self._used -= old or 0
+            victims = self._evict_locked(size)
+            self._index[rec.key] = size  # charged before writing: concurrent puts stay bounded
+            self._used += size
+        self._unlink_all(victims)
+        final = self.path(rec.key)
+        tmp = os.path.join(self.tmpdir, f"{rec.key.hex()}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            self._write_file(tmp, hdr, rec.payload, size)
+            try:
+                os.rename(tmp, final)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.rename(tmp, final)
+            if self.cfg.fsync == "always":
+                _fsync_dir(os.path.dirname(final))
+        except BaseException:
+            self._forget(rec.key)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self.stats.inc("bytes_in", len(rec.payload))
+
+    def _write_file(self, tmp: str, hdr: bytes, payload: memoryview, size: int) -> None:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            os.makedirs(self.tmpdir, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if self._direct and self._write_direct(fd, hdr, payload, size):
+                pass
+            else:
+                _writev_all(fd, [hdr, payload])
+            if self.cfg.fsync != "never":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_direct(self, fd: int, hdr: bytes, payload: memoryview, size: int) -> bool:
+        """O_DIRECT write of a page-aligned copy, then trim the padding; False = unsupported."""
+        import fcntl
+
+        padded = -(-size // _ALIGN) * _ALIGN
+        buf = mmap.mmap(-1, padded)
+        try:
+            buf[:len(hdr)] = hdr
+            buf[len(hdr):size] = payload
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+            except OSError:
+                self._direct = False
+                return False
+            try:
+                _writev_all(fd, [buf])
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct = False
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+                os.lseek(fd, 0, os.SEEK_SET)
+                return False
+            os.ftruncate(fd, size)
+            return True
+        finally:
+            buf.close()
+
+    # -- reads ----------------------------------------------------------------------------
+    def _open(self, key: bytes) -> int | None:
+        try:
+            return os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+
+    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
+        out: list[Record | None] = []
+        for key in keys:
+            fd = self._open(key)
+            if fd is None:
+                out.append(None)
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                buf = bytearray(size)
+                got = _preadv_all(fd, [memoryview(buf)], 0)
+            finally:
+                os.close(fd)
+            rec = self.verify(key, layout, memoryview(buf)[:got])
+            if rec is not None:
+                self._learn(key, size)
+                self.stats.inc("bytes_out", len(rec.payload))
+            out.append(rec)
+        return out
+
+    def get_into(self, key: bytes, layout: bytes, out: memoryview) -> int | None:
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            hs = header_size(key)
+            hdr = os.pread(fd, hs, 0)
+            st, n, csum, stored_layout = check_header(hdr, key, layout, size)
+            if st is Status.OK and n > len(out):
+                raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than the "
+                                 f"object ({n})")
+            if st is not Status.CORRUPT and n <= len(out):
+                got = _preadv_all(fd, [out[:n]], hs)
+                if got != n or checksum(key, stored_layout, out[:n]) != csum:
+                    st = Status.CORRUPT
+        finally:
+            os.close(fd)
+        if st is not Status.OK:
+            self.reject(key, st)
+            return None
+        self._learn(key, size)
+        self.stats.inc("bytes_out", n)
+        return n
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def delete_many(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self._forget(k)
+            try:
+                os.unlink(self.path(k))
+            except FileNotFoundError:
+                pass
+
+    def usage(self) -> dict:
+        with self._lock:
+            return {"objects": len(self._index), "used_bytes": self._used,
+                    "capacity_bytes": self.capacity}
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _writev_all(fd: int, bufs: list) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill bufs from offset; returns bytes read (short only at end of file)."""
+    total = 0
+    views = list(bufs)
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,314 @@
+"""Round trips through each tier alone and the full stack, promotion, prefix lookups,
+namespace isolation, restart of the disk tier, processes sharing one directory."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool_connector.store import BufferTooSmall, open_store
+
+SIZES = [1, 4095, 4096, 70_001, 1 << 20, (2 << 20) + 3]
+LAYOUT = b"test-model|bf16|L2xH4xD64|blk16"
+
+
+def rand_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def payloads_of(sizes) -> list[bytes]:
+    return [random.randbytes(s) for s in sizes]
+
+
+def build(namespace, *tiers, **extra):
+    return open_store({"namespace": namespace, "tiers": list(tiers), **extra}, layout=LAYOUT)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "s3"])
+def test_round_trip_single_tier(kind, tier_cfgs, namespace):
+    s = build(namespace, tier_cfgs[kind])
+    keys, vals = rand_keys(len(SIZES)), payloads_of(SIZES)
+    s.put_many(keys, vals)
+    assert s.flush(10)
+    got = s.get_many(keys)
+    assert [bytes(g) for g in got] == vals
+    assert s.get_many(rand_keys(2)) == [None, None]
+    outs = [bytearray(len(v) + 7) for v in vals]
+    assert s.get_many_into(keys, outs) == [len(v) for v in vals]
+    assert all(o[:len(v)] == v for o, v in zip(outs, vals))
+    with pytest.raises(BufferTooSmall):
+        s.get_into(keys[-1], bytearray(10))
+    st = s.stats()["tiers"][kind]
+    assert st["hits"] == 2 * len(SIZES) and st["misses"] == 2 and st["errors"] == 0
+    assert st["bytes_in"] == sum(SIZES)
+    s.close()
+
+
+def test_full_stack_round_trip_and_lower_tiers_filled(tier_cfgs, namespace):
+    s = build(namespace, *tier_cfgs.values())
+    keys, vals = rand_keys(len(SIZES)), payloads_of(SIZES)
+    s.put_many(keys, vals)
+    assert s.flush(20)
+    assert [bytes(g) for g in s.get_many(keys)] == vals
+    st = s.stats()["tiers"]
+    assert st["cpu"]["hits"] == len(SIZES)
+    for name in ("disk", "redis", "s3"):
+        assert st[name]["bytes_in"] == sum(SIZES) and st[name]["drops"] == 0
+    s.close()
+    # each lower tier alone holds everything the stack wrote
+    for name in ("disk", "redis", "s3"):
+        alone = build(namespace, tier_cfgs[name])
+        assert [bytes(g) for g in alone.get_many(keys)] == vals, name
+        alone.close()
+
+
+@pytest.mark.parametrize("lower", ["disk", "redis", "s3"])
+def test_hit_in_lower_tier_is_promoted(lower, tier_cfgs, namespace):
+    keys, vals = rand_keys(3), payloads_of([5000, 70_000, 1 << 20])
+    writer = build(namespace, tier_cfgs[lower])
+    writer.put_many(keys, vals)
+    writer.close()
+    s = build(namespace, tier_cfgs["cpu"], tier_cfgs[lower])
+    assert s.contains_prefix(keys) == 3
+    assert [bytes(g) for g in s.get_many(keys)] == vals
+    st = s.stats()["tiers"]
+    assert st[lower]["hits"] == 3 and st[lower]["promotions"] == 3
+    assert st["cpu"]["objects"] == 3
+    assert [bytes(g) for g in s.get_many(keys)] == vals
+    assert s.stats()["tiers"]["cpu"]["hits"] == 3 and s.stats()["tiers"][lower]["hits"] == 3
+    s.close()
+
+
+def test_promotion_through_get_into_and_into_middle_tiers(tier_cfgs, namespace):
+    keys, vals = rand_keys(2), payloads_of([1 << 20, 1 << 20])
+    w = build(namespace, tier_cfgs["redis"])
+    w.put_many(keys, vals)
+    w.close()
+    s = build(namespace, tier_cfgs["cpu"], tier_cfgs["disk"], tier_cfgs["redis"])
+    outs = [bytearray(1 << 20) for _ in keys]
+    assert s.get_many_into(keys, outs) == [1 << 20] * 2 and outs == vals
+    assert s.flush(10)
+    st = s.stats()["tiers"]
+    assert st["cpu"]["objects"] == 2 and st["disk"]["objects"] == 2
+    s.close()
+
+
+def test_payload_types(tier_cfgs, namespace):
+    s = build(namespace, tier_cfgs["cpu"], tier_cfgs["disk"])
+    arr = np.arange(4096, dtype=np.float32)
+    t = torch.arange(8192, dtype=torch.int16).view(torch.uint8)
+    items = {b"n" * 32: arr, b"t" * 32: t, b"b" * 32: bytearray(b"xyz"),
+             b"m" * 32: memoryview(b"0123456789")[2:8], b"2d" * 16: np.ones((3, 5), np.int64)}
+    s.put_many(list(items), list(items.values()))
+    expect = {k: memoryview(v.numpy() if isinstance(v, torch.Tensor) else v).tobytes()
+              for k, v in items.items()}
+    assert {k: bytes(v) for k, v in zip(items, s.get_many(list(items)))} == expect
+    dst = torch.empty(t.numel(), dtype=torch.uint8)
+    assert s.get_into(b"t" * 32, dst) == t.numel() and torch.equal(dst, t)
+    with pytest.raises(TypeError):
+        s.put_many(["not-bytes"], [b"x"])
+    with pytest.raises(ValueError):
+        s.put_many([b"k" * 32], [])
+    s.close()
+
+
+def test_caller_may_reuse_its_buffer_after_put(tier_cfgs, namespace):
+    s = build(namespace, tier_cfgs["cpu"], tier_cfgs["redis"])
+    buf = bytearray(random.randbytes(100_000))
+    original = bytes(buf)
+    key = os.urandom(32)
+    s.put_many([key], [buf])
+    buf[:] = bytes(len(buf))  # the connector reuses staging buffers at once
+    assert s.flush(10)
+    s.close()
+    lower = build(namespace, tier_cfgs["redis"])
+    assert bytes(lower.get_many([key])[0]) == original
+    lower.close()
+
+
+@pytest.mark.parametrize("kinds", [("cpu",), ("disk",), ("redis",), ("s3",), ("cpu", "disk"),
+                                   ("cpu", "redis", "s3")])
+def test_contains_prefix(kinds, tier_cfgs, namespace):
+    s = build(namespace, *(tier_cfgs[k] for k in kinds))
+    keys = rand_keys(40)
+    assert s.contains_prefix(keys) == 0
+    s.put_many(keys[:10] + keys[11:20], [b"v"] * 19)
+    assert s.flush(10)
+    assert s.contains_prefix(keys) == 10
+    assert s.contains_prefix(keys[11:]) == 9
+    assert s.contains_prefix([]) == 0
+    s.close()
+
+
+def test_contains_prefix_unions_tiers(tier_cfgs, namespace):
+    """Key 0 only in redis, key 1 only in cpu: the prefix spans both tiers."""
+    keys = rand_keys(3)
+    r = build(namespace, tier_cfgs["redis"])
+    r.put_many([keys[0]], [b"zero"])
+    r.close()
+    s = build(namespace, tier_cfgs["cpu"], tier_cfgs["redis"], promote=False)
+    s.runners[0].tier.put_many([_rec(keys[1], b"one", s.layout)])
+    assert s.contains_prefix(keys) == 2
+    s.close()
+
+
+def _rec(key, payload, layout):
+    from kvpool_connector.store.format import Record
+
+    return Record(key, layout, memoryview(payload))
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis", "s3"])
+def test_namespaces_are_isolated(kind, tier_cfgs, namespace):
+    a = build(namespace + "-a", tier_cfgs[kind])
+    b = build(namespace + "-b", tier_cfgs[kind])
+    key = os.urandom(32)
+    a.put_many([key], [b"from a"])
+    a.flush(10)
+    assert b.get_many([key]) == [None] and b.contains_prefix([key]) == 0
+    b.put_many([key], [b"from b"])
+    b.flush(10)
+    assert bytes(a.get_many([key])[0]) == b"from a"
+    assert bytes(b.get_many([key])[0]) == b"from b"
+    a.close()
+    b.close()
+
+
+def test_s3_objects_live_under_prefix_and_namespace(tier_cfgs, namespace, s3_server):
+    s = build(namespace, tier_cfgs["s3"])
+    key = os.urandom(32)
+    s.put_many([key], [b"payload"])
+    s.close()
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket,
+                                                Prefix=f"kv/{namespace}/")
+    assert [o["Key"] for o in listed["Contents"]] == [f"kv/{namespace}/{key.hex()}"]
+
+
+def test_s3_creates_its_bucket(tier_cfgs, namespace, s3_server):
+    cfg = dict(tier_cfgs["s3"], bucket="made-by-kvpool-" + namespace[2:], create_bucket=True)
+    s = build(namespace, cfg)
+    key = os.urandom(32)
+    s.put_many([key], [b"v"])
+    assert bytes(s.get_many([key])[0]) == b"v"
+    s.close()
+
+
+def test_redis_ttl(tier_cfgs, namespace, redis_server):
+    import redis
+
+    s = build(namespace, dict(tier_cfgs["redis"], ttl_seconds=3600))
+    key = os.urandom(32)
+    s.put_many([key], [b"v"])
+    s.close()
+    r = redis.Redis.from_url(redis_server.url, password=redis_server.password)
+    assert 0 < r.ttl(f"kvpool:{namespace}:{key.hex()}") <= 3600
+
+
+def test_disk_restart_finds_objects(tmp_path, namespace):
+    cfg = {"type": "disk", "path": str(tmp_path), "size": "64Mi", "rescan_seconds": 0}
+    keys, vals = rand_keys(200), payloads_of([random.randrange(1, 50_000) for _ in range(200)])
+    s = build(namespace, cfg)
+    s.put_many(keys, vals)
+    s.close()
+    s2 = build(namespace, cfg)
+    assert s2.stats()["tiers"]["disk"]["objects"] == 200
+    assert s2.contains_prefix(keys) == 200
+    assert [bytes(g) for g in s2.get_many(keys)] == vals
+    s2.close()
+
+
+_WRITER = """
+import os, sys
+from kvpool_connector.store import open_store
+s = open_store({"namespace": sys.argv[2], "metrics": False, "tiers": [{"type": "disk",
+    "path": sys.argv[1], "size": "64Mi", "rescan_seconds": 0}]}, layout=b"L")
+for round in range(30):
+    for i in range(20):
+        s.put_many([bytes([i]) * 32], [bytes([i]) * (100_000 + i)])
+s.close()
+"""
+
+
+def test_processes_share_a_directory(tmp_path, namespace):
+    """Two writer processes overwrite the same objects while this one reads: every read is
+    either a miss or the whole right object; afterwards this process sees all of them."""
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), namespace])
+             for _ in range(2)]
+    reader = open_store({"namespace": namespace, "tiers": [
+        {"type": "disk", "path": str(tmp_path), "size": "64Mi", "rescan_seconds": 0.2}]},
+        layout=b"L")
+    keys = [bytes([i]) * 32 for i in range(20)]
+    hits = 0
+    while any(p.poll() is None for p in procs):
+        for i, g in enumerate(reader.get_many(keys)):
+            if g is not None:
+                hits += 1
+                assert bytes(g) == bytes([i]) * (100_000 + i)
+    assert [p.wait() for p in procs] == [0, 0]
+    assert [bytes(g) for g in reader.get_many(keys)] == [bytes([i]) * (100_000 + i)
+                                                          for i in range(20)]
+    assert reader.stats()["tiers"]["disk"]["corrupt"] == 0
+    assert not os.listdir(tmp_path / namespace / ".tmp")
+    reader.rescan = reader.runners[0].tier.rescan
+    reader.rescan()
+    assert reader.contains_prefix(keys) == 20
+    reader.close()
+
+
+def test_layout_per_call_overrides_default(tier_cfgs, namespace):
+    s = build(namespace, tier_cfgs["cpu"])
+    key = os.urandom(32)
+    s.put_many([key], [b"v"], layout=b"other-layout")
+    assert s.get_many([key], layout=b"other-layout")[0] == b"v"
+    assert s.get_many([key]) == [None]  # default layout: foreign, removed
+    assert s.stats()["tiers"]["cpu"]["foreign_layout"] == 1
+    s.close()
+
+
+def test_cpu_soak_keeps_memory_flat(namespace):
+    """Thousands of puts and gets through a 4 MiB arena: resident memory stays put."""
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    s = build(namespace, {"type": "cpu", "size": "4Mi", "slot_size": "64Ki"}, metrics=False)
+    keys = rand_keys(256)
+    payload = np.random.bytes(60_000)
+    out = bytearray(64 * 1024)
+
+    def cycle():
+        for i in range(0, len(keys), 8):
+            s.put_many(keys[i:i + 8], [payload] * 8)
+            s.get_many(keys[max(0, i - 32):i + 8])
+            s.get_into(keys[i], out)
+    for _ in range(3):
+        cycle()
+    before = rss()
+    for _ in range(40):
+        cycle()
+    assert rss() - before < 8 << 20
+    assert s.stats()["tiers"]["cpu"]["used_bytes"] <= 4 << 20
+    s.close()
+
+
+def test_prometheus_series_and_several_stores(tier_cfgs, namespace):
+    from prometheus_client import REGISTRY, generate_latest
+
+    stores = [build(namespace, tier_cfgs["cpu"]) for _ in range(3)]
+    for s in stores:
+        s.put_many([b"k" * 32], [b"v"])
+        s.get_many([b"k" * 32, b"j" * 32])
+    text = generate_latest(REGISTRY).decode()
+    assert (f'kvpool_store_events_total{{event="hits",namespace="{namespace}",tier="cpu"}} 3.0'
+            in text)
+    assert f'kvpool_store_tier_healthy{{namespace="{namespace}",tier="cpu"}} 1.0' in text
+    assert "kvpool_store_op_seconds_bucket" in text
+    assert all(s.stats()["tiers"]["cpu"]["hits"] == 1 for s in stores)
+    for s in stores:
+        s.close()
