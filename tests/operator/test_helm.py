@@ -360,3 +360,13 @@ def test_rendered_args_are_accepted_by_kvpool_operator_run(scenario, monkeypatch
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     assert args.peering == ("kvpool-operator" if values.get("replicaCount", 1) > 1 else None)
     assert args.verbose is (values.get("operator.logLevel") == "debug")
+
+
+def test_docs_cover_every_value_and_the_two_sections():
+    docs = (CHART.parents[1] / "docs" / "helm.md").read_text()
+    assert "## Install with Helm" in docs and "## Manage with Argo CD / Flux" in docs
+    values = chart_values()
+    for key in values:
+        assert f"`{key}" in docs, f"values key {key} is not documented in docs/helm.md"
+    for key in values["operator"]["settings"]:
+        assert f"`{key}`" in docs, f"operator.settings.{key} is not documented"
