@@ -1,8 +1,9 @@
 """The tiered store: the first tier written synchronously, lower tiers through bounded
 queues served by writer threads, reads probing tiers in order and promoting hits upwards.
 
-Every call into a tier goes through its `TierRunner`, which owns the tier's health: an error
-or a timeout marks the tier unhealthy; it is skipped until its backoff expires, then one
+Every call into a tier goes through its `TierRunner`, which owns the tier's health, kept
+apart for writes and reads (a full or read-only disk still serves what it holds): an error
+or a timeout marks that side unhealthy; it is skipped until its backoff expires, then one
 call probes it again (success makes it healthy). Remote tiers (redis, s3) run on a small
 pool so the caller waits at most the timeout even when a backend hangs. Nothing raises into
 the caller except misuse (wrong argument types, a too-small output buffer).
@@ -74,7 +75,8 @@ class TierRunner:
                  first: bool) -> None:
         self.name, self.tier, self.stats = name, tier, stats
         self.timeout = tcfg.timeout_seconds or cfg.timeout_seconds
-        self.health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
+        self.write_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
+        self.read_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
         self.batch_max = cfg.batch_max
         self._pool = (ThreadPoolExecutor(4, thread_name_prefix=f"kvpool-{name}")
                       if tier.remote else None)
@@ -88,19 +90,29 @@ class TierRunner:
                 t.start()
                 self._workers.append(t)
 
-    def _set_health(self, ok: bool) -> None:
-        was = self.health.healthy
+    @property
+    def healthy(self) -> bool:
+        return self.write_health.healthy and self.read_health.healthy
+
+    def _health(self, op: str) -> Health:
+        return self.write_health if op == "put" else self.read_health
+
+    def _set_health(self, op: str, ok: bool) -> None:
+        h = self._health(op)
+        was = h.healthy
         if ok:
-            self.health.ok()
+            h.ok()
         else:
-            self.health.fail()
+            h.fail()
         if was != ok:
-            log.warning("store tier %s is %s", self.name, "healthy again" if ok else "unhealthy")
-        self.stats.set_healthy(ok)
+            side = "writes" if op == "put" else "reads"
+            log.warning("store tier %s: %s %s", self.name, side,
+                        "healthy again" if ok else "failing")
+            self.stats.set_healthy(self.healthy)
 
     def call(self, op: str, fn: Callable, *args, default=None, timeout: float | None = None):
         """fn(*args) within the timeout; errors and timeouts count, mark unhealthy, -> default."""
-        if not self.health.available():
+        if not self._health(op).available():
             return default
         t0 = time.perf_counter()
         try:
@@ -111,19 +123,19 @@ class TierRunner:
                 res = fn(*args)
         except FutureTimeout:
             self.stats.inc("timeouts")
-            self._set_health(False)
+            self._set_health(op, False)
             return default
         except BufferTooSmall:
             raise  # the caller's mistake, not the backend's
         except Exception as e:
             return self._failed(op, e, default)
         self.stats.observe(op, time.perf_counter() - t0)
-        self._set_health(True)
+        self._set_health(op, True)
         return res
 
     def _failed(self, op: str, e: Exception, default):
         self.stats.inc("errors")
-        self._set_health(False)
+        self._set_health(op, False)
         log.warning("store tier %s: %s failed: %s: %s", self.name, op, type(e).__name__, e)
         return default
 
@@ -131,7 +143,7 @@ class TierRunner:
     def enqueue(self, records: list[Record]) -> None:
         """Queue frozen records; full queue or a backing-off tier drops (counted), never blocks."""
         q = self.queue
-        if self.health.backing_off():
+        if self.write_health.backing_off():
             self.stats.inc("drops", len(records))
             return
         for i, rec in enumerate(records):
@@ -165,7 +177,7 @@ class TierRunner:
                 return
 
     def _write(self, recs: list[Record]) -> None:
-        if not self.health.available():
+        if not self.write_health.available():
             self.stats.inc("drops", len(recs))
             return
         t0 = time.perf_counter()
@@ -176,7 +188,7 @@ class TierRunner:
             self._failed("put", e, None)
             return
         self.stats.observe("put", time.perf_counter() - t0)
-        self._set_health(True)
+        self._set_health("put", True)
 
     def wait_idle(self, deadline: float | None) -> bool:
         q = self.queue
@@ -206,7 +218,9 @@ class TierRunner:
     def snapshot(self) -> dict:
         d = self.stats.snapshot()
         d["type"] = self.tier.type
-        d["healthy"] = self.health.healthy
+        d["healthy"] = self.healthy
+        d["writes_healthy"] = self.write_health.healthy
+        d["reads_healthy"] = self.read_health.healthy
         d["queue_depth"] = self.queue.qsize() if self.queue is not None else 0
         try:
             d.update(self.tier.usage())
@@ -355,7 +369,7 @@ class TieredStore:
                     n = runner.call("get", tier.get_into, keys[i], lay, views[i])
                     if n is None:
                         still.append(i)
-                        if not runner.health.healthy:  # tier failed: leave the rest to lower tiers
+                        if not runner.read_health.healthy:  # tier failed: leave the rest to lower tiers
                             still.extend(pending[n_done + 1:])
                             break
                     else:
