@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kvpool_operator.settings import Settings
-from tests.operator.chartkit import CHART, CRD_KINDS, by_kind, chart_values, helm, one, render, values_schema
+from tests.operator.chartkit import CHART, CRD_KINDS, by_kind, chart_values, helm, one, render, set_args, values_schema
 
 K8S_VERSION = kubernetes_validate.latest_version()
 NS = "kvpool-system"
@@ -308,20 +308,14 @@ def test_values_yaml_matches_its_schema():
 )
 def test_bad_values_fail_at_install_naming_the_field(values, field, why):
     """values.schema.json makes `helm install` (and template/upgrade) refuse bad values."""
-    proc = helm("install", "kvpool", str(CHART), "--dry-run=client", "--namespace", NS, *_set(values), check=False)
+    proc = helm("install", "kvpool", str(CHART), "--dry-run=client", "--namespace", NS, *set_args(values), check=False)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
     assert f"at '{field}'" in proc.stderr and why in proc.stderr, proc.stderr
 
 
-def _set(values: dict) -> list[str]:
-    from tests.operator.chartkit import set_args
-
-    return set_args(values)
-
-
 def test_good_values_install_dry_run_and_print_notes():
-    proc = helm("install", "kvpool", str(CHART), "--dry-run=client", "--namespace", NS, *_set({"watch.namespaces": ["team-a"]}))
+    proc = helm("install", "kvpool", str(CHART), "--dry-run=client", "--namespace", NS, *set_args({"watch.namespaces": ["team-a"]}))
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "rollout status deployment/kvpool" in notes
     assert "team-a" in notes and 'release namespace "kvpool-system" is not watched' in notes
@@ -370,3 +364,14 @@ def test_docs_cover_every_value_and_the_two_sections():
         assert f"`{key}" in docs, f"values key {key} is not documented in docs/helm.md"
     for key in values["operator"]["settings"]:
         assert f"`{key}`" in docs, f"operator.settings.{key} is not documented"
+
+
+def test_packaged_chart_renders_like_the_source_tree(tmp_path):
+    """`helm package` (what a chart repository serves) keeps every file the templates read."""
+    helm("package", str(CHART), "-d", str(tmp_path))
+    (tgz,) = tmp_path.glob("kvpool-*.tgz")
+    values = SCENARIOS["everything"]
+    packaged = helm("template", "kvpool", str(tgz), "--namespace", NS, *set_args(values)).stdout
+    assert [d for d in yaml.safe_load_all(packaged) if d] == render(values)
+    listing = helm("show", "chart", str(tgz)).stdout
+    assert "name: kvpool" in listing
