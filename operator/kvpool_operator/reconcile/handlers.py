@@ -40,16 +40,16 @@ def _kube(memo: kopf.Memo) -> Kube:
 def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous: dict[str, Any]) -> None:
     """Kubernetes Events for what changed; warnings for invalid specs (once per message) and errors."""
     for change in outcome.applied:
-        kopf.info(body, reason="Applied", message=change)
+        kopf.event(body, type="Normal", reason="Applied", message=change)
     for pruned in outcome.pruned:
-        kopf.info(body, reason="Pruned", message=f"deleted {pruned} (no longer rendered)")
+        kopf.event(body, type="Normal", reason="Pruned", message=f"deleted {pruned} (no longer rendered)")
     if outcome.invalid is not None:
         was = [c for c in previous.get("conditions", []) if c.get("type") == "ConfigValid"]
         if not was or was[0].get("message") != outcome.invalid:
-            kopf.warn(body, reason="InvalidSpec", message=f"{outcome.invalid}; existing children left untouched")
+            kopf.event(body, type="Warning", reason="InvalidSpec", message=f"{outcome.invalid}; existing children left untouched")
         logger.warning("invalid spec, children untouched: %s", outcome.invalid)
     for error in outcome.errors:
-        kopf.warn(body, reason="ApplyFailed", message=error)
+        kopf.event(body, type="Warning", reason="ApplyFailed", message=error)
 
 
 def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,

@@ -1,0 +1,132 @@
+"""kmock's Kubernetes emulator, completed with the API-server behaviour the operator relies on.
+
+kmock stores plain JSON and merges patches. A real API server additionally:
+- fills metadata.namespace from the URL and name from generateName, assigns metadata.uid, creationTimestamp, resourceVersion and bumps generation on spec changes
+  (added here: kopf's consistency checks and the pool's observedGeneration need them);
+- creates the object when a server-side apply (application/apply-patch+yaml) names a missing one
+  (added here as an upsert);
+- tracks field ownership per field manager and removes fields a manager stopped applying,
+  garbage-collects children through ownerReferences, runs admission, defaulting and CEL
+  (NOT emulated: tests assert the request the operator sends instead, and say so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import uuid
+from typing import Any
+
+import kmock
+from kmock._internal import dicts, k8s_views  # noqa: F401  (merge semantics of the emulator itself)
+
+from kvpool_operator import models
+
+APPLY = "application/apply-patch+yaml"
+
+RESOURCES = {
+    f"{models.GROUP}/{models.VERSION}/{models.PLURAL}": kmock.ResourceInfo(
+        kind=models.KIND, singular=models.SINGULAR, namespaced=True, shortnames={"kvp"},
+        subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True),
+    "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True),
+    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
+    "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
+    # kopf's discovery waits for these core APIs (its "backbone") before watching anything.
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
+}
+for info in RESOURCES.values():
+    info.verbs.update({"get", "list", "watch", "create", "patch", "update", "delete"})
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """See the module docstring for what is added and what is not."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request):
+        if request.resource is not None and isinstance(request.data, dict):
+            await self._complete(request)
+        return await super()._handle(request)
+
+    async def _complete(self, request: kmock.Request) -> None:
+        data = request.data
+        meta = data.setdefault("metadata", {})
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if request.action == kmock.action.CREATE:
+            if request.namespace:
+                meta.setdefault("namespace", request.namespace)
+            if "name" not in meta and "generateName" in meta:
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", now)
+            meta["generation"] = 1
+            meta["resourceVersion"] = str(next(self._versions))
+            return
+        if request.action != kmock.action.UPDATE or request.name is None:
+            return
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            exists = key in self.objects and not self.objects[key].deleted
+            if not exists and request.headers.get("Content-Type", "").startswith(APPLY):
+                created = copy.deepcopy(data)
+                created["metadata"].update(
+                    uid=str(uuid.uuid4()), creationTimestamp=now, generation=1,
+                    resourceVersion=str(next(self._versions)),
+                )
+                self.objects[key] = created
+                await self._buses[request.resource].put({"type": "ADDED", "object": self.objects[key].raw})
+                meta["resourceVersion"] = created["metadata"]["resourceVersion"]
+                return
+            if not exists:
+                return  # the emulator answers 404 itself
+            old = self.objects[key].raw
+            meta["resourceVersion"] = str(next(self._versions))
+            if request.subresource is None and "spec" in data:
+                new_spec = dicts.patch_dict(copy.deepcopy(old), {"spec": data["spec"]}).get("spec")
+                if new_spec != old.get("spec"):
+                    meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
+
+
+def apiserver_with_resources() -> ApiServer:
+    server = ApiServer()
+    for name, info in RESOURCES.items():
+        server.resources[name] = info
+    return server
+
+
+async def eventually(check, timeout: float = 20.0, interval: float = 0.1, message: str = ""):
+    """Poll until `check()` returns a truthy value (operators converge asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last_exc: Exception | None = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            last_exc = exc
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out: {message or check}; last error: {last_exc!r}")
+        await asyncio.sleep(interval)
+
+
+def live(server: ApiServer, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
+    key = (kmock.resource(resource), namespace, name)
+    if key not in server.objects or server.objects[key].deleted:
+        return None
+    return server.objects[key].raw
+
+
+def requests(server: ApiServer) -> list[kmock.Request]:
+    """Every request the emulator received, in order."""
+    return list(server)

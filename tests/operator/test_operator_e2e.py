@@ -1,0 +1,256 @@
+"""The real kopf operator (in-process `kopf.operator`) against kmock's Kubernetes emulator.
+
+What a real cluster adds on top (see emulator.py): field ownership and removal of fields a
+manager stopped applying, garbage collection of children by ownerReferences, admission/CEL.
+For those the tests assert the requests the operator sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+from typing import Any
+
+import kopf
+import kmock
+import pytest
+
+from kvpool_operator import models
+from kvpool_operator.kube import Kube
+from kvpool_operator.reconcile.handlers import build_registry
+from kvpool_operator.render.common import CHECKSUM_ANNOTATION, GENERATE_ANNOTATION, MANAGER
+from kvpool_operator.settings import Settings
+from tests.operator.conftest import load_example
+from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, live, requests
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "ml"
+POOLS = f"{models.GROUP}/{models.VERSION}/{models.PLURAL}"
+POOLS_URL = f"/apis/{models.GROUP}/{models.VERSION}/namespaces/{NS}/{models.PLURAL}"
+
+
+@contextlib.asynccontextmanager
+async def running_operator(server: kmock.KubernetesEmulator, settings: Settings):
+    """Start kopf with our registry, wait until it is ready, stop it cleanly afterwards."""
+    url = str(server.url).rstrip("/")
+
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=url, insecure=True)
+
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.scanning.disabled = True  # no CRD/namespace watching: the emulator has no CRDs
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(
+        registry=build_registry(settings, login=login), settings=kopf_settings,
+        namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready,
+        memo=kopf.Memo(kube=Kube.for_host(url)),
+    ))
+    await asyncio.wait_for(ready.wait(), 20)
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)  # raises if the operator crashed
+
+
+@pytest.fixture
+async def server():
+    srv = apiserver_with_resources()
+    async with srv, kmock.Server(srv):
+        yield srv
+
+
+@pytest.fixture
+def op_settings() -> Settings:
+    return Settings(connector_image="kvpool-vllm:test", reconcile_interval=300)
+
+
+def pool_obj(server) -> dict[str, Any] | None:
+    return live(server, POOLS, NS, "tiered-full")
+
+
+def conditions(server) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (pool_obj(server) or {}).get("status", {}).get("conditions", [])}
+
+
+def child(server, resource: str, name: str) -> dict[str, Any] | None:
+    return live(server, resource, NS, name)
+
+
+def checksum(server) -> str:
+    dep = child(server, "apps/v1/deployments", "tiered-full")
+    return dep["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]
+
+
+async def send(server, method: str, url: str, body: dict[str, Any]) -> None:
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "patch" else {}
+    async with server.request(method, url, json=body, headers=headers) as resp:
+        assert resp.status < 300, await resp.text()
+
+
+def event_reasons(server, with_type: bool = False) -> list[Any]:
+    events = [o.raw for (res, _, _), o in server.objects.items() if res.plural == "events" and not o.deleted]
+    return [(e.get("type"), e.get("reason")) if with_type else e.get("reason") for e in events]
+
+
+def child_writes(server) -> list[kmock.Request]:
+    """PATCH/POST/DELETE requests to anything but pools and events."""
+    return [
+        r for r in requests(server)
+        if r.method in ("PATCH", "POST", "DELETE") and r.resource is not None
+        and r.resource.plural not in (models.PLURAL, "events")
+    ]
+
+
+ALL_CHILDREN = [
+    ("v1/secrets", "tiered-full-redis"), ("v1/secrets", "tiered-full-minio"),
+    ("v1/configmaps", "tiered-full-kvpool"), ("apps/v1/statefulsets", "tiered-full-redis"),
+    ("v1/services", "tiered-full-redis"), ("apps/v1/statefulsets", "tiered-full-minio"),
+    ("v1/services", "tiered-full-minio"), ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"),
+    ("apps/v1/deployments", "tiered-full"), ("v1/services", "tiered-full"),
+    ("policy/v1/poddisruptionbudgets", "tiered-full"),
+]
+
+
+async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings):
+    async with running_operator(server, op_settings):
+        # --- create: every child exists, owned by the pool, applied server-side
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "True", message="status")
+        uid = pool_obj(server)["metadata"]["uid"]
+        for resource, name in ALL_CHILDREN:
+            obj = await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            refs = obj["metadata"]["ownerReferences"]
+            assert refs == [{"apiVersion": models.API_VERSION, "kind": models.KIND, "name": "tiered-full",
+                             "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+            assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == MANAGER
+        applies = [r for r in child_writes(server) if r.method == "PATCH"]
+        assert applies and all(
+            r.headers["Content-Type"] == APPLY and r.params == {"fieldManager": MANAGER, "force": "true"}
+            for r in applies
+        )  # a real API server records kvpool-operator as owner of exactly these fields
+        secret = child(server, "v1/secrets", "tiered-full-redis")
+        assert len(secret["stringData"]["password"]) >= 32  # generated at creation (real API: into .data)
+        status = pool_obj(server)["status"]
+        assert status["observedGeneration"] == 1
+        assert status["phase"] == "Pending"  # no kubelet here: no engine pod ever becomes ready
+        assert status["endpoints"]["openai"] == f"http://tiered-full.{NS}.svc:8000"
+        assert set(conditions(server)) >= {"Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady"}
+        assert conditions(server)["Ready"]["status"] == "False"
+        await eventually(lambda: "Applied" in event_reasons(server), message="Applied events")
+
+        # --- update tiers.cpu.size: the Deployment's config checksum changes (pods would roll)
+        before = checksum(server)
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"tiers": {"cpu": {"size": "32Gi"}}}})
+        await eventually(lambda: checksum(server) != before, message="checksum changes")
+        cm = child(server, "v1/configmaps", "tiered-full-kvpool")
+        assert "size: 32Gi" in cm["data"]["connector.yaml"]
+        await eventually(lambda: pool_obj(server)["status"]["observedGeneration"] == 2)
+        assert child_writes(server)[-1].data["metadata"]["name"] in ("tiered-full", "tiered-full-kvpool")
+
+        # --- remove tiers.redis: the Redis children are pruned, the rest stays
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"tiers": {"redis": None}}})
+        for resource in ("apps/v1/statefulsets", "v1/services", "v1/secrets"):
+            await eventually(lambda: child(server, resource, "tiered-full-redis") is None, message=f"prune {resource}")
+        assert child(server, "apps/v1/statefulsets", "tiered-full-minio") is not None
+        assert "redis" not in child(server, "v1/configmaps", "tiered-full-kvpool")["data"]["connector.yaml"]
+        deletes = [r for r in child_writes(server) if r.method == "DELETE"]
+        assert sorted(r.name for r in deletes) == ["tiered-full-redis"] * 3
+
+        # --- invalid update: ConfigValid=False with the field named, nothing deleted or rewritten
+        writes_before = len(child_writes(server))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"tiers": {"disk": {"volume": {"emptyDir": {}}}}}})
+        cond = await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "False"
+                                and conditions(server)["ConfigValid"])
+        assert cond["reason"] == "InvalidSpec"
+        assert "spec.tiers.disk.volume" in cond["message"] and "exactly one of" in cond["message"]
+        assert pool_obj(server)["status"]["phase"] == "Invalid"
+        assert conditions(server)["Stalled"]["status"] == "True"
+        await asyncio.sleep(0.5)
+        assert len(child_writes(server)) == writes_before
+        assert child(server, "apps/v1/deployments", "tiered-full") is not None
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+
+        # --- fix it again: valid and converged
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"tiers": {"disk": {"volume": {"emptyDir": None}}}}})
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True")
+
+        # --- delete: kopf's finalizer is released, the pool disappears, no handler error
+        async with server.request("delete", f"{POOLS_URL}/tiered-full") as resp:
+            assert resp.status < 300
+        await eventually(lambda: pool_obj(server) is None, message="pool deleted")
+        # Kubernetes' garbage collector (absent here) deletes the children via their ownerReferences.
+        assert child(server, "apps/v1/deployments", "tiered-full")["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+async def test_restart_converges_without_rewriting_unchanged_children(server, op_settings):
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        for resource, name in ALL_CHILDREN:
+            await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+        await eventually(lambda: conditions(server).get("ConfigValid"))
+    secret_before = copy.deepcopy(child(server, "v1/secrets", "tiered-full-minio"))
+    writes = len(child_writes(server))
+    versions = {key: len(server.objects[key].history) for key in server.objects
+                if key[0].plural not in (models.PLURAL, "events")}
+
+    async with running_operator(server, op_settings):  # resume handler runs for the existing pool
+        await eventually(lambda: any(
+            r.method == "PATCH" and r.resource.plural == models.PLURAL and r.id > 0 for r in requests(server)
+            if r.resource is not None) and True, message="resumed")
+        await asyncio.sleep(1.0)
+    assert len(child_writes(server)) == writes, [f"{r.method} {r.url}" for r in child_writes(server)[writes:]]
+    assert {key: len(server.objects[key].history) for key in versions} == versions
+    assert child(server, "v1/secrets", "tiered-full-minio") == secret_before  # credentials never rotate
+
+
+async def test_drift_is_corrected_by_the_timer(server):
+    settings = Settings(connector_image="kvpool-vllm:test", reconcile_interval=0.5)
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"))
+        assert dep["spec"]["replicas"] == 2
+        # someone edits the Deployment by hand
+        async with server.request("patch", f"/apis/apps/v1/namespaces/{NS}/deployments/tiered-full",
+                                  json={"spec": {"replicas": 7}},
+                                  headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status < 300
+        await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 2,
+                         message="drift corrected")
+
+
+async def test_missing_secret_is_reported_then_picked_up(server, op_settings):
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, {**load_example("tiered-external"), "metadata": {"name": "tiered-full"}})
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"])
+        assert "spec.tiers.redis.external.passwordSecretRef: Secret 'redis' not found" in cond["message"]
+        assert child(server, "apps/v1/deployments", "tiered-full") is None  # nothing started half-configured
+
+
+async def test_engine_readiness_reaches_pool_status(server, op_settings):
+    """Deployment status written by the (absent) controller flows into the pool's status."""
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"))
+        await eventually(lambda: conditions(server).get("Ready"))
+        for resource, name, replicas in (("statefulsets", "tiered-full-redis", 1),
+                                         ("statefulsets", "tiered-full-minio", 1),
+                                         ("deployments", "tiered-full", 2)):
+            async with server.request(
+                "patch", f"/apis/apps/v1/namespaces/{NS}/{resource}/{name}/status",
+                json={"status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": replicas,
+                                 "updatedReplicas": replicas}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            ) as resp:
+                assert resp.status < 300
+        await eventually(lambda: pool_obj(server)["status"].get("phase") == "Ready", message="Ready")
+        assert conditions(server)["Ready"]["status"] == "True"
+        assert conditions(server)["BackendsReady"]["status"] == "True"
+        assert pool_obj(server)["status"]["readyReplicas"] == 2
