@@ -40,8 +40,8 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if len(variants) != 1:
             raise ValueError(f"unsupported union in schema: {variants}")
         inner = _structural(variants[0], defs)
-        outer = {k: v for k, v in node.items() if k != "default" or v is not None}
-        return _structural({**inner, **outer}, defs)
+        outer = {k: v for k, v in node.items() if k != "title" and (k != "default" or v is not None)}
+        return _ordered({**inner, **outer})  # inner is converted already: no second pass
 
     node.pop("title", None)
     if node.get("default", "set") is None:
@@ -75,8 +75,13 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["default"] = copy.deepcopy(value)
         else:
             out[key] = value
-    first = [k for k in ("type", "description") if k in out]
-    return {**{k: out[k] for k in first}, **{k: v for k, v in out.items() if k not in first}}
+    return _ordered(out)
+
+
+def _ordered(node: dict[str, Any]) -> dict[str, Any]:
+    """type and description first: the CRD reads like `kubectl explain`."""
+    first = [k for k in ("type", "description") if k in node]
+    return {**{k: node[k] for k in first}, **{k: v for k, v in node.items() if k not in first}}
 
 
 def _nullable(node: dict[str, Any]) -> bool:

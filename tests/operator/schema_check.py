@@ -1,0 +1,73 @@
+"""Check pools the way the API server would: structural-schema defaulting, OpenAPI validation,
+then every `x-kubernetes-validations` CEL rule (evaluated with cel-python)."""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any
+
+import celpy
+import jsonschema
+
+from kvpool_operator.crd import build_crd
+
+
+def pool_schema() -> dict[str, Any]:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting: absent properties with a default get it, recursively."""
+    if isinstance(value, dict) and "properties" in schema:
+        out = dict(value)
+        for name, sub in schema["properties"].items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if name in out:
+                out[name] = apply_defaults(sub, out[name])
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def _openapi_to_jsonschema(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: _openapi_to_jsonschema(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
+    if isinstance(schema, list):
+        return [_openapi_to_jsonschema(v) for v in schema]
+    return schema
+
+
+@lru_cache(maxsize=None)
+def _program(rule: str):
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    errors = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        result = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        if isinstance(result, Exception) or not bool(result):
+            errors.append(f"{path or '<root>'}: {rule['message']}")
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                errors += cel_errors(sub, value[name], f"{path}.{name}" if path else name)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{path}[{i}]")
+    return errors
+
+
+def api_server_errors(pool: dict[str, Any]) -> list[str]:
+    """[] if the API server would accept the pool; else one message per violation."""
+    schema = pool_schema()
+    defaulted = apply_defaults(schema, pool)
+    validator = jsonschema.Draft7Validator(_openapi_to_jsonschema(schema))
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(defaulted)]
+    if errors:
+        return errors  # the API server stops before CEL when the schema fails
+    return cel_errors(schema, defaulted)

@@ -1,0 +1,142 @@
+"""The generated CRD: current on disk, valid apiextensions/v1, structural, documented, and its
+validation (OpenAPI + CEL) agrees with the pydantic models on valid and invalid pools."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpool_operator import crd, models
+from tests.operator.conftest import K8S_VERSION, example_ids, load_example
+from tests.operator.schema_check import api_server_errors, pool_schema
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_committed_crd_is_current():
+    path = REPO / "crds" / crd.CRD_FILENAME
+    assert path.read_text() == crd.crd_yaml(), "crds/ is stale: run `make crds` and commit the result"
+
+
+def test_crd_validates_as_apiextensions_v1():
+    kubernetes_validate.validate(crd.build_crd(), K8S_VERSION, strict=True)
+
+
+def _walk(schema: dict[str, Any], path: str = ""):
+    yield path, schema
+    for name, sub in schema.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if "items" in schema:
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural_and_documented():
+    for path, node in _walk(pool_schema()):
+        assert not {"$ref", "anyOf", "oneOf", "allOf", "title", "$defs"} & set(node), path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), f"{path}: no type"
+        if path.startswith((".spec", ".status")) and not path.endswith(("[]", "{}")):
+            assert node.get("description"), f"{path}: no description (kubectl explain would be empty)"
+        if node.get("additionalProperties") is not None:
+            assert isinstance(node["additionalProperties"], dict), path
+        if node.get("type") == "string" and "x-kubernetes-validations" in node:
+            assert "maxLength" in node, f"{path}: CEL on an unbounded string exceeds the cost budget"
+
+
+def test_crd_names_columns_and_subresources():
+    spec = crd.build_crd()["spec"]
+    assert spec["names"]["shortNames"] == ["kvp"] and spec["scope"] == "Namespaced"
+    version = spec["versions"][0]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Mode", "Replicas", "Ready", "Phase", "Age"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert props["connector"]["enum"] == ["tiered", "native"] and props["connector"]["default"] == "tiered"
+    assert props["tiers"]["properties"]["cpu"]["properties"]["evictionPolicy"]["enum"] == ["lru", "arc"]
+    assert props["service"]["default"] == {}  # so service.port's default 8000 applies when omitted
+
+
+@pytest.mark.parametrize("name", example_ids())
+def test_examples_pass_the_api_server_checks(name):
+    assert api_server_errors(load_example(name)) == []
+
+
+def _mutate(pool: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(pool)
+    *parents, last = path.split(".")
+    node = out
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return out
+
+
+_DELETE = object()
+
+INVALID = [
+    # (example, path, value, message substring in both the API server and pydantic errors)
+    ("tiered-full", "spec.tiers.disk.volume.emptyDir", {}, "exactly one of hostPath"),
+    ("tiered-full", "spec.tiers.disk.volume.hostPath", _DELETE, "exactly one of hostPath"),
+    ("tiered-full", "spec.tiers.redis.external", {"url": "redis://r:6379"}, "exactly one of managed, external"),
+    ("tiered-full", "spec.tiers.s3.managed", _DELETE, "exactly one of managed, external"),
+    ("tiered-full", "spec.tiers.cpu.size", "0Gi", "must be a positive size"),
+    ("tiered-full", "spec.tiers.cpu.size", "lots", "size"),
+    ("tiered-full", "spec.tiers", {}, "at least one tier"),
+    ("tiered-full", "spec.chunkTokens", 100, "multiple of 16"),
+    ("tiered-full", "spec.connector", "lmcache", "tiered"),
+    ("tiered-full", "spec.model.tensorParallelSize", 2, "tensorParallelSize must not exceed gpus"),
+    ("native-cpu", "spec.tiers.cpu", _DELETE, "at least one tier"),
+    ("native-shared", "spec.tiers.cpu", _DELETE, "native mode needs tiers.cpu"),
+    ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
+    ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
+]
+
+
+@pytest.mark.parametrize("example,path,value,message", INVALID, ids=lambda v: str(v)[:30])
+def test_invalid_pools_are_rejected_by_api_server_and_models_alike(example, path, value, message):
+    from kvpool_operator.render import InvalidPool, load_pool
+    from kvpool_operator.settings import Settings
+
+    pool = _mutate(load_example(example), path, value)
+    errors = api_server_errors(pool)
+    assert errors, f"the CRD accepts {path}={value!r}"
+    assert any(message.lower() in e.lower() for e in errors) or path == "spec.connector", errors
+    with pytest.raises(InvalidPool) as exc:
+        load_pool(pool, Settings())
+    assert message.lower() in str(exc.value).lower() or path in ("spec.connector", "spec.tiers.cpu.size")
+
+
+def test_valid_variations_pass_both():
+    from kvpool_operator.render import load_pool
+    from kvpool_operator.settings import Settings
+
+    variations = [
+        ("native-nvme", "spec.tiers.disk.volume", {"emptyDir": {"medium": "Memory"}}),
+        ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r.example:6380/1"}}),
+        ("tiered-full", "spec.model.gpus", 0),
+        ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
+        ("tiered-full", "spec.replicas", 0),
+    ]
+    for example, path, value in variations:
+        pool = _mutate(load_example(example), path, value)
+        assert api_server_errors(pool) == [], (path, value)
+        load_pool(pool, Settings())
+
+
+def test_status_schema_accepts_computed_status():
+    from kvpool_operator.status import Observation, compute_status
+
+    status = compute_status(Observation(generation=3, desired_replicas=2, selector="a=b"), "2026-01-01T00:00:00Z")
+    pool = {**load_example("tiered-full"), "status": status}
+    assert api_server_errors(pool) == []
+    models.KVCachePoolStatus.model_validate(status)
+    assert yaml.safe_dump(status)
