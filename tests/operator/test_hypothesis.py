@@ -1,0 +1,80 @@
+"""Property tests: the pydantic model and the CRD (OpenAPI + CEL) agree on every random spec;
+accepted specs always render to manifests valid for Kubernetes; rejected ones name the field."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.settings import Settings
+from tests.operator.conftest import K8S_VERSION
+from tests.operator.schema_check import api_server_errors
+
+SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
+VOLUMES = st.fixed_dictionaries({}, optional={
+    "hostPath": st.just({"path": "/mnt/nvme0"}),
+    "emptyDir": st.sampled_from([{}, {"medium": "Memory"}]),
+    "ephemeral": st.sampled_from([{}, {"storageClassName": "local-nvme"}]),
+    "persistentVolumeClaim": st.just({"claimName": "shared"}),
+})
+REDIS = st.fixed_dictionaries({}, optional={
+    "managed": st.builds(lambda m: {"memory": m}, SIZES),
+    "external": st.sampled_from([{"url": "redis://r:6379/0"},
+                                 {"url": "rediss://r:6380/0", "passwordSecretRef": {"name": "r", "key": "p"}}]),
+})
+S3 = st.fixed_dictionaries({}, optional={
+    "managed": st.builds(lambda s: {"storage": s, "storageClassName": "fast"}, SIZES),
+    "external": st.sampled_from([{"endpoint": "https://s3.example", "bucket": "kvb"},
+                                 {"endpoint": "http://minio:9000", "bucket": "kvb", "pathStyle": True,
+                                  "credentialsSecretRef": {"name": "c"}}]),
+})
+TIERS = st.fixed_dictionaries({}, optional={
+    "cpu": st.builds(lambda s, e: {"size": s, "evictionPolicy": e}, SIZES, st.sampled_from(["lru", "arc"])),
+    "disk": st.builds(lambda s, v: {"size": s, "volume": v}, SIZES, VOLUMES),
+    "redis": REDIS,
+    "s3": S3,
+})
+SPECS = st.fixed_dictionaries(
+    {
+        "model": st.builds(
+            lambda g, tp, args: {"name": "org/model", "gpus": g, "tensorParallelSize": tp, "extraArgs": args},
+            st.integers(0, 8), st.integers(1, 8), st.lists(st.sampled_from(["--enforce-eager", "--seed=1"]), max_size=2),
+        ),
+        "tiers": TIERS,
+    },
+    optional={
+        "replicas": st.integers(0, 5),
+        "connector": st.sampled_from(["tiered", "native"]),
+        "chunkTokens": st.sampled_from([16, 256, 100, 4096]),
+        "native": st.builds(lambda b: {"kvpoolSecondaryTier": b}, st.booleans()),
+        "networkPolicy": st.builds(lambda b: {"enabled": b}, st.booleans()),
+        "service": st.sampled_from([{}, {"type": "LoadBalancer", "port": 80}]),
+        "scheduling": st.just({"nodeSelector": {"gpu": "h100"},
+                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
+    },
+)
+
+
+def pool(spec):
+    return {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "prop", "namespace": "ns"}, "spec": spec}
+
+
+@hsettings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SPECS)
+def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
+    obj = pool(spec)
+    server_errors = api_server_errors(obj)
+    try:
+        manifests = render(obj, Settings())
+    except InvalidPool as exc:
+        message = str(exc)
+        assert message.startswith(("spec.", "spec:", "metadata.")), message  # names the field
+        assert server_errors, f"model rejects but the CRD accepts: {message}"
+        return
+    assert not server_errors, f"CRD rejects but the model accepts: {server_errors}"
+    kinds = [m["kind"] for m in manifests]
+    assert kinds.count("Deployment") == 1 and kinds.count("Service") >= 1
+    for manifest in manifests:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)

@@ -1,0 +1,91 @@
+"""status.compute_status: phases, kstatus conditions, stable transition times."""
+
+from __future__ import annotations
+
+from kvpool_operator.status import CONDITION_TYPES, Observation, compute_status
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def dep(ready: int, updated: int, generation: int = 2, observed: int = 2, conditions=()):
+    return {
+        "metadata": {"generation": generation},
+        "status": {"replicas": updated, "readyReplicas": ready, "updatedReplicas": updated,
+                   "observedGeneration": observed, "conditions": list(conditions)},
+    }
+
+
+def sts(ready: int):
+    return {"spec": {"replicas": 1}, "status": {"readyReplicas": ready}}
+
+
+def obs(**kw):
+    base = dict(generation=5, desired_replicas=2, selector="s")
+    return Observation(**{**base, **kw})
+
+
+def conds(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_ready_when_engines_and_backends_are_ready():
+    s = compute_status(obs(deployment=dep(2, 2), backends={"redis": sts(1)}), T0)
+    assert s["phase"] == "Ready" and s["observedGeneration"] == 5 and s["readyReplicas"] == 2
+    c = conds(s)
+    assert set(c) == set(CONDITION_TYPES)
+    assert c["Ready"]["status"] == "True" and c["Reconciling"]["status"] == "False"
+    assert c["Stalled"]["status"] == "False" and c["BackendsReady"]["status"] == "True"
+    assert all(x["observedGeneration"] == 5 for x in c.values())
+
+
+def test_pending_then_progressing_then_ready():
+    s = compute_status(obs(deployment=None), T0)
+    assert s["phase"] == "Pending" and conds(s)["Reconciling"]["status"] == "True"
+    s = compute_status(obs(deployment=dep(1, 2), previous=s), T1)
+    assert s["phase"] == "Progressing" and "1/2 engines ready" in conds(s)["Progressing"]["message"]
+    s = compute_status(obs(deployment=dep(2, 2), previous=s), T1)
+    assert s["phase"] == "Ready"
+
+
+def test_backends_not_ready_block_ready():
+    s = compute_status(obs(deployment=dep(2, 2), backends={"redis": sts(0), "minio": None}), T0)
+    assert s["phase"] != "Ready"
+    assert conds(s)["BackendsReady"]["status"] == "False"
+    assert "minio 0/1 ready" in conds(s)["BackendsReady"]["message"]
+
+
+def test_degraded_after_ready_and_on_deadline():
+    ready = compute_status(obs(deployment=dep(2, 2)), T0)
+    s = compute_status(obs(deployment=dep(1, 2), previous=ready), T1)
+    assert s["phase"] == "Degraded" and conds(s)["Degraded"]["status"] == "True"
+    stuck = dep(1, 1, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded"}])
+    s = compute_status(obs(deployment=stuck), T1)
+    assert s["phase"] == "Degraded" and conds(s)["Stalled"]["status"] == "True"
+
+
+def test_stale_deployment_generation_is_not_ready():
+    s = compute_status(obs(deployment=dep(2, 2, generation=3, observed=2)), T0)
+    assert s["phase"] != "Ready"
+
+
+def test_invalid_and_apply_errors():
+    s = compute_status(obs(invalid="spec.tiers.cpu.size: must be a positive size"), T0)
+    c = conds(s)
+    assert s["phase"] == "Invalid" and c["ConfigValid"]["status"] == "False"
+    assert c["ConfigValid"]["message"] == "spec.tiers.cpu.size: must be a positive size"
+    assert c["Ready"]["reason"] == "InvalidSpec" and c["Stalled"]["status"] == "True"
+    s = compute_status(obs(deployment=dep(2, 2), apply_errors=("StatefulSet/x: 422 Invalid",)), T0)
+    assert s["phase"] == "Degraded" and conds(s)["Degraded"]["reason"] == "ApplyFailed"
+
+
+def test_transition_time_kept_while_status_unchanged():
+    first = compute_status(obs(deployment=dep(2, 2)), T0)
+    again = compute_status(obs(deployment=dep(2, 2), previous=first), T1)
+    assert conds(again)["Ready"]["lastTransitionTime"] == T0
+    broken = compute_status(obs(deployment=dep(0, 2), previous=again), T1)
+    assert conds(broken)["Ready"]["lastTransitionTime"] == T1
+
+
+def test_zero_replicas_is_ready():
+    s = compute_status(obs(desired_replicas=0, deployment=dep(0, 0)), T0)
+    assert s["phase"] == "Ready"
