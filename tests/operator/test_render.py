@@ -70,7 +70,7 @@ def test_tiered_full_connector_contract(settings):
     args = engine(m)["args"]
     assert args[args.index("--kv-transfer-config") + 1] == TIERED_KV_TRANSFER_CONFIG
     assert store_config(m) == {
-        "namespace": "kvpool/tiered-full",
+        "namespace": "kvpool.tiered-full",
         "chunk_tokens": 256,
         "tiers": [
             {"type": "cpu", "size": "64Gi", "eviction": "lru"},

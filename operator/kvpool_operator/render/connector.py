@@ -9,6 +9,7 @@ Secrets never appear here: the store config names environment variables instead.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from kvpool_operator import models
@@ -29,6 +30,17 @@ KVPOOL_CONNECTOR = "KVPoolConnector"
 KVPOOL_MODULE = "kvpool_connector.vllm"
 KVPOOL_TIER_TYPE = "kvpool"
 KVPOOL_TIER_MODULE = "kvpool_connector.vllm_tiers"
+
+
+STORE_NAMESPACE_MAX = 63  # the store's namespace: [A-Za-z0-9][A-Za-z0-9._-]{0,62}
+
+
+def store_namespace(pool: Pool) -> str:
+    """`<namespace>.<name>`: unique per pool (Kubernetes namespaces have no dots), store-safe."""
+    value = f"{pool.namespace}.{pool.name}"
+    if len(value) <= STORE_NAMESPACE_MAX:
+        return value
+    return f"{value[:STORE_NAMESPACE_MAX - 9]}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
 
 
 def _per_rank(pool: Pool, size: str) -> str:
@@ -108,7 +120,7 @@ def store_config(pool: Pool) -> dict[str, Any] | None:
         out.append(_s3_tier(pool))
     if not out:
         return None
-    return {"namespace": f"{pool.namespace}/{pool.name}", "chunk_tokens": pool.spec.chunk_tokens, "tiers": out}
+    return {"namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out}
 
 
 def kv_transfer_config(pool: Pool) -> dict[str, Any]:
