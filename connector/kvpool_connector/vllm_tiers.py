@@ -1,0 +1,310 @@
+"""kvpool as a secondary tier of vLLM's own native offloading (`TieringOffloadingSpec`).
+
+Pools that run vLLM's native CPU offloading on GPUs can add Redis and S3 (vLLM has no Redis
+tier, and its `obj` tier needs NIXL) and still share KV across instances::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8589934592,
+        "secondary_tiers": [{"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers",
+                             "namespace": "pool-a",
+                             "tiers": [{"type": "redis", "url": "redis://redis:6379/0",
+                                        "password_env": "REDIS_PASSWORD"},
+                                       {"type": "s3", "endpoint": "http://minio:9000",
+                                        "bucket": "kvpool"}]}]}}'
+
+The tier options are the kvpool connector's config (`namespace`, `tiers`, optional
+`config_file`, the store's other keys; `chunk_tokens` is ignored: vLLM's `block_size` sets
+the chunk) plus `n_read_threads` / `n_write_threads` and vLLM's common
+tier keys (`locality`, `enable_kv_events`, `backpressure`). vLLM's primary tier already is
+host memory, so a kvpool `cpu` tier is refused here.
+
+Every object goes through the kvpool store: it carries a header with the key, a layout
+fingerprint (model, dtype, block and chunk geometry, KV groups, parallelism, chunk bytes:
+vLLM's own `FileMapper` identity) and an xxh3 checksum, so a corrupted or foreign object is a
+miss and is recomputed, never loaded. Keys are vLLM's sha256 chained block hashes prefixed
+with the digest of that identity, so different models or layouts never collide.
+
+What runs where: everything in this class runs in vLLM's scheduler process and moves bytes
+between the primary tier's shared host-memory region and the store. That part works on any
+platform and is tested on CPU (`tests/connector/test_vllm_tiers.py` drives vLLM's real
+`TieringOffloadingManager` with this tier). Filling the primary region from the paged KV
+cache (`CPUOffloadingWorker`, GPU <-> host DMA) is vLLM's part and needs CUDA or XPU: vLLM
+refuses native offloading on its CPU platform, so an end-to-end run with an engine needs a
+GPU machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    ScheduleEndContext,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+logger = logging.getLogger(__name__)
+
+FORMAT_TAG = "kvpool-vllm-tiering-v1"
+
+
+def layout_identity(offloading_spec: "OffloadingSpec", chunk_bytes: int) -> dict[str, Any]:
+    """What must match for two engines to exchange a chunk: vLLM's own `FileMapper` fields
+    (model, dtype, tokens per hash, blocks per chunk, KV groups, parallelism) plus the byte
+    size of one primary-tier row and this module's format tag."""
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="", offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
+    return {**mapper.get_run_config(), "rank": mapper.rank, "chunk_bytes": int(chunk_bytes),
+            "format": FORMAT_TAG}
+
+
+def layout_fingerprint(identity: dict[str, Any]) -> bytes:
+    """Canonical bytes of a layout identity (stored, digested, in every object header)."""
+    return json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+
+
+def key_prefix(fingerprint: bytes) -> bytes:
+    """16 bytes that put each layout in its own key space."""
+    return hashlib.sha256(fingerprint).digest()[:16]
+
+
+def store_config(options: dict[str, Any]):
+    """The validated kvpool store config of this tier.
+
+    `options` are the tier's keys from `secondary_tiers` (everything but vLLM's own): the
+    kvpool connector's config (`namespace`, `tiers`, `config_file`, store keys; connector-only
+    keys such as `chunk_tokens` are accepted and ignored, since vLLM's `block_size` sets the
+    chunk here), so the operator mounts one file for both modes. Raises ValueError naming the
+    field, which fails engine start.
+    """
+    from .connector.config import load_connector_config
+
+    try:
+        cfg = load_connector_config(options).store_config()
+    except ValueError as exc:
+        raise ValueError(f"secondary_tiers (kvpool tier): {exc}") from None
+    assert cfg is not None  # the connector config requires at least one tier
+    for i, tier in enumerate(cfg.tiers):
+        if tier.type == "cpu":
+            raise ValueError(
+                f"secondary_tiers (kvpool tier): tiers.{i}.type: 'cpu' is not allowed here; "
+                "vLLM's primary tier already is host memory (size it with cpu_bytes_to_use)")
+    return cfg
+
+
+class _KVPoolLookup(AsyncLookupManager):
+    """Existence checks off the scheduler thread, one batched store call per request."""
+
+    def __init__(self, tier: "KVPoolTier", tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        # Keys of one request arrive in prefix order; a key after the first absent one is
+        # reported absent even if present (a recompute, never a wrong hit).
+        n = self._tier.store.contains_prefix([self._tier.store_key(k) for k in keys])
+        return [i < n for i in range(len(keys))]
+
+
+class _PartialLoad(Exception):
+    """Some chunks of a load job were missing, corrupt or of another layout."""
+
+
+class KVPoolTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by the kvpool store (disk, Redis, S3)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        n_read_threads: int = 4,
+        n_write_threads: int = 4,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: "BackpressureDetector | None" = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        from .store import open_store
+
+        self.locality = Locality(locality) if locality is not None else None
+        self.config = store_config(options)
+        self.identity = layout_identity(offloading_spec, self.block_size_bytes)
+        self.fingerprint = layout_fingerprint(self.identity)
+        self._prefix = key_prefix(self.fingerprint)
+        self.store = open_store(self.config, layout=self.fingerprint)
+        self._rows = primary_kv_view.cast("B")
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self.events = []
+        # Per-job bookkeeping, written by the scheduler thread (submit) and read back in
+        # get_finished_jobs; `_loaded` is written by a pool thread before it publishes the
+        # job as finished (same ordering argument as vLLM's fs tier).
+        self._job_keys: dict[JobId, tuple[bool, list[OffloadKey]]] = {}
+        self._loaded: dict[JobId, list[OffloadKey]] = {}
+        self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
+                                         thread_name_prefix="kvpool_tier")
+        self._lookup = _KVPoolLookup(self, tier_type)
+        self._last_stats: dict[str, Any] = {}
+        logger.info("KVPoolTier: namespace %s, tiers %s, layout %s", self.config.namespace,
+                    [t.type for t in self.config.tiers], self._prefix.hex())
+
+    # -- keys and rows ---------------------------------------------------------------------
+
+    def store_key(self, key: OffloadKey) -> bytes:
+        return self._prefix + bytes(key)
+
+    def _row(self, chunk_id: int) -> memoryview:
+        size = self.block_size_bytes
+        return self._rows[int(chunk_id) * size:(int(chunk_id) + 1) * size]
+
+    # -- vLLM's SecondaryTierManager interface ---------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        self._job_keys[job_metadata.job_id] = (False, keys)
+
+        def store_task() -> None:
+            # put_many returns once the store owns the bytes (it copies for its lower tiers),
+            # so the primary slots may be unpinned as soon as this job is reported.
+            self.store.put_many([self.store_key(k) for k in keys],
+                                [self._row(c) for c in chunk_ids])
+
+        self._pool.enqueue_store(job_metadata.job_id, 1, [store_task])
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        keys = list(job_metadata.keys)
+        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+        self._job_keys[job_id] = (True, keys)
+
+        def load_task() -> None:
+            size = self.block_size_bytes
+            try:  # verified objects are copied straight into the primary rows
+                got = self.store.get_many_into([self.store_key(k) for k in keys],
+                                               [self._row(c) for c in chunk_ids])
+            except ValueError:  # an object larger than a row: not ours to load
+                got = [None] * len(keys)
+            loaded = [k for k, n in zip(keys, got) if n == size]
+            self._loaded[job_id] = loaded
+            if len(loaded) != len(keys):
+                raise _PartialLoad(f"{len(keys) - len(loaded)} of {len(keys)} chunks missing")
+
+        self._pool.enqueue_load(job_id, 1, [load_task])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id, success, transfer_time in self._pool.get_finished():
+            is_load, keys = self._job_keys.pop(job_id, (False, []))
+            loaded = self._loaded.pop(job_id, None)
+            nbytes = len(keys) * self.block_size_bytes if keys else None
+            if is_load and not success:
+                ok = loaded or []
+                ok_set = set(ok)
+                # Stop the scheduler from promoting these keys again (vLLM's livelock guard).
+                self._lookup.mark_miss([k for k in keys if k not in ok_set])
+                results.append(JobResult(job_id=job_id, success=False,
+                                         successful_keys=tuple(ok) if ok else None,
+                                         transfer_time=transfer_time, transfer_bytes=nbytes))
+                continue
+            if not is_load and success and self.events is not None and keys:
+                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
+                                                   locality=self.locality))
+            results.append(JobResult(job_id=job_id, success=success,
+                                     transfer_time=transfer_time, transfer_bytes=nbytes))
+        return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup.flush()
+
+    def shutdown(self) -> None:
+        self._lookup.shutdown()
+        self._pool.wait_idle()
+        self._pool.shutdown(wait=True)
+        self.store.flush()
+        self.store.close()
+        self._rows.release()  # the primary tier unmaps its region after this
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        """Per store tier counters, named as the kvpool connector names them, so one
+        dashboard serves both modes."""
+        from .connector.stats import METRICS, TIER_FIELDS
+
+        return {name: OffloadingCounterMetadata(documentation=METRICS[name][0],
+                                                labelnames=("tier",))
+                for name in sorted(set(TIER_FIELDS.values()))}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Store counter increases since the last call (hits, misses, corrupt, drops...)."""
+        from .connector.stats import tier_deltas
+
+        snapshot = self.store.stats()
+        deltas = tier_deltas(self._last_stats, snapshot)
+        self._last_stats = snapshot
+        if not deltas:
+            return None
+        stats = OffloadingConnectorStats()
+        for metric, per_tier in deltas.items():
+            for tier, value in per_tier.items():
+                stats.increase_counter(metric, value, (tier,))
+        return stats
+
+
+# vLLM resolves an out-of-tree tier as `getattr(import_module(module_path), type)`: both
+# `"type": "kvpool"` (what the kvpool operator renders) and `"type": "KVPoolTier"` work.
+kvpool = KVPoolTier

@@ -1,0 +1,263 @@
+"""kvpool as a secondary tier of vLLM's native offloading, driven through vLLM's real
+`TieringOffloadingSpec` / `TieringOffloadingManager` (scheduler side) with real Redis and S3.
+
+Only vLLM's GPU <-> host copy (`CPUOffloadingWorker`) needs CUDA; the test plays that part by
+writing and reading the primary tier's shared host region directly, exactly the bytes the
+worker would move. Everything else runs as in an engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from kvpool_connector import vllm_tiers  # noqa: E402
+
+BLOCK_BYTES = 8192       # one worker's KV bytes per vLLM block
+BLOCKS_PER_CHUNK = 4     # a chunk (one object) = 32 KiB
+NUM_CHUNKS = 64
+
+
+def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bfloat16",
+                      block_bytes: int = BLOCK_BYTES) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=f"kvpool-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True),
+    )
+
+
+class Engine:
+    """The scheduler side of one vLLM engine using native tiering with a kvpool tier."""
+
+    def __init__(self, tier_options: dict, tier_type: str = "kvpool", **cfg_kwargs):
+        extra = {
+            "cpu_bytes_to_use": NUM_CHUNKS * BLOCK_BYTES * BLOCKS_PER_CHUNK,
+            "secondary_tiers": [{"type": tier_type, "module_path": "kvpool_connector.vllm_tiers",
+                                 **tier_options}],
+        }
+        self.spec = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs))
+        self.manager = self.spec.get_manager()
+        self.tier = self.manager.secondary_tiers[0]
+        self.rows = self.manager.primary_tier.get_kv_memoryview().cast("B")
+        self.row_bytes = self.tier.block_size_bytes
+
+    def row(self, chunk_id) -> memoryview:
+        return self.rows[int(chunk_id) * self.row_bytes:(int(chunk_id) + 1) * self.row_bytes]
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def settle(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "tier jobs did not finish"
+            self.step()
+            time.sleep(0.01)
+        self.step()
+
+    def offload(self, keys: list[bytes], payloads: list[bytes]) -> None:
+        """A request's prompt chunks: GPU -> primary (the CUDA worker's copy) -> cascade."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None
+        by_key = dict(zip(keys, payloads))
+        for key, cid in zip(out.keys_to_store, out.store_spec.block_ids):
+            self.row(cid)[:] = by_key[key]          # what CPUOffloadingWorker would copy
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.manager.on_request_finished(ctx)
+        self.settle()
+
+    def load(self, keys: list[bytes], timeout: float = 20.0) -> list[bytes]:
+        """Lookups as OffloadingConnector's scheduler makes them (prefix, RETRY = ask next
+        step), then the primary rows the CUDA worker would copy to the GPU."""
+        ctx = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(ctx)
+        deadline = time.monotonic() + timeout
+        while True:
+            hits, deferred = 0, False
+            for key in keys:
+                result = self.manager.lookup(key, ctx)
+                if result is LookupResult.MISS:
+                    break
+                if result is LookupResult.HIT:
+                    hits += 1
+                else:
+                    deferred = True
+            if not deferred:
+                break
+            assert time.monotonic() < deadline, "lookups never resolved"
+            self.step()
+            time.sleep(0.01)
+        got = []
+        if hits:
+            spec = self.manager.prepare_load(keys[:hits], ctx)
+            got = [bytes(self.row(cid)) for cid in spec.block_ids]
+            self.manager.complete_load(keys[:hits], ctx)
+        self.manager.on_request_finished(ctx)
+        self.step()
+        return got
+
+    def close(self) -> None:
+        self.rows.release()
+        self.manager.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def chunk_keys(prefix: str, n: int) -> list[bytes]:
+    """vLLM-style chained sha256 block hashes packed into OffloadKeys."""
+    keys, parent = [], b""
+    for i in range(n):
+        parent = hashlib.sha256(parent + f"{prefix}:{i}".encode()).digest()
+        keys.append(make_offload_key(parent, 0))
+    return keys
+
+
+def payloads(n: int) -> list[bytes]:
+    return [os.urandom(BLOCK_BYTES * BLOCKS_PER_CHUNK) for _ in range(n)]
+
+
+# `namespace`, `redis_tier` and `s3_tier` come from tests/connector/conftest.py.
+@pytest.fixture
+def redis_options(redis_tier, namespace) -> dict:
+    return {"namespace": namespace, "tiers": [redis_tier]}
+
+
+@pytest.fixture
+def s3_options(s3_tier, namespace) -> dict:
+    return {"namespace": namespace, "tiers": [s3_tier]}
+
+
+@pytest.mark.parametrize("backend", ["redis", "s3"])
+def test_second_engine_loads_what_the_first_offloaded(backend, request):
+    options = request.getfixturevalue(f"{backend}_options")
+    keys, data = chunk_keys(backend, 6), payloads(6)
+    with Engine(options) as first:
+        first.offload(keys, data)
+    with Engine(options) as second:   # another engine: empty primary tier, same pool
+        assert second.load(keys) == data
+        assert second.load(chunk_keys("never-stored", 2)) == []
+
+
+def test_config_file_with_connector_keys_and_type_alias(redis_options, tmp_path):
+    """The operator mounts one file (with `chunk_tokens`) for both modes and says `kvpool`."""
+    import json
+
+    path = tmp_path / "connector.json"
+    path.write_text(json.dumps({**redis_options, "chunk_tokens": 256}))
+    keys, data = chunk_keys("file", 3), payloads(3)
+    with Engine({"config_file": str(path)}, tier_type="KVPoolTier") as a:
+        a.offload(keys, data)
+    with Engine({"config_file": str(path)}) as b:
+        assert b.load(keys) == data
+
+
+def test_other_model_or_layout_never_hits(redis_options):
+    keys, data = chunk_keys("layout", 3), payloads(3)
+    with Engine(redis_options) as a:
+        a.offload(keys, data)
+    for kwargs in ({"model": "another-model"}, {"dtype": "float16"}):
+        with Engine(redis_options, **kwargs) as other:
+            assert other.load(keys) == []
+            assert other.tier.identity != a.tier.identity
+
+
+def test_corrupt_object_is_recomputed_not_loaded(redis_options, redis_server):
+    import redis
+
+    keys, data = chunk_keys("corrupt", 4), payloads(4)
+    with Engine(redis_options) as a:
+        a.offload(keys, data)
+    client = redis.Redis.from_url(redis_server.url, password=redis_server.password)
+    victims = [k for k in client.scan_iter(count=1000)
+               if redis_options["namespace"].encode() in k]
+    assert len(victims) == 4
+    # flip the last payload byte of one object: exactly one chunk breaks
+    victim = sorted(victims)[-1]
+    blob = bytearray(client.get(victim))
+    blob[-1] ^= 0xFF
+    client.set(victim, bytes(blob))
+    with Engine(redis_options) as b:
+        got = b.load(keys)
+        # whatever prefix loads is byte-exact, and the broken chunk never comes back
+        assert got == data[:len(got)] and len(got) < 4
+        assert b.load(keys) == data[:len(got)]   # no livelock, same answer again
+
+
+def test_backend_down_degrades_to_misses(redis_options, redis_server):
+    keys, data = chunk_keys("down", 3), payloads(3)
+    redis_server.stop()
+    try:
+        with Engine(redis_options) as eng:   # offload/load fail the test if they hang
+            eng.offload(keys, data)           # stores fail quietly
+            assert eng.load(keys) == data     # still served by vLLM's own primary tier
+            assert eng.load(chunk_keys("other", 2)) == []
+    finally:
+        redis_server.start()
+
+
+def test_bad_config_names_the_field(redis_options):
+    with pytest.raises(ValueError, match="tiers.0"):
+        Engine({"namespace": "x", "tiers": [{"type": "redis", "url": "http://nope"}]})
+    with pytest.raises(ValueError, match=r"tiers\.0\.type: 'cpu' is not allowed"):
+        Engine({"namespace": "x", "tiers": [{"type": "cpu", "size": "1Mi"}]})
+
+
+def test_layout_identity_is_vllms_file_mapper_identity():
+    spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
+    ident = vllm_tiers.layout_identity(spec, 32768)
+    assert ident["model_name"] == "test-model" and ident["dtype"] == "bfloat16"
+    assert ident["blocks_per_file"] == BLOCKS_PER_CHUNK and ident["chunk_bytes"] == 32768
+    fp = vllm_tiers.layout_fingerprint(ident)
+    assert vllm_tiers.key_prefix(fp) != vllm_tiers.key_prefix(
+        vllm_tiers.layout_fingerprint({**ident, "chunk_bytes": 65536}))
+
+
+def test_store_counters_reach_vllms_offloading_stats(redis_options):
+    keys, data = chunk_keys("stats", 2), payloads(2)
+    with Engine(redis_options) as a:
+        a.offload(keys, data)
+    with Engine(redis_options) as b:
+        assert b.load(keys) == data
+        reduced = b.manager.get_stats().reduce()
+    definitions = TieringOffloadingSpec.build_metric_definitions(
+        {"secondary_tiers": [{"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers"}]})
+    assert "kvpool_tier_hit_chunks" in definitions
+    assert definitions["kvpool_tier_hit_chunks"].labelnames == ("tier",)
+    hits = {k: v for k, v in reduced.items() if k.startswith("kvpool_tier_hit_chunks")}
+    assert sum(hits.values()) == 2, reduced
