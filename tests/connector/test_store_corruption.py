@@ -12,7 +12,8 @@ from kvpool_connector.store import open_store
 
 
 def build(namespace, tier, layout=b"layout-A"):
-    return open_store({"namespace": namespace, "tiers": [tier]}, layout=layout)
+    return open_store({"namespace": namespace, "tiers": [tier], "timeout_seconds": 5},
+                      layout=layout)
 
 
 def written(namespace, tier, size=200_000):

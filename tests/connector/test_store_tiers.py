@@ -27,7 +27,9 @@ def payloads_of(sizes) -> list[bytes]:
 
 
 def build(namespace, *tiers, **extra):
-    return open_store({"namespace": namespace, "tiers": list(tiers), **extra}, layout=LAYOUT)
+    # a generous bound: these tests check function, and moto on 2 busy cores can be slow
+    return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": 5,
+                       **extra}, layout=LAYOUT)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "s3"])
@@ -228,9 +230,9 @@ import os, sys
 from kvpool_connector.store import open_store
 s = open_store({"namespace": sys.argv[2], "metrics": False, "tiers": [{"type": "disk",
     "path": sys.argv[1], "size": "64Mi", "rescan_seconds": 0}]}, layout=b"L")
-for round in range(30):
+for r in range(30):
     for i in range(20):
-        s.put_many([bytes([i]) * 32], [bytes([i]) * (100_000 + i)])
+        s.put_many([bytes([i]) * 32], [bytes([i, r % 5]) * (50_000 + i)])
 s.close()
 """
 
@@ -244,15 +246,13 @@ def test_processes_share_a_directory(tmp_path, namespace):
         {"type": "disk", "path": str(tmp_path), "size": "64Mi", "rescan_seconds": 0.2}]},
         layout=b"L")
     keys = [bytes([i]) * 32 for i in range(20)]
-    hits = 0
+    variants = [{bytes([i, r]) * (50_000 + i) for r in range(5)} for i in range(20)]
     while any(p.poll() is None for p in procs):
         for i, g in enumerate(reader.get_many(keys)):
-            if g is not None:
-                hits += 1
-                assert bytes(g) == bytes([i]) * (100_000 + i)
+            assert g is None or bytes(g) in variants[i]
     assert [p.wait() for p in procs] == [0, 0]
-    assert [bytes(g) for g in reader.get_many(keys)] == [bytes([i]) * (100_000 + i)
-                                                          for i in range(20)]
+    final = reader.get_many(keys)
+    assert all(g is not None and bytes(g) in variants[i] for i, g in enumerate(final))
     assert reader.stats()["tiers"]["disk"]["corrupt"] == 0
     assert not os.listdir(tmp_path / namespace / ".tmp")
     reader.rescan = reader.runners[0].tier.rescan

@@ -42,6 +42,7 @@ class DiskTier(Tier):
         self.capacity = cfg.size
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._written: dict[bytes, int] = {}  # key -> checksum of what this process wrote
         self._used = 0
         self._direct = bool(cfg.direct_io) and hasattr(os, "O_DIRECT")
         self._stop = threading.Event()
@@ -114,6 +115,7 @@ class DiskTier(Tier):
                 if k in new:
                     new.move_to_end(k)
             self._index = new
+            self._written = {k: c for k, c in self._written.items() if k in new}
             self._used = sum(new.values())
             victims = self._evict_locked(0)
         self._unlink_all(victims)
@@ -129,6 +131,7 @@ class DiskTier(Tier):
         victims = []
         while self._index and self._used + incoming > self.capacity:
             k, size = self._index.popitem(last=False)
+            self._written.pop(k, None)
             self._used -= size
             victims.append(k)
         return victims
@@ -145,6 +148,7 @@ class DiskTier(Tier):
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
+            self._written.pop(key, None)
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
@@ -167,11 +171,15 @@ class DiskTier(Tier):
             self.stats.inc("rejected")
             return
         with self._lock:
+            if rec.key in self._index and self._written.get(rec.key) == rec.csum:
+                self._index.move_to_end(rec.key)  # the same bytes are on disk already
+                return
             old = self._index.pop(rec.key, None)
             self._used -= old or 0
             victims = self._evict_locked(size)
             self._index[rec.key] = size  # charged before writing: concurrent puts stay bounded
             self._used += size
+            self._written.pop(rec.key, None)
         self._unlink_all(victims)
         final = self.path(rec.key)
         tmp = os.path.join(self.tmpdir, f"{rec.key.hex()}.{os.getpid()}.{threading.get_ident()}")
@@ -191,6 +199,7 @@ class DiskTier(Tier):
             except OSError:
                 pass
             raise
+        self._written[rec.key] = rec.csum
         self.stats.inc("bytes_in", len(rec.payload))
 
     def _write_file(self, tmp: str, hdr: bytes, payload: memoryview, size: int) -> None:
@@ -273,14 +282,15 @@ class DiskTier(Tier):
         try:
             size = os.fstat(fd).st_size
             hs = header_size(key)
-            hdr = os.pread(fd, hs, 0)
+            hdr = bytearray(hs)
+            n = max(0, min(size - hs, len(out)))
+            got = _preadv_all(fd, [memoryview(hdr), out[:n]], 0)  # one syscall for both
             st, n, csum, stored_layout = check_header(hdr, key, layout, size)
             if st is Status.OK and n > len(out):
                 raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than the "
-                                 f"object ({n})")
+                                     f"object ({n})")
             if st is not Status.CORRUPT and n <= len(out):
-                got = _preadv_all(fd, [out[:n]], hs)
-                if got != n or checksum(key, stored_layout, out[:n]) != csum:
+                if got != hs + n or checksum(key, stored_layout, out[:n]) != csum:
                     st = Status.CORRUPT
         finally:
             os.close(fd)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvpool bench ...` (scripts that print side-by-side ratios, not tests)."""
