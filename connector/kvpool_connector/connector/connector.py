@@ -1,0 +1,231 @@
+"""`KVPoolConnector`: vLLM V1 KV connector over the kvpool tiered store.
+
+One instance per process: role SCHEDULER in the EngineCore (lookups, plans; see
+scheduler.py for why it opens only the shared lower tiers) and role WORKER in each worker
+(copies; see worker.py). This class only wires vLLM's interface to those two halves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..store import open_store
+from .config import ConnectorConfig, ConnectorConfigError, check_block_size, load_connector_config
+from .keys import KeySpace
+from .layout import KVLayout, spec_fingerprint
+from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
+from .scheduler import SchedulerSide
+from .stats import KVPoolConnectorStats, KVPoolPromMetrics
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.connector")
+
+
+def _tp(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if role != KVConnectorRole.WORKER or size == 1:
+        return 0, size  # the scheduler looks up rank 0's keys (all ranks save together)
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    return get_tensor_model_parallel_rank(), size
+
+
+def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
+    try:
+        layer = vllm_config.compilation_config.static_forward_context[layer_name]
+        return layer.attn_backend.get_name()
+    except Exception:  # not an attention layer we can inspect: shapes still fingerprint
+        return "unknown"
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """Tiered (cpu / disk / Redis / S3) prefix cache for vLLM, on CPU and CUDA."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg: ConnectorConfig = load_connector_config(ktc.kv_connector_extra_config)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ConnectorConfigError(
+                f"KVPoolConnector supports one KV cache group, this model has {len(groups)}; "
+                "start vLLM with --disable-hybrid-kv-cache-manager")
+        self.block_size = vllm_config.cache_config.block_size
+        self.bpc = check_block_size(self.cfg, self.block_size)
+        if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning("KVPoolConnector: kv_load_failure_policy is %r; set it to 'recompute' "
+                        "so a chunk that cannot be loaded is recomputed instead of failing "
+                        "the request", getattr(ktc, "kv_load_failure_policy", None))
+        mc = vllm_config.model_config
+        self.spec_fp = spec_fingerprint(kv_cache_config, str(mc.model))
+        rank, size = _tp(vllm_config, role)
+        self.keyspace = KeySpace(
+            namespace=self.cfg.namespace, model=str(mc.model),
+            dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}", layout=self.spec_fp,
+            tp_rank=rank, tp_size=size,
+            hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+            chunk_tokens=self.cfg.chunk_tokens)
+        self.prefix = self.keyspace.prefix()
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            spec = groups[0].kv_cache_spec
+            chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.bpc
+            lower_cfg = self.cfg.store_config(drop_types=("cpu",))
+            lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
+            self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size, self.bpc,
+                                       chunk_bytes, size, lower,
+                                       is_async=not self.cfg.layerwise)
+            self.sched._block_ids = self._request_block_ids
+        else:
+            self.worker = None  # created in register_kv_caches, once the layout is known
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool((extra_config or {}).get("layerwise", False))
+
+    # ==== worker side ==================================================================
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        kcc = self._kv_cache_config
+        names = list(kcc.kv_cache_groups[0].layer_names)
+        backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
+        layout = KVLayout(kv_caches, names, kcc.num_blocks, backend)
+        full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
+        store = open_store(self.cfg.store_config(), layout=full_fp)
+        self.worker = WorkerSide(store, self.bpc, self.cfg.layerwise)
+        self.worker.register(layout)
+        log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
+                 len(layout.layers), layout.chunk_nbytes(self.bpc), self.cfg.chunk_tokens,
+                 [t.type for t in self.cfg.tiers])
+
+    def _meta(self) -> KVPoolMetadata | None:
+        m = self._connector_metadata
+        return m if isinstance(m, KVPoolMetadata) else None
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._meta()
+        if self.worker is not None and meta is not None and meta.loads:
+            self.worker.submit_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # chunks are saved whole (all layers in one object) in wait_for_save
+
+    def wait_for_save(self):
+        meta = self._meta()
+        if self.worker is None or meta is None:
+            return
+        self.worker.finish_sync_loads()
+        if meta.saves:
+            self.worker.submit_saves(meta)
+
+    def handle_preemptions(self, kv_connector_metadata):
+        if self.worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
+            self.worker.preempted(kv_connector_metadata.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        sending, recving = self.worker.get_finished(self._meta())
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        if self.worker is not None:
+            return self.worker.take_stats()
+        if self.sched is not None:
+            return self.sched.take_stats()
+        return None
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker.store.close()
+        if self.sched is not None and self.sched.lower is not None:
+            self.sched.lower.close()
+
+    # ==== scheduler side ===============================================================
+    def _request_block_ids(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.sched is not None:
+            self.sched._state(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        try:
+            return self.sched.num_matched(request, num_computed_tokens)
+        except Exception:  # a lookup problem is a miss, never a failed request
+            log.exception("kvpool: lookup failed for %s", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int):
+        assert self.sched is not None
+        self.sched.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0 or self.sched is None:
+            return {}
+        local, lower = self.sched.hit_sources(request)
+        host = min(num_external_tokens, local * self.cfg.chunk_tokens) if local else 0
+        out = {}
+        if host:
+            out[CacheHitSource.HOST] = host
+        if num_external_tokens - host:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - host
+        return out
+
+    def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:
+        assert self.sched is not None
+        return self.sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        if self.sched is not None:
+            wm = connector_output.kv_connector_worker_meta
+            self.sched.on_worker_meta(wm if isinstance(wm, KVPoolWorkerMetadata) else None)
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.finished(request), None
+
+    # ==== stats ========================================================================
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVPoolConnectorStats | None:
+        return KVPoolConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,69 @@
+"""Messages between the scheduler-side and worker-side halves of the connector.
+
+Scheduler -> workers (`KVPoolMetadata`, once per step) says which chunks to load into which
+blocks and which freshly computed chunks to save. Workers -> scheduler
+(`KVPoolWorkerMetadata`) says which chunks reached the store (so the scheduler process,
+which has no access to the worker's cpu tier, can count them as hits) and which save copies
+are done (so blocks of finished requests are freed only after their copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class ChunkLoad:
+    key: bytes
+    rows: list[int]       # block positions within the stored chunk to copy
+    block_ids: list[int]  # destination blocks, same length as rows
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    chunks: list[ChunkLoad]
+    is_async: bool  # True: between steps (request waits); False: inside this forward
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[list[int]]  # per chunk, all of its blocks in order
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    # finished requests whose blocks stay allocated until their save copies are done
+    await_saves: set[str] = field(default_factory=set)
+    # preempted requests: their blocks are reused next, finish their copies first
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    stored_keys: list[bytes] = field(default_factory=list)
+    dropped_keys: list[bytes] = field(default_factory=list)  # saves that never got stored
+    copied_saves: dict[str, int] = field(default_factory=dict)  # req_id -> save jobs copied
+    failed_loads: dict[str, list[bytes]] = field(default_factory=dict)  # req_id -> chunk keys
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPoolWorkerMetadata)
+        copied = dict(self.copied_saves)
+        for r, n in other.copied_saves.items():
+            copied[r] = copied.get(r, 0) + n
+        keys = list(dict.fromkeys(self.stored_keys + other.stored_keys))
+        dropped = list(dict.fromkeys(self.dropped_keys + other.dropped_keys))
+        failed = {r: list(k) for r, k in self.failed_loads.items()}
+        for r, k in other.failed_loads.items():
+            failed[r] = list(dict.fromkeys(failed.get(r, []) + k))
+        return KVPoolWorkerMetadata(stored_keys=keys, dropped_keys=dropped, copied_saves=copied,
+                                    failed_loads=failed)

@@ -1,0 +1,266 @@
+"""Scheduler-side half: lookups, load plans, save plans, delayed frees.
+
+Process model. vLLM runs this half in the EngineCore process and the workers in their own
+processes; the store's cpu tier lives in the worker (it is filled from, and copied into, the
+worker's paged KV). So a lookup here consults (1) an in-memory index of chunks the workers
+reported stored (they report keys through the per-step worker metadata), bounded like the
+cpu tier it mirrors, and (2) the shared lower tiers (disk, Redis, S3) opened here without
+the cpu tier, which also hold what other engines of the pool computed. A lookup is only a
+promise: if a chunk is gone by the time the worker loads it (evicted, corrupt, backend
+down), the worker reports its blocks through `get_block_ids_with_load_errors` and vLLM
+recomputes them (`kv_load_failure_policy: recompute`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .config import ConnectorConfig
+from .keys import chunk_keys
+from .stats import KVPoolConnectorStats
+from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.connector")
+
+LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
+
+
+@dataclass
+class _Req:
+    request: Any
+    hit_chunks: int = 0             # leading chunks the store had at lookup
+    lookup: tuple[int, int, float] | None = None  # (n block hashes, hit chunks, time)
+    next_save: int = 0              # first chunk not yet planned for saving
+    pending_copies: int = 0         # save jobs whose block copy is not confirmed
+    load: LoadJob | None = None
+    hit_local_index: int = 0        # of hit_chunks, how many came from the cpu-tier index
+
+
+class KeyIndex:
+    """Bounded LRU set of keys the workers stored in their cpu tier."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self._d: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, key: bytes) -> None:
+        self._d[key] = None
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        self._d.pop(key, None)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._d
+
+    def prefix_len(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self._d:
+                break
+            n += 1
+        return n
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
+                 blocks_per_chunk: int, chunk_bytes: int, world_size: int,
+                 lower_store, is_async: bool):
+        self.cfg = cfg
+        self.prefix = prefix
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.chunk_tokens = cfg.chunk_tokens
+        self.world_size = world_size
+        self.lower = lower_store
+        self.is_async = is_async
+        cpu_bytes = sum(t.size for t in cfg.tiers if t.type == "cpu")
+        self.index = KeyIndex(cpu_bytes // max(1, chunk_bytes) if cpu_bytes else 1)
+        self.reqs: dict[str, _Req] = {}
+        self.inflight: set[bytes] = set()   # planned saves not yet reported stored
+        self.await_saves: set[str] = set()  # finished, blocks held for save copies
+        self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
+        self.stats = KVPoolConnectorStats()
+
+    # -- lookups -----------------------------------------------------------------------
+    def _state(self, request: "Request") -> _Req:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request)
+        else:
+            st.request = request
+        return st
+
+    def _count_hits(self, keys: list[bytes]) -> tuple[int, int]:
+        """(leading chunks present anywhere, of which leading ones in the cpu-tier index)."""
+        local = self.index.prefix_len(keys)
+        n = local
+        while n < len(keys) and self.lower is not None:
+            more = self.lower.contains_prefix(keys[n:])
+            if not more:
+                break
+            n += more
+            n += self.index.prefix_len(keys[n:])
+        return n, local
+
+    def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        hashes = request.block_hashes
+        now = time.monotonic()
+        if st.lookup and st.lookup[0] == len(hashes) and now - st.lookup[2] < LOOKUP_TTL_S:
+            hit = st.lookup[1]
+        else:
+            t0 = time.perf_counter()
+            keys = chunk_keys(self.prefix, hashes, self.bpc)
+            hit, st.hit_local_index = self._count_hits(keys)
+            self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
+            self.stats.inc("kvpool_lookups")
+            st.lookup = (len(hashes), hit, now)
+        st.hit_chunks = hit
+        # Never claim the last prompt token: vLLM must compute it to sample.
+        limit = (request.num_tokens - 1) // self.block_size * self.block_size
+        hit_tokens = min(hit * self.chunk_tokens, limit)
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, self.is_async
+
+    def after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        hit_tokens = min(st.hit_chunks * self.chunk_tokens,
+                         (request.num_tokens - 1) // self.block_size * self.block_size)
+        first_block = (hit_tokens - num_external_tokens) // self.block_size
+        last_block = hit_tokens // self.block_size  # exclusive
+        keys = chunk_keys(self.prefix, request.block_hashes, self.bpc, limit=st.hit_chunks)
+        chunks: list[ChunkLoad] = []
+        for c, key in enumerate(keys):
+            lo, hi = max(first_block, c * self.bpc), min(last_block, (c + 1) * self.bpc)
+            if lo >= hi:
+                continue
+            chunks.append(ChunkLoad(key, [b - c * self.bpc for b in range(lo, hi)],
+                                    [block_ids[b] for b in range(lo, hi)]))
+        st.load = LoadJob(request.request_id, chunks, self.is_async)
+        self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
+        # Chunks the store already holds need no save.
+        st.next_save = max(st.next_save, st.hit_chunks)
+
+    # -- per-step plan -----------------------------------------------------------------
+    def build_meta(self, so) -> KVPoolMetadata:
+        meta = KVPoolMetadata()
+        for st in self.reqs.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            job = self._plan_save(st, n_sched)
+            if job is not None:
+                meta.saves.append(job)
+        meta.await_saves = set(self.await_saves)
+        self.await_saves.clear()
+        meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
+        return meta
+
+    def _plan_save(self, st: _Req, n_sched: int) -> SaveJob | None:
+        req = st.request
+        done_tokens = req.num_computed_tokens + n_sched
+        if not self.cfg.save_decode_tokens:
+            done_tokens = min(done_tokens, req.num_prompt_tokens)
+        n_chunks = min(done_tokens // self.chunk_tokens, len(req.block_hashes) // self.bpc)
+        if n_chunks <= st.next_save:
+            return None
+        if st.next_save < st.hit_chunks:
+            st.next_save = st.hit_chunks
+        keys = chunk_keys(self.prefix, req.block_hashes, self.bpc, start=st.next_save,
+                          limit=n_chunks)
+        first = st.next_save
+        st.next_save = n_chunks
+        assert self._block_ids is not None
+        block_ids = self._block_ids(req.request_id)
+        out_keys, out_blocks = [], []
+        for i, key in enumerate(keys):
+            if key in self.index or key in self.inflight:
+                continue  # another request already stores this chunk
+            c = first + i
+            ids = block_ids[c * self.bpc:(c + 1) * self.bpc]
+            if len(ids) < self.bpc:
+                break
+            out_keys.append(key)
+            out_blocks.append(list(ids))
+            self.inflight.add(key)
+        if not out_keys:
+            return None
+        st.pending_copies += self.world_size
+        return SaveJob(req.request_id, out_keys, out_blocks)
+
+    _block_ids = None  # set by the connector: req_id -> block ids of the first KV group
+
+    # -- worker feedback ---------------------------------------------------------------
+    def on_worker_meta(self, wm: KVPoolWorkerMetadata | None) -> None:
+        if wm is None:
+            return
+        for k in wm.stored_keys:
+            self.index.add(k)
+            self.inflight.discard(k)
+        for k in wm.dropped_keys:
+            self.inflight.discard(k)
+        for req_id, keys in wm.failed_loads.items():
+            self._load_failed(req_id, keys)
+        for req_id, n in wm.copied_saves.items():
+            st = self.reqs.get(req_id)
+            if st is not None:
+                st.pending_copies -= n
+            elif req_id in self.delayed:
+                self.delayed[req_id] -= n
+                if self.delayed[req_id] <= 0:
+                    del self.delayed[req_id]
+
+    def _load_failed(self, req_id: str, keys: list[bytes]) -> None:
+        """Chunks that could not be loaded are recomputed: save them again afterwards."""
+        for k in keys:
+            self.index.discard(k)
+        st = self.reqs.get(req_id)
+        if st is None:
+            return
+        all_keys = chunk_keys(self.prefix, st.request.block_hashes, self.bpc, limit=st.hit_chunks)
+        bad = set(keys)
+        first = next((i for i, k in enumerate(all_keys) if k in bad), None)
+        if first is not None:
+            st.hit_chunks = min(st.hit_chunks, first)
+            st.next_save = min(st.next_save, first)
+            st.lookup = None
+
+    def finished(self, request: "Request") -> bool:
+        """True: keep the blocks until the workers report their save copies done."""
+        st = self.reqs.pop(request.request_id, None)
+        if st is None or st.pending_copies <= 0:
+            return False
+        self.delayed[request.request_id] = st.pending_copies
+        self.await_saves.add(request.request_id)
+        return True
+
+    def hit_sources(self, request: "Request") -> tuple[int, int]:
+        """(chunks from the workers' cpu tier, chunks from lower tiers) of the last lookup."""
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return 0, 0
+        return st.hit_local_index, st.hit_chunks - st.hit_local_index
+
+    def take_stats(self) -> KVPoolConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVPoolConnectorStats()
+        return out

@@ -1,0 +1,333 @@
+"""Worker-side half: copies chunks between vLLM's paged KV cache and the tiered store.
+
+Saves: after the forward pass (`wait_for_save`), each newly completed chunk is gathered (all
+layers) into one contiguous buffer: a memcpy on CPU, an async copy into pinned host memory
+on a dedicated CUDA stream. A saver thread then hands the buffer to `store.put_many` (cpu
+tier synchronously, lower tiers through the store's queues), so the forward pass never
+waits on disk, Redis or S3. A full save queue drops the save (a future miss, counted).
+
+Loads: `get_many` probes the tiers in order (a lower-tier hit is promoted into the cpu
+tier) and the chunk is scattered into its blocks. Async loads run on a loader thread while
+the request waits (`finished_recving` when done). Layerwise loads run inside the forward:
+the loader scatters layer by layer and `wait_for_layer_load(i)` waits only for layer i, so
+layer i+1 copies while layer i computes. A chunk that is missing, of the wrong size, or
+fails its checksum in the store is reported through `get_block_ids_with_load_errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import KVLayout
+from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+from .stats import KVPoolConnectorStats, tier_deltas
+
+log = logging.getLogger("kvpool.connector")
+
+SAVE_QUEUE = 64  # save batches waiting for the store before new ones are dropped
+STORE_STATS_EVERY_S = 0.5  # how often per-tier counters are sampled from store.stats()
+
+
+@dataclass
+class _PendingSave:
+    job: SaveJob
+    buf: torch.Tensor
+    event: object | None  # CUDA event of the gather, None on CPU (copy already done)
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    done: threading.Event = field(default_factory=threading.Event)
+    layer_done: list[threading.Event] = field(default_factory=list)
+    failed_blocks: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    chunks_ok: int = 0
+
+
+class WorkerSide:
+    def __init__(self, store, blocks_per_chunk: int, layerwise: bool):
+        self.store = store
+        self.bpc = blocks_per_chunk
+        self.layerwise = layerwise
+        self.layout: KVLayout | None = None
+        self.cuda = False
+        self.copy_stream = None
+        self._lock = threading.Lock()
+        self._save_q: queue.Queue = queue.Queue(SAVE_QUEUE)
+        self._load_q: queue.Queue = queue.Queue()
+        self._uncopied: list[_PendingSave] = []        # CUDA gathers in flight
+        self._copies_by_req: dict[str, int] = defaultdict(int)  # save jobs not yet copied
+        self._copied: dict[str, int] = defaultdict(int)          # to report to scheduler
+        self._await: set[str] = set()                  # finished reqs awaiting copies
+        self._stored: list[bytes] = []
+        self._dropped: list[bytes] = []
+        self._async_loads: dict[str, _Load] = {}
+        self._sync_loads: list[_Load] = []
+        self._load_errors: set[int] = set()
+        self._failed_keys: dict[str, list[bytes]] = {}
+        self._stats = KVPoolConnectorStats()
+        self._slock = threading.Lock()
+        self._store_stats_prev: dict = {}
+        self._store_stats_at = 0.0
+        self._stop = False
+        self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
+                         threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def register(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.cuda = layout.device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device=layout.device)
+
+    # -- saves -------------------------------------------------------------------------
+    def submit_saves(self, meta: KVPoolMetadata) -> None:
+        assert self.layout is not None
+        lay = self.layout
+        for job in meta.saves:
+            n = len(job.keys)
+            nbytes = lay.chunk_nbytes(self.bpc)
+            buf = torch.empty(n * nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            event = None
+            if self.cuda:
+                # Order after this step's forward, copy on our own stream, never sync here.
+                self.copy_stream.wait_stream(torch.cuda.current_stream(lay.device))
+                with torch.cuda.stream(self.copy_stream):
+                    for i, ids in enumerate(job.block_ids):
+                        lay.gather(torch.tensor(ids, dtype=torch.long),
+                                   buf[i * nbytes:(i + 1) * nbytes])
+                    event = torch.cuda.Event()
+                    event.record(self.copy_stream)
+            else:
+                for i, ids in enumerate(job.block_ids):
+                    lay.gather(torch.tensor(ids, dtype=torch.long), buf[i * nbytes:(i + 1) * nbytes])
+            pending = _PendingSave(job, buf, event)
+            with self._lock:
+                self._copies_by_req[job.req_id] += 1
+            if event is None:
+                self._mark_copied(pending)
+            else:
+                self._uncopied.append(pending)
+            try:
+                self._save_q.put_nowait(pending)
+            except queue.Full:
+                with self._lock:
+                    self._dropped.extend(job.keys)
+                self._inc("kvpool_save_dropped_chunks", n)
+
+    def _mark_copied(self, p: _PendingSave) -> None:
+        with self._lock:
+            self._copies_by_req[p.job.req_id] -= 1
+            if self._copies_by_req[p.job.req_id] <= 0:
+                del self._copies_by_req[p.job.req_id]
+            self._copied[p.job.req_id] += 1
+        self._inc("kvpool_saved_chunks", len(p.job.keys))
+        self._inc("kvpool_saved_bytes", p.buf.numel())
+
+    def _poll_copies(self, wait: bool = False) -> None:
+        still = []
+        for p in self._uncopied:
+            if wait:
+                p.event.synchronize()
+            if p.event.query():
+                self._mark_copied(p)
+            else:
+                still.append(p)
+        self._uncopied = still
+
+    def _saver(self) -> None:
+        while not self._stop:
+            p = self._save_q.get()
+            if p is None:
+                return
+            try:
+                if p.event is not None:
+                    p.event.synchronize()  # background thread: the hot path never waits
+                n = len(p.job.keys)
+                size = p.buf.numel() // n
+                self.store.put_many(p.job.keys, [p.buf[i * size:(i + 1) * size] for i in range(n)])
+                with self._lock:
+                    self._stored.extend(p.job.keys)
+            except Exception:  # a failing backend degrades service, never the engine
+                log.exception("kvpool: save of %d chunks failed", len(p.job.keys))
+                with self._lock:
+                    self._dropped.extend(p.job.keys)
+                self._inc("kvpool_save_dropped_chunks", len(p.job.keys))
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """Blocks of preempted requests are reused next: finish their copies now."""
+        if self.cuda and self._uncopied and any(p.job.req_id in req_ids for p in self._uncopied):
+            self._poll_copies(wait=True)
+
+    # -- loads -------------------------------------------------------------------------
+    def submit_loads(self, meta: KVPoolMetadata) -> None:
+        n_layers = len(self.layout.layers) if self.layout else 0
+        for job in meta.loads:
+            ld = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
+            if job.is_async:
+                self._async_loads[job.req_id] = ld
+            else:
+                self._sync_loads.append(ld)
+            self._load_q.put(ld)
+
+    def _loader(self) -> None:
+        while not self._stop:
+            ld = self._load_q.get()
+            if ld is None:
+                return
+            try:
+                self._run_load(ld)
+            except Exception:
+                log.exception("kvpool: load for %s failed", ld.job.req_id)
+                ld.failed_blocks.update(b for c in ld.job.chunks for b in c.block_ids)
+            finally:
+                for e in ld.layer_done:
+                    e.set()
+                ld.done.set()
+
+    def _run_load(self, ld: _Load) -> None:
+        lay = self.layout
+        assert lay is not None
+        chunks = ld.job.chunks
+        if not chunks:
+            return
+        expect = lay.chunk_nbytes(self.bpc)
+        buf = torch.empty(len(chunks) * expect, dtype=torch.uint8, pin_memory=self.cuda)
+        views = [buf[i * expect:(i + 1) * expect] for i in range(len(chunks))]
+        try:
+            got = self.store.get_many_into([c.key for c in chunks], views)
+        except ValueError:  # an object larger than a chunk of this layout: not ours
+            got = [None] * len(chunks)
+        good = []
+        for c, n, src in zip(chunks, got, views):
+            if n != expect:
+                ld.failed_blocks.update(c.block_ids)
+                continue
+            good.append((c, src))
+            ld.nbytes += expect
+        ld.chunks_ok = len(good)
+        layers = range(len(lay.layers)) if (not ld.job.is_async and self.layerwise) else [None]
+        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else _nullctx()
+        with ctx:
+            for layer in layers:
+                for c, src in good:
+                    lay.scatter(src, self.bpc, torch.tensor(c.rows, dtype=torch.long),
+                                torch.tensor(c.block_ids, dtype=torch.long), layer=layer)
+                if self.cuda:
+                    self.copy_stream.synchronize()  # loader thread only
+                if layer is not None:
+                    ld.layer_done[layer].set()
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self._sync_loads or self.layout is None:
+            return
+        i = self.layout.layer_index(layer_name)
+        for ld in self._sync_loads:
+            if i is None or not ld.layer_done:
+                ld.done.wait()
+            else:
+                ld.layer_done[i].wait()
+
+    def finish_sync_loads(self) -> None:
+        """End of the forward: sync loads are complete; collect their failures."""
+        for ld in self._sync_loads:
+            ld.done.wait()
+            self._account(ld)
+        self._sync_loads = []
+
+    def _account(self, ld: _Load) -> None:
+        self._load_errors.update(ld.failed_blocks)
+        failed = [c.key for c in ld.job.chunks if set(c.block_ids) & ld.failed_blocks]
+        if failed:
+            self._failed_keys[ld.job.req_id] = failed
+        self._inc("kvpool_load_error_chunks", len(failed))
+        self._inc("kvpool_loaded_chunks", ld.chunks_ok)
+        self._inc("kvpool_loaded_bytes", ld.nbytes)
+
+    # -- per-step reports --------------------------------------------------------------
+    def get_finished(self, meta: KVPoolMetadata | None) -> tuple[set[str], set[str]]:
+        if self.cuda:
+            self._poll_copies()
+        if meta is not None:
+            self._await.update(meta.await_saves)
+        recving = set()
+        for req_id, ld in list(self._async_loads.items()):
+            if ld.done.is_set():
+                del self._async_loads[req_id]
+                self._account(ld)
+                recving.add(req_id)
+        sending = set()
+        with self._lock:
+            for req_id in list(self._await):
+                if self._copies_by_req.get(req_id, 0) <= 0:
+                    sending.add(req_id)
+                    self._await.discard(req_id)
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def worker_meta(self) -> KVPoolWorkerMetadata | None:
+        with self._lock:
+            stored, self._stored = self._stored, []
+            dropped, self._dropped = self._dropped, []
+            copied, self._copied = dict(self._copied), defaultdict(int)
+        failed, self._failed_keys = self._failed_keys, {}
+        if not (stored or dropped or copied or failed):
+            return None
+        return KVPoolWorkerMetadata(stored_keys=stored, dropped_keys=dropped, copied_saves=copied,
+                                    failed_loads=failed)
+
+    def _inc(self, metric: str, value: float = 1, label: str = "") -> None:
+        with self._slock:
+            self._stats.inc(metric, value, label)
+
+    def take_stats(self) -> KVPoolConnectorStats | None:
+        now_t = time.monotonic()
+        if now_t - self._store_stats_at >= STORE_STATS_EVERY_S:
+            self._store_stats_at = now_t
+            try:
+                now = self.store.stats()
+            except Exception:
+                now = self._store_stats_prev
+            for metric, by_tier in tier_deltas(self._store_stats_prev, now).items():
+                for tier, v in by_tier.items():
+                    self._inc(metric, v, tier)
+            self._store_stats_prev = now
+        with self._slock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVPoolConnectorStats()
+        return out
+
+    def shutdown(self) -> None:
+        self._stop = True
+        for q in (self._save_q, self._load_q):
+            try:
+                q.put(None, timeout=1)
+            except queue.Full:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        try:
+            self.store.flush()
+        except Exception:
+            pass
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
