@@ -51,7 +51,7 @@ SCENARIOS: dict[str, dict] = {
             "minioImage": "minio/minio:latest",
             "imagePullPolicy": "Always",
             "reconcileInterval": 120,
-            "statusInterval": 15.5,
+            "retryDelay": 15.5,
             "pythonHashSeed": "42",
             "backendWaitSeconds": 0,
         },
@@ -243,7 +243,7 @@ def test_settings_reach_the_operator_as_it_reads_them():
     assert settings.minio_image == "minio/minio:latest"
     assert settings.image_pull_policy == "Always"
     assert settings.reconcile_interval == 120
-    assert settings.status_interval == 15.5
+    assert settings.retry_delay == 15.5
     assert settings.python_hash_seed == "42"
     assert settings.backend_wait_seconds == 0
     assert settings.namespaces == ("team-a", "kvpool-system")
