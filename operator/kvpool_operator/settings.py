@@ -29,7 +29,7 @@ class Settings(BaseModel):
     namespaces: tuple[str, ...] = Field((), description="Watched namespaces; empty: all namespaces.")
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")
     reconcile_interval: float = Field(300.0, gt=0, description="Seconds between drift-correction passes.")
-    status_interval: float = Field(30.0, gt=0, description="Seconds between status refreshes.")
+    retry_delay: float = Field(15.0, gt=0, description="Seconds before retrying after API errors or a missing Secret.")
     python_hash_seed: str = Field("0", description="PYTHONHASHSEED shared by all engine replicas.")
     backend_wait_seconds: int = Field(
         120, ge=0, description="How long an engine pod waits for its managed backends before starting anyway."

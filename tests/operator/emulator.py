@@ -104,7 +104,7 @@ def apiserver_with_resources() -> ApiServer:
     return server
 
 
-async def eventually(check, timeout: float = 20.0, interval: float = 0.1, message: str = ""):
+async def eventually(check, timeout: float = 30.0, interval: float = 0.1, message: str = ""):
     """Poll until `check()` returns a truthy value (operators converge asynchronously)."""
     deadline = asyncio.get_running_loop().time() + timeout
     last_exc: Exception | None = None

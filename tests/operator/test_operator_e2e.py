@@ -225,13 +225,22 @@ async def test_drift_is_corrected_by_the_timer(server):
                          message="drift corrected")
 
 
-async def test_missing_secret_is_reported_then_picked_up(server, op_settings):
-    async with running_operator(server, op_settings):
+async def test_missing_secret_is_reported_then_picked_up(server):
+    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, {**load_example("tiered-external"), "metadata": {"name": "tiered-full"}})
         cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
                                 and conditions(server)["ConfigValid"])
         assert "spec.tiers.redis.external.passwordSecretRef: Secret 'redis' not found" in cond["message"]
+        assert "Secret 's3-creds' not found" in cond["message"]
         assert child(server, "apps/v1/deployments", "tiered-full") is None  # nothing started half-configured
+        # the user creates the Secrets; the operator notices on its retry, without a spec change
+        await send(server, "post", f"/api/v1/namespaces/{NS}/secrets",
+                   {"metadata": {"name": "redis"}, "data": {"password": "cHc="}})
+        await send(server, "post", f"/api/v1/namespaces/{NS}/secrets",
+                   {"metadata": {"name": "s3-creds"}, "data": {"accessKey": "YQ==", "secretKey": "Yg=="}})
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="recovered")
+        await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="engines applied")
 
 
 async def test_engine_readiness_reaches_pool_status(server, op_settings):
@@ -254,3 +263,59 @@ async def test_engine_readiness_reaches_pool_status(server, op_settings):
         assert conditions(server)["Ready"]["status"] == "True"
         assert conditions(server)["BackendsReady"]["status"] == "True"
         assert pool_obj(server)["status"]["readyReplicas"] == 2
+
+
+async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path):
+    """`kvpool-operator run` as deployed: kubeconfig login, liveness endpoint, clean SIGTERM."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    import aiohttp
+    import yaml
+
+    url = str(server.url).rstrip("/")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": url}}],
+        "users": [{"name": "emu", "user": {"token": "t"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}],
+    }))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPOOL_CONNECTOR_IMAGE": "kvpool-vllm:cli"}
+    proc = await asyncio.create_subprocess_exec(
+        # --all-namespaces: kmock 0.8 cannot parse GET /api/v1/namespaces, which kopf lists when
+        # given --namespace (to match patterns); a real cluster serves both modes.
+        sys.executable, "-m", "kvpool_operator.cli", "run", "--all-namespaces",
+        "--liveness", f"http://127.0.0.1:{port}/healthz", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async def alive() -> bool:
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                        return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await alive():
+            assert proc.returncode is None, (await proc.stdout.read()).decode()[-3000:]
+            assert asyncio.get_running_loop().time() < deadline, "liveness endpoint never came up"
+            await asyncio.sleep(0.3)
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), timeout=60)
+        assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "kvpool-vllm:cli"
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        output = (await asyncio.wait_for(proc.stdout.read(), 60)).decode()
+        await asyncio.wait_for(proc.wait(), 60)
+        print(output[-5000:])  # shown by pytest when the test fails
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]

@@ -50,10 +50,16 @@ def header_size(key: bytes) -> int:
     return FIXED_SIZE + len(key)
 
 
-def checksum(key: bytes, layout: bytes, payload) -> int:
+def hasher(key: bytes, layout: bytes) -> "xxhash.xxh3_64":
+    """A streaming checksum already fed with key and layout: update() it with the payload."""
     h = xxhash.xxh3_64()
     h.update(key)
     h.update(layout)
+    return h
+
+
+def checksum(key: bytes, layout: bytes, payload) -> int:
+    h = hasher(key, layout)
     h.update(payload)
     return h.intdigest()
 

@@ -130,6 +130,7 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     unchanged: int = 0
     invalid: str | None = None
+    recheck: bool = False  # invalid because of something outside the spec (a Secret): look again later
     errors: list[str] = field(default_factory=list)
 
 
@@ -191,14 +192,16 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     live = list_children(kube, namespace, name)
+    recheck = False
     try:
         pool = load_pool(body, settings)
         invalid = check_secrets(kube, pool)
+        recheck = invalid is not None
     except InvalidPool as exc:
         pool, invalid = None, str(exc)
     if invalid is not None:
         status = compute_status(_observation(body, pool, live, invalid=invalid), now)
-        return Outcome(status=status, invalid=invalid, unchanged=len(live))
+        return Outcome(status=status, invalid=invalid, recheck=recheck, unchanged=len(live))
 
     assert pool is not None
     ref = owner_reference(body)

@@ -21,7 +21,6 @@ from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, re
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
 from kvpool_operator.settings import Settings
 
-RETRY_DELAY = 15.0
 FINALIZER = "kvpool.dev/finalizer"
 ANNOTATION_PREFIX = "kvpool.dev"
 
@@ -57,14 +56,17 @@ def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kop
     try:
         outcome = reconcile(_kube(memo), dict(body), settings, now())
     except ApiException as exc:  # listing/reading failed: the API is unwell, retry with backoff
-        raise kopf.TemporaryError(f"Kubernetes API error {exc.status} {exc.reason}", delay=RETRY_DELAY) from exc
-    patch.status.update(outcome.status)
-    _report(outcome, body, logger, dict(body.get("status") or {}))
+        raise kopf.TemporaryError(f"Kubernetes API error {exc.status} {exc.reason}",
+                                  delay=settings.retry_delay) from exc
+    previous = dict(body.get("status") or {})
+    if not is_subset(outcome.status, previous):  # no write when nothing changed
+        patch.status.update(outcome.status)
+    _report(outcome, body, logger, previous)
     if outcome.errors:
-        raise kopf.TemporaryError("; ".join(outcome.errors), delay=RETRY_DELAY)
-    if outcome.invalid is not None and "Secret" in outcome.invalid:
+        raise kopf.TemporaryError("; ".join(outcome.errors), delay=settings.retry_delay)
+    if outcome.recheck:
         # A missing Secret may appear any moment: keep checking (typos in the spec wait for an edit).
-        raise kopf.TemporaryError(outcome.invalid, delay=RETRY_DELAY * 2)
+        raise kopf.TemporaryError(outcome.invalid, delay=settings.retry_delay)
     return {"applied": len(outcome.applied), "pruned": len(outcome.pruned), "unchanged": outcome.unchanged}
 
 
@@ -87,9 +89,9 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
         if memo.get("kube") is None:
             memo["kube"] = Kube.from_environment()
 
-    @kopf.on.create(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
-    @kopf.on.update(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
-    @kopf.on.resume(**resource, registry=registry, backoff=RETRY_DELAY, id="reconcile")
+    @kopf.on.create(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
+    @kopf.on.update(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
+    @kopf.on.resume(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
     def reconcile_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                      **_: Any) -> dict[str, Any]:
         return _reconcile(settings, body, patch, memo, logger)
