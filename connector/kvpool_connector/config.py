@@ -92,8 +92,9 @@ class DiskTierConfig(_TierBase):
     fsync: Literal["never", "file", "always"] = Field(
         "never", description="never: rely on the page cache; file: fsync each object before "
                              "rename; always: also fsync the directory after rename")
-    direct_io: bool = Field(False, description="O_DIRECT with aligned buffers where the "
-                                               "filesystem supports it (falls back otherwise)")
+    direct_io: bool = Field(False, description="write with O_DIRECT through a page-aligned "
+                            "copy, keeping rarely read data out of the page cache (falls back "
+                            "to buffered writes where the filesystem refuses it)")
     rescan_seconds: float = Field(10.0, ge=0, description="how often the index is refreshed "
                                   "from disk (objects of other processes, capacity); 0 = never")
 

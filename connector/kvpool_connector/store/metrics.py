@@ -2,15 +2,18 @@
 
 The Prometheus metric objects are module globals created once at import, labelled by
 namespace and tier, so opening several stores in one process never registers a metric twice
-(stores of the same namespace add to the same series). `stats()` reads the per-store
+(stores of the same namespace add to the same series). Usage gauges (bytes held, queue
+depth) come from one collector that asks every open store at scrape time. `stats()` reads the per-store
 counters kept here, which start at zero for every store.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 EVENTS = ("hits", "misses", "evictions", "drops", "errors", "timeouts", "corrupt",
           "foreign_layout", "rejected", "promotions")
@@ -25,10 +28,40 @@ _LATENCY = Histogram("kvpool_store_op_seconds", "Latency of one batched call to 
                      buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 5))
 _HEALTHY = Gauge("kvpool_store_tier_healthy", "1 when the tier is serving, 0 while backing off",
                  ["namespace", "tier"])
-_USED = Gauge("kvpool_store_tier_used_bytes", "Bytes held by a capped tier (cpu, disk)",
-              ["namespace", "tier"])
-_QUEUE = Gauge("kvpool_store_queue_depth", "Writes waiting for a lower tier",
-               ["namespace", "tier"])
+
+
+class _UsageCollector:
+    """Gauges read at scrape time from every open store (one collector for all of them)."""
+
+    def __init__(self) -> None:
+        self.stores: weakref.WeakSet = weakref.WeakSet()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        used = GaugeMetricFamily("kvpool_store_tier_used_bytes",
+                                 "Bytes held by a capped tier (cpu, disk)", labels=["namespace", "tier"])
+        queue = GaugeMetricFamily("kvpool_store_queue_depth", "Writes waiting for a lower tier",
+                                  labels=["namespace", "tier"])
+        totals: dict[tuple[str, str], list[float]] = {}
+        for store in list(self.stores):
+            for ns, tier, nbytes, depth in store.usage_samples():
+                t = totals.setdefault((ns, tier), [0.0, 0.0, False])
+                t[1] += depth
+                if nbytes is not None:
+                    t[0] += nbytes
+                    t[2] = True
+        for (ns, tier), (nbytes, depth, capped) in totals.items():
+            if capped:
+                used.add_metric([ns, tier], nbytes)
+            queue.add_metric([ns, tier], depth)
+        yield used
+        yield queue
+
+
+USAGE = _UsageCollector()
+REGISTRY.register(USAGE)
 
 
 class TierStats:
@@ -44,8 +77,6 @@ class TierStats:
             self._lat = {op: _LATENCY.labels(namespace, tier, op)
                          for op in ("put", "get", "contains", "delete")}
             self._healthy = _HEALTHY.labels(namespace, tier)
-            self._used = _USED.labels(namespace, tier)
-            self._queue = _QUEUE.labels(namespace, tier)
             self._healthy.set(1)
 
     def inc(self, event: str, n: int = 1) -> None:
@@ -68,12 +99,6 @@ class TierStats:
     def set_healthy(self, ok: bool) -> None:
         if self._prom:
             self._healthy.set(1 if ok else 0)
-
-    def set_usage(self, used: int | None, queue_depth: int) -> None:
-        if self._prom:
-            if used is not None:
-                self._used.set(used)
-            self._queue.set(queue_depth)
 
     def snapshot(self) -> dict:
         with self._lock:

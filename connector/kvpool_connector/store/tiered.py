@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import StoreConfig, tier_names
 from .format import MAX_KEY, Record, layout_digest, to_view
-from .metrics import TierStats
+from .metrics import USAGE, TierStats
 from .tiers import Tier, tier_class
 from .tiers.base import BufferTooSmall
 
@@ -226,7 +226,6 @@ class TierRunner:
             d.update(self.tier.usage())
         except Exception:
             pass
-        self.stats.set_usage(d.get("used_bytes"), d["queue_depth"])
         return d
 
 
@@ -250,6 +249,17 @@ class TieredStore:
         except BaseException:
             self.close()
             raise
+        if cfg.metrics:
+            USAGE.stores.add(self)
+
+    def usage_samples(self):
+        """(namespace, tier, used bytes or None, queue depth) per tier, for the usage gauges."""
+        for r in self.runners:
+            try:
+                used = r.tier.usage().get("used_bytes")
+            except Exception:
+                used = None
+            yield self.namespace, r.name, used, r.queue.qsize() if r.queue is not None else 0
 
     # -- helpers --------------------------------------------------------------------------
     def _layout(self, layout) -> bytes:
@@ -447,6 +457,7 @@ class TieredStore:
             return
         self.flush(flush_timeout)
         self._closed = True
+        USAGE.stores.discard(self)
         for r in self.runners:
             r.close()
 
