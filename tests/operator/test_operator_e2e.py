@@ -319,3 +319,28 @@ async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path)
         print(output[-5000:])  # shown by pytest when the test fails
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+async def test_api_error_on_one_child_is_reported_and_retried(server):
+    """A rejected apply (here 422, e.g. an immutable StatefulSet field) degrades the pool with an
+    Event naming the child; the other children are still applied; kopf retries with backoff."""
+    failures = iter([kmock.KubernetesError(status=422, reason="Invalid",
+                                           message="spec: Forbidden: updates to statefulset spec are forbidden")] * 2)
+    server["patch", kmock.resource("apps/v1/statefulsets"), kmock.name("tiered-full-minio")] << (
+        lambda: next(failures))  # StopIteration afterwards: the emulator answers normally
+    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await eventually(lambda: ("Warning", "ApplyFailed") in event_reasons(server, with_type=True))
+        assert child(server, "apps/v1/deployments", "tiered-full") is not None  # the rest went on
+        degraded = [r for r in requests(server) if r.resource is not None and r.resource.plural == models.PLURAL
+                    and r.method == "PATCH" and "ApplyFailed" in json.dumps(r.data)]
+        assert degraded, "the pool's status never reported ApplyFailed"
+        # kopf retries the handler; the next pass succeeds and clears Degraded. (kmock stores even a
+        # rejected write, so here the retry finds the StatefulSet in place; a real API server would
+        # have stored nothing and the retry re-applies it.)
+        await eventually(lambda: conditions(server)["Degraded"]["status"] == "False"
+                         and conditions(server)["ConfigValid"]["status"] == "True", message="recovered")
+        passes = [r for r in requests(server) if r.method == "GET" and r.resource is not None
+                  and r.resource.plural == "statefulsets" and r.name is None]
+        assert len(passes) >= 2  # at least the failed pass and its retry listed the children
