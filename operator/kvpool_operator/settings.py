@@ -37,8 +37,8 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """KVPOOL_CONNECTOR_IMAGE, KVPOOL_REDIS_IMAGE, KVPOOL_MINIO_IMAGE, KVPOOL_NAMESPACES (comma list),
-        KVPOOL_LOG_FORMAT, KVPOOL_RECONCILE_INTERVAL, KVPOOL_STATUS_INTERVAL, ..."""
+        """`KVPOOL_<FIELD>` for every field (KVPOOL_CONNECTOR_IMAGE, KVPOOL_NAMESPACES as a comma
+        list, KVPOOL_RETRY_DELAY, ...); unset or empty variables keep the defaults."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         for name in cls.model_fields:
