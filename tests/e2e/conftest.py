@@ -34,7 +34,7 @@ PROMPTS: dict[str, list[int]] = {
     "b4k": token_prompt(4100, 2),
     "y3k": token_prompt(3000, 3),
     **{f"fault{i}": token_prompt(4000, 10 + i) for i in range(4)},
-    **{f"conc{i}": SYSTEM + token_prompt(100, 100 + i) for i in range(64)},
+    **{f"conc{i}": SYSTEM + token_prompt(120, 100 + i) for i in range(64)},
     "long16k": token_prompt(16000, 30),
 }
 
@@ -80,7 +80,7 @@ def baseline(tiny_model) -> dict[str, list[int]]:
     return {n: o["token_ids"] for n, o in zip(names, outs)}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def namespace() -> str:
     return "e2e-" + uuid.uuid4().hex[:10]
 
