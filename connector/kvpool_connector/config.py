@@ -41,11 +41,13 @@ def parse_size(value: int | float | str) -> int:
             raise ValueError(f"size must be a whole, non-negative number of bytes: {value}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"size must be an integer or a string like '4Gi', not {type(value).__name__}")
+        raise ValueError(f"size must be an integer or a string like '4Gi', "
+                         f"not {type(value).__name__}")
     m = _SIZE_RE.match(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {value!r}: use bytes or a suffix Ki, Mi, Gi, Ti (or k, M, G, T)")
+        raise ValueError(f"invalid size {value!r}: use bytes or a suffix Ki, Mi, Gi, Ti "
+                         f"(or k, M, G, T)")
     n = float(m.group(1)) * _UNITS[unit]
     if n != int(n):
         raise ValueError(f"size {value!r} is not a whole number of bytes")

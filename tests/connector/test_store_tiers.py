@@ -325,3 +325,46 @@ def test_disk_direct_io(tmp_path, namespace):
     assert [bytes(g) for g in s.get_many(keys)] == vals
     assert [os.path.getsize(tier.path(k)) for k in keys] == [len(v) + 72 for v in vals]
     s.close()
+
+
+def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
+    """Threads writing, reading and probing one store whose arena keeps evicting: every
+    answer is a miss or exactly the bytes of its key."""
+    import threading
+
+    s = build(namespace, {"type": "cpu", "size": "1Mi", "slot_size": "64Ki",
+                          "eviction": "arc"}, tier_cfgs["disk"], tier_cfgs["redis"])
+    keys = rand_keys(64)
+    value = {k: k * (1000 + i) for i, k in enumerate(keys)}
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        out = bytearray(64 * 1024)
+        for _ in range(150):
+            batch = rng.sample(keys, 4)
+            op = rng.random()
+            if op < 0.4:
+                s.put_many(batch, [value[k] for k in batch])
+            elif op < 0.7:
+                for k, g in zip(batch, s.get_many(batch)):
+                    if g is not None and bytes(g) != value[k]:
+                        errors.append("get_many")
+            elif op < 0.9:
+                n = s.get_into(batch[0], out)
+                if n is not None and out[:n] != value[batch[0]]:
+                    errors.append("get_into")
+            else:
+                s.contains_prefix(batch)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.flush(20)
+    assert not errors
+    st = s.stats()["tiers"]
+    assert st["cpu"]["evictions"] > 0 and st["cpu"]["used_bytes"] <= 1 << 20
+    assert all(t["errors"] == 0 and t["corrupt"] == 0 for t in st.values())
+    s.close()

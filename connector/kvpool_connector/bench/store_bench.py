@@ -5,10 +5,10 @@ model's KV for one rank) through the store, and in the same run moves the same b
 plain way: memcpy into / out of a preallocated buffer (cpu), one file per chunk written and
 read in the same directory (disk), pipelined SET / GET with redis-py (redis), put_object /
 get_object with boto3 at the same concurrency (s3). Baseline and store alternate batch by
-batch (who goes first alternates too), each round writes new keys (as a serving engine
-does; the cpu tier evicts from round 2 on) and reads them back; the median batch rate of
-each side is reported, which keeps the noise of a shared machine out of the ratio. It also times `contains_prefix` on 128 keys and the disk
-tier's index rebuild at start.
+batch (who goes first alternates too), each round writes new keys (as a serving engine does;
+the cpu tier evicts from round 2 on) and reads them back; the median batch rate of each side
+is reported, which keeps the noise of a shared machine out of the ratio. It also times
+`contains_prefix` on 128 keys and the disk tier's index rebuild at start.
 
 Without --redis-url / --s3-endpoint it starts a private redis-server / moto S3 server
 (kvpool_connector.testbed.servers). Goal: ratio >= 0.8 both ways, contains_prefix on 128

@@ -3,8 +3,8 @@
 The Prometheus metric objects are module globals created once at import, labelled by
 namespace and tier, so opening several stores in one process never registers a metric twice
 (stores of the same namespace add to the same series). Usage gauges (bytes held, queue
-depth) come from one collector that asks every open store at scrape time. `stats()` reads the per-store
-counters kept here, which start at zero for every store.
+depth) come from one collector that asks every open store at scrape time. `stats()` reads
+the per-store counters kept here, which start at zero for every store.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class _UsageCollector:
 
     def collect(self):
         used = GaugeMetricFamily("kvpool_store_tier_used_bytes",
-                                 "Bytes held by a capped tier (cpu, disk)", labels=["namespace", "tier"])
+                                 "Bytes held by a capped tier (cpu, disk)",
+                                 labels=["namespace", "tier"])
         queue = GaugeMetricFamily("kvpool_store_queue_depth", "Writes waiting for a lower tier",
                                   labels=["namespace", "tier"])
         totals: dict[tuple[str, str], list[float]] = {}

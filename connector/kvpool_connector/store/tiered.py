@@ -373,48 +373,56 @@ class TieredStore:
         for ti, runner in enumerate(self.runners):
             if not pending or self._remaining(deadline) <= 0:
                 break
-            tier, still, promote = runner.tier, [], []
-            if tier.native_into:
-                for n_done, i in enumerate(pending):
-                    n = runner.call("get", tier.get_into, keys[i], lay, views[i])
-                    if n is None:
-                        still.append(i)
-                        if not runner.read_health.healthy:  # tier failed: leave the rest to lower tiers
-                            still.extend(pending[n_done + 1:])
-                            break
-                    else:
-                        result[i] = n
-                        if ti:
-                            promote.append((ti, Record(keys[i], lay, views[i][:n])))
+            if runner.tier.native_into:
+                hits = self._into_native(runner, keys, views, pending, lay)
             else:
-                res = runner.call("get", tier.get_many, [keys[i] for i in pending], lay,
-                                  timeout=self._remaining(deadline))
-                for j, i in enumerate(pending):
-                    rec = res[j] if res is not None else None
-                    if rec is None or len(rec.payload) > len(views[i]):
-                        if rec is not None:
-                            raise BufferTooSmall(f"output buffer of {len(views[i])} bytes is smaller "
-                                             f"than the object ({len(rec.payload)})")
-                        still.append(i)
-                        continue
-                    n = len(rec.payload)
-                    views[i][:n] = rec.payload
-                    result[i] = n
-                    if ti:
-                        promote.append((ti, rec))
-                if res is None:
-                    pending = still
-                    continue
-            runner.stats.inc("hits", len(pending) - len(still))
-            runner.stats.inc("misses", len(still))
-            self._promote(promote)
-            pending = still
+                hits = self._into_batch(runner, keys, views, pending, lay, deadline)
+            if hits is None:  # the tier failed or is backing off: try the next one
+                continue
+            for i, rec in hits.items():
+                result[i] = len(rec.payload)
+            runner.stats.inc("hits", len(hits))
+            runner.stats.inc("misses", len(pending) - len(hits))
+            if ti:
+                self._promote([(ti, rec) for rec in hits.values()])
+            pending = [i for i in pending if i not in hits]
         return result
+
+    @staticmethod
+    def _into_native(runner: TierRunner, keys, views, pending, lay) -> dict[int, Record] | None:
+        """Local tiers read each object straight into its output buffer."""
+        hits: dict[int, Record] = {}
+        for i in pending:
+            n = runner.call("get", runner.tier.get_into, keys[i], lay, views[i])
+            if n is not None:
+                hits[i] = Record(keys[i], lay, views[i][:n])
+            elif not runner.read_health.healthy:
+                return hits or None  # failing: leave the rest to the lower tiers
+        return hits
+
+    def _into_batch(self, runner: TierRunner, keys, views, pending, lay,
+                    deadline: float) -> dict[int, Record] | None:
+        """Remote tiers fetch the batch (verified) and copy each payload once."""
+        res = runner.call("get", runner.tier.get_many, [keys[i] for i in pending], lay,
+                          timeout=self._remaining(deadline))
+        if res is None:
+            return None
+        hits: dict[int, Record] = {}
+        for i, rec in zip(pending, res):
+            if rec is None:
+                continue
+            n = len(rec.payload)
+            if n > len(views[i]):
+                raise BufferTooSmall(f"output buffer of {len(views[i])} bytes is smaller than "
+                                     f"the object ({n})")
+            views[i][:n] = rec.payload
+            hits[i] = rec
+        return hits
 
     def get_into(self, key: bytes, out: Any, layout: bytes | str | None = None) -> int | None:
         return self.get_many_into([key], [out], layout)[0]
 
-    def contains_prefix(self, keys: Sequence[bytes], layout: bytes | str | None = None) -> int:
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys some tier holds (presence only: the layout is checked on read)."""
         keys = self._check_keys(keys)
         if not keys or self._closed:

@@ -5,8 +5,8 @@
 - Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
   this or another process) see a whole object or none; fsync as configured.
 - Large I/O: a single writev of header+payload; reads go straight into the caller's buffer
-  (`get_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With direct_io, O_DIRECT through
-  page-aligned buffers (falls back to buffered I/O where the filesystem refuses it).
+  (`get_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With
+  direct_io, writes use O_DIRECT through a page-aligned copy (buffered where refused).
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
   only, oldest mtime first) and refreshed every rescan_seconds, which picks up objects other
   processes wrote and re-applies the capacity bound; reads always try the file itself.
