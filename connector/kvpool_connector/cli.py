@@ -20,7 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvpool_connector.demo", "run vLLM with the kvpool connector on a chat workload"),
     "bench store": ("kvpool_connector.bench.store_bench", "tier throughput vs raw baselines"),
     "bench e2e": ("kvpool_connector.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
-    "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests"),
+    "render": ("kvpool_operator.cli", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_connector.testbed.localmodel", "generate the local demo/bench model"),
 }
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool {name}: needs a component that is not installed ({exc}); "
               f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
         return 2
+    if name == "render":  # one implementation: the operator's own offline renderer
+        rest = ["render", *rest]
     rc = getattr(module, func_name or "main")(rest)
     return int(rc or 0)
 
