@@ -136,6 +136,9 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         secret = child(server, "v1/secrets", "tiered-full-redis")
         assert len(secret["stringData"]["password"]) >= 32  # generated at creation (real API: into .data)
         status = pool_obj(server)["status"]
+        # only fields of the status schema (a real API server would prune anything else)
+        assert set(status) <= {f.alias for f in models.KVCachePoolStatus.model_fields.values()}
+        models.KVCachePoolStatus.model_validate(status)
         assert status["observedGeneration"] == 1
         assert status["phase"] == "Pending"  # no kubelet here: no engine pod ever becomes ready
         assert status["endpoints"]["openai"] == f"http://tiered-full.{NS}.svc:8000"

@@ -52,7 +52,7 @@ def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous:
 
 
 def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-               logger: logging.Logger) -> dict[str, Any]:
+               logger: logging.Logger) -> None:
     try:
         outcome = reconcile(_kube(memo), dict(body), settings, now())
     except ApiException as exc:  # listing/reading failed: the API is unwell, retry with backoff
@@ -67,7 +67,8 @@ def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kop
     if outcome.recheck:
         # A missing Secret may appear any moment: keep checking (typos in the spec wait for an edit).
         raise kopf.TemporaryError(outcome.invalid, delay=settings.retry_delay)
-    return {"applied": len(outcome.applied), "pruned": len(outcome.pruned), "unchanged": outcome.unchanged}
+    logger.info("reconciled: %d applied, %d pruned, %d unchanged",
+                len(outcome.applied), len(outcome.pruned), outcome.unchanged)
 
 
 def build_registry(settings: Settings, login: Callable[..., Any] | None = None) -> kopf.OperatorRegistry:
@@ -93,8 +94,8 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
     @kopf.on.update(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
     @kopf.on.resume(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
     def reconcile_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
-                     **_: Any) -> dict[str, Any]:
-        return _reconcile(settings, body, patch, memo, logger)
+                     **_: Any) -> None:
+        _reconcile(settings, body, patch, memo, logger)  # returns nothing: kopf would store it in status
 
     @kopf.timer(**resource, registry=registry, interval=settings.reconcile_interval,
                 initial_delay=settings.reconcile_interval, idle=None, id="drift")
