@@ -368,3 +368,41 @@ def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
     assert st["cpu"]["evictions"] > 0 and st["cpu"]["used_bytes"] <= 1 << 20
     assert all(t["errors"] == 0 and t["corrupt"] == 0 for t in st.values())
     s.close()
+
+
+def test_redis_over_tls(tmp_path, namespace):
+    """rediss:// against a real TLS redis-server, verified with its CA file (and insecure)."""
+    import shutil
+
+    from kvpool_connector.testbed.servers import free_port, wait_port
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+         str(cert), "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc=proc)
+        url = f"rediss://127.0.0.1:{port}/0"
+        key_ = os.urandom(32)
+        s = build(namespace, {"type": "redis", "url": url, "tls_ca_file": str(cert)})
+        s.put_many([key_], [b"over tls"])
+        assert bytes(s.get_many([key_])[0]) == b"over tls"
+        s.close()
+        s = build(namespace, {"type": "redis", "url": url, "tls_insecure": True})
+        assert bytes(s.get_many([key_])[0]) == b"over tls"
+        s.close()
+        s = build(namespace, {"type": "redis", "url": url})  # system CAs: not trusted
+        assert s.get_many([key_]) == [None]
+        assert s.stats()["tiers"]["redis"]["errors"] == 1
+        s.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
