@@ -255,10 +255,21 @@ def test_processes_share_a_directory(tmp_path, namespace):
     assert all(g is not None and bytes(g) in variants[i] for i, g in enumerate(final))
     assert reader.stats()["tiers"]["disk"]["corrupt"] == 0
     assert not os.listdir(tmp_path / namespace / ".tmp")
-    reader.rescan = reader.runners[0].tier.rescan
-    reader.rescan()
     assert reader.contains_prefix(keys) == 20
     reader.close()
+
+
+def test_disk_presence_written_by_another_process(tmp_path, namespace):
+    """The scheduler's store finds what a worker's store just wrote, with no rescan."""
+    cfg = {"type": "disk", "path": str(tmp_path), "size": "64Mi", "rescan_seconds": 0}
+    scheduler, worker = build(namespace, cfg), build(namespace, cfg)
+    keys = rand_keys(5)
+    assert scheduler.contains_prefix(keys) == 0
+    worker.put_many(keys[:3], [b"kv"] * 3)
+    assert scheduler.contains_prefix(keys) == 3
+    assert scheduler.stats()["tiers"]["disk"]["objects"] == 3
+    scheduler.close()
+    worker.close()
 
 
 def test_layout_per_call_overrides_default(tier_cfgs, namespace):

@@ -8,8 +8,9 @@
   (`get_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With
   direct_io, writes use O_DIRECT through a page-aligned copy (buffered where refused).
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
-  only, oldest mtime first) and refreshed every rescan_seconds, which picks up objects other
-  processes wrote and re-applies the capacity bound; reads always try the file itself.
+  only, oldest mtime first) and refreshed every rescan_seconds, which re-applies the capacity
+  bound; reads always try the file itself and presence checks stat what the index lacks, so
+  objects other processes (the engine's workers) wrote are found at once.
 - A full disk or a permission error raises here; the orchestrator counts it and drops.
 """
 
@@ -301,8 +302,18 @@ class DiskTier(Tier):
         return Record(key, layout, target, csum=csum, blob=blob, _header=hdr)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        index = self._index
-        return [k in index for k in keys]
+        """The index answers; a key it lacks costs one stat (another process may have written
+        it since the last rescan) and ends the answer at the first miss."""
+        index, out = self._index, []
+        for k in keys:
+            if k not in index:
+                try:
+                    size = os.stat(self.path(k)).st_size
+                except OSError:
+                    break
+                self._learn(k, size)
+            out.append(True)
+        return out + [False] * (len(keys) - len(out))
 
     def delete_many(self, keys: list[bytes]) -> None:
         for k in keys:
