@@ -137,6 +137,8 @@ class S3TierConfig(_TierBase):
     max_connections: int = Field(16, ge=1, le=512)
     negative_cache_seconds: float = Field(2.0, ge=0, description="how long a missing object is "
                                           "remembered by contains_prefix")
+    presence_cache_seconds: float = Field(10.0, ge=0, description="how long an object known to "
+                                          "exist is remembered by contains_prefix")
     verify_tls: bool = True
 
 

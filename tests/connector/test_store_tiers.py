@@ -417,3 +417,26 @@ def test_redis_over_tls(tmp_path, namespace):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_s3_presence_cache_saves_requests(tier_cfgs, namespace, s3_server):
+    """Repeated lookups of one prefix: the first asks S3, the next ones do not; an object
+    deleted behind the store's back is then a miss at read time, never wrong bytes."""
+    s = build(namespace, tier_cfgs["s3"])
+    keys = rand_keys(20)
+    s.put_many(keys[:12], [b"v"] * 12)
+    other = build(namespace, tier_cfgs["s3"])  # a fresh process: knows nothing yet
+    heads = []
+    other.runners[0].tier.client.meta.events.register(
+        "before-call.s3.HeadObject", lambda **kw: heads.append(1))
+    assert other.contains_prefix(keys) == 12
+    asked = len(heads)
+    assert asked >= 13
+    assert other.contains_prefix(keys) == 12 and len(heads) == asked
+    s3_server.client().delete_object(Bucket=s3_server.bucket,
+                                     Key=f"kv/{namespace}/{keys[0].hex()}")
+    assert other.contains_prefix(keys) == 12  # cached presence ...
+    assert other.get_many(keys[:1]) == [None]  # ... costs a miss, and is corrected
+    assert other.contains_prefix(keys) == 0
+    s.close()
+    other.close()

@@ -3,9 +3,11 @@
 Objects live at <prefix>/<namespace>/<key hex>. Puts, gets and HEADs of a batch run
 concurrently on a thread pool sized like the HTTP connection pool. boto3's retries and its
 extra request checksums are off (the orchestrator retries with backoff; objects carry their
-own checksum). `contains_many` remembers misses for negative_cache_seconds so that repeated
-scheduler lookups of a cold prefix cost no requests. Credentials come from the named
-environment variables, else boto3's default chain (instance roles, IRSA).
+own checksum). Presence learnt from puts, gets and HEADs is remembered for
+presence_cache_seconds (misses for negative_cache_seconds), so repeated scheduler lookups of
+the same prefix cost no requests; a stale "present" only costs a miss at read time.
+Credentials come from the named environment variables, else boto3's default chain
+(instance roles, IRSA).
 """
 
 from __future__ import annotations
@@ -23,11 +25,38 @@ from ..format import Record
 from .base import Tier
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
-_NEG_CACHE_MAX = 65536
 
 
 def _missing(e: ClientError) -> bool:
     return str(e.response.get("Error", {}).get("Code")) in _MISSING
+
+
+class PresenceCache:
+    """key -> (present, expiry): what recent requests told us, so repeated scheduler lookups
+    of the same prefix cost no requests. Bounded: cleared when it grows past its limit."""
+
+    def __init__(self, limit: int = 65536) -> None:
+        self._d: dict[bytes, tuple[bool, float]] = {}
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def known(self, keys: list[bytes]) -> dict[bytes, bool]:
+        now = time.monotonic()
+        with self._lock:
+            got = {k: self._d.get(k) for k in keys}
+        return {k: v[0] for k, v in got.items() if v is not None and v[1] > now}
+
+    def remember(self, items: dict[bytes, bool], ttl_present: float, ttl_missing: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._d) > self.limit:
+                self._d.clear()
+            for k, present in items.items():
+                ttl = ttl_present if present else ttl_missing
+                if ttl > 0:
+                    self._d[k] = (present, now + ttl)
+                else:
+                    self._d.pop(k, None)
 
 
 class S3Tier(Tier):
@@ -58,8 +87,7 @@ class S3Tier(Tier):
         self.bucket = cfg.bucket
         self.pool = ThreadPoolExecutor(cfg.max_connections, thread_name_prefix="kvpool-s3")
         self._bucket_ready = not cfg.create_bucket
-        self._neg: dict[bytes, float] = {}
-        self._neg_lock = threading.Lock()
+        self.presence = PresenceCache()
 
     def name(self, key: bytes) -> str:
         return self.base + key.hex()
@@ -91,9 +119,7 @@ class S3Tier(Tier):
         for rec in records:
             rec.freeze()
         list(self.pool.map(self._put, records))  # re-raises the first error
-        with self._neg_lock:
-            for rec in records:
-                self._neg.pop(rec.key, None)
+        self._remember({rec.key: True for rec in records})
         self.stats.inc("bytes_in", sum(len(r.payload) for r in records))
 
     def _get(self, key: bytes) -> bytes | None:
@@ -106,8 +132,14 @@ class S3Tier(Tier):
         with resp["Body"] as body:
             return body.read()
 
+    def _remember(self, items: dict[bytes, bool]) -> None:
+        self.presence.remember(items, self.cfg.presence_cache_seconds,
+                               self.cfg.negative_cache_seconds)
+
     def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
-        return self.verify_all(keys, layout, list(self.pool.map(self._get, keys)))
+        out = self.verify_all(keys, layout, list(self.pool.map(self._get, keys)))
+        self._remember({k: r is not None for k, r in zip(keys, out)})
+        return out
 
     def _head(self, key: bytes) -> bool:
         try:
@@ -119,27 +151,19 @@ class S3Tier(Tier):
             raise
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        now = time.monotonic()
-        with self._neg_lock:
-            known_missing = {k for k in keys if self._neg.get(k, 0.0) > now}
-        found: dict[bytes, bool] = {}
+        found = self.presence.known(keys)
         wave = self.cfg.max_connections
         for i in range(0, len(keys), wave):  # stop after the wave holding the first miss
-            ask = [k for k in keys[i:i + wave] if k not in known_missing]
-            found.update(zip(ask, self.pool.map(self._head, ask)))
-            if len(ask) < len(keys[i:i + wave]) or not all(found[k] for k in ask):
+            ask = [k for k in keys[i:i + wave] if k not in found]
+            answers = dict(zip(ask, self.pool.map(self._head, ask)))
+            self._remember(answers)
+            found.update(answers)
+            if not all(found[k] for k in keys[i:i + wave]):
                 break
-        ttl = self.cfg.negative_cache_seconds
-        if ttl > 0:
-            with self._neg_lock:
-                if len(self._neg) > _NEG_CACHE_MAX:
-                    self._neg.clear()
-                for k, ok in found.items():
-                    if not ok:
-                        self._neg[k] = now + ttl
         return [found.get(k, False) for k in keys]
 
     def delete_many(self, keys: list[bytes]) -> None:
+        self._remember({k: False for k in keys})
         for i in range(0, len(keys), 1000):
             self.client.delete_objects(Bucket=self.bucket, Delete={
                 "Objects": [{"Key": self.name(k)} for k in keys[i:i + 1000]], "Quiet": True})
