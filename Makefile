@@ -21,6 +21,7 @@ bench: setup
 # Regenerate checked-in artefacts derived from the pydantic models / render function.
 crds: setup
 	$(PY) -m kvpool_operator.cli crd --write crds/
+	$(PY) charts/kvpool/hack/sync.py --write
 
 golden: setup
 	$(PY) -m kvpool_operator.cli golden --write tests/operator/golden/

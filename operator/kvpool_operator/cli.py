@@ -20,6 +20,18 @@ from kvpool_operator.render import InvalidPool, render
 from kvpool_operator.settings import Settings
 
 
+def peering_priority(explicit: int | None, hostname: str | None = None) -> int:
+    """kopf pauses a replica only for a peer of *higher* priority, so equal priorities make
+    every replica active. Default to a stable number derived from the pod's hostname: one
+    replica is active, the others stand by, and the choice survives restarts."""
+    if explicit is not None:
+        return explicit
+    import socket
+    import zlib
+
+    return 1 + zlib.crc32((hostname or socket.gethostname()).encode()) % 1_000_000
+
+
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -38,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
             liveness_endpoint=args.liveness,
             standalone=args.peering is None,
             peering_name=args.peering,
+            priority=peering_priority(args.priority),
         )
     )
     return 0
@@ -88,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces")
     run.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--peering", help="kopf peering name: replicas coordinate so only one is active")
+    run.add_argument("--priority", type=int, default=None,
+                     help="peering priority (default: derived from the hostname, distinct per pod)")
     run.add_argument("--verbose", action="store_true")
     run.set_defaults(fn=_run)
 

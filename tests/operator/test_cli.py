@@ -49,3 +49,13 @@ def test_run_help_lists_flags():
     assert out.returncode == 0
     for flag in ("--namespace", "--all-namespaces", "--liveness", "--peering"):
         assert flag in out.stdout
+
+
+def test_peering_priority_is_distinct_per_pod_and_stable():
+    from kvpool_operator.cli import peering_priority
+
+    a1 = peering_priority(None, "kvpool-operator-7d9f-abcde")
+    a2 = peering_priority(None, "kvpool-operator-7d9f-abcde")
+    b = peering_priority(None, "kvpool-operator-7d9f-fghij")
+    assert a1 == a2 and a1 != b  # equal priorities would make every replica active
+    assert peering_priority(42, "anything") == 42
