@@ -6,8 +6,8 @@ plain way: memcpy into / out of a preallocated buffer (cpu), one file per chunk 
 read in the same directory (disk), pipelined SET / GET with redis-py (redis), put_object /
 get_object with boto3 at the same concurrency (s3). Baseline and store alternate batch by
 batch (who goes first alternates too), each round writes new keys (as a serving engine does;
-the cpu tier evicts from round 2 on) and reads them back; the median batch rate of each side
-is reported, which keeps the noise of a shared machine out of the ratio. It also times
+the cpu tier evicts from round 2 on) and reads them back; the 80th percentile of the batch
+rates of each side is reported, which keeps the noise of a shared machine out of the ratio. It also times
 `contains_prefix` on 128 keys and the disk tier's index rebuild at start.
 
 Without --redis-url / --s3-endpoint it starts a private redis-server / moto S3 server
@@ -37,6 +37,12 @@ from ..store import open_store
 RATIO_GOAL = 0.8
 CONTAINS_GOAL_US = 100.0
 TIERS = ("cpu", "disk", "redis", "s3")
+
+
+def upper_rate(samples: list[float]) -> float:
+    """The 80th percentile of batch rates: what a side reaches when the machine's other
+    tenants leave it alone (applied to both sides alike; a median swings with their load)."""
+    return statistics.quantiles(samples, n=5)[-1] if len(samples) > 1 else samples[0]
 
 
 class Raw:
@@ -248,8 +254,8 @@ class Bench:
         raw.close()
         rows = []
         for op in ("write", "read"):
-            s_rate = statistics.median(samples[f"store_{op}"])
-            r_rate = statistics.median(samples[f"raw_{op}"])
+            s_rate = upper_rate(samples[f"store_{op}"])
+            r_rate = upper_rate(samples[f"raw_{op}"])
             rows.append({"tier": kind, "op": op, "chunks": n, "chunk_bytes": self.size,
                          "samples": len(samples[f"store_{op}"]),
                          "store_gbps": s_rate / 1e9, "raw_gbps": r_rate / 1e9,
@@ -306,7 +312,7 @@ class Bench:
 
 def format_table(result: dict) -> str:
     lines = [f"kvpool bench store: {result['chunk_bytes'] / 2**20:g} MiB chunks, batch "
-             f"{result['batch']}, {result['rounds']} rounds, median batch rate "
+             f"{result['batch']}, {result['rounds']} rounds, p80 of batch rates "
              f"(goal: ratio >= {RATIO_GOAL})",
              "", f"{'tier':<6} {'op':<6} {'chunks':>6} {'store GB/s':>10} {'raw GB/s':>9} "
              f"{'ratio':>6}  {'goal':<5} api", "-" * 66]

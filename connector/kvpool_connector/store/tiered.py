@@ -356,7 +356,8 @@ class TieredStore:
         """Read each object into the caller's buffer; bytes written per key, None = miss.
 
         cpu and disk tiers copy straight into `outs` (no intermediate buffer); remote tiers
-        read a batch, verify it and copy once. Raises ValueError if an object does not fit.
+        read a batch, verify it and copy once. Raises BufferTooSmall (a ValueError) if an
+        object does not fit.
         """
         keys = self._check_keys(keys)
         if len(keys) != len(outs):
@@ -373,51 +374,23 @@ class TieredStore:
         for ti, runner in enumerate(self.runners):
             if not pending or self._remaining(deadline) <= 0:
                 break
-            if runner.tier.native_into:
-                hits = self._into_native(runner, keys, views, pending, lay)
-            else:
-                hits = self._into_batch(runner, keys, views, pending, lay, deadline)
-            if hits is None:  # the tier failed or is backing off: try the next one
+            res = runner.call("get", runner.tier.get_many_into, [keys[i] for i in pending], lay,
+                              [views[i] for i in pending], timeout=self._remaining(deadline))
+            if res is None:  # the tier failed or is backing off: try the next one
                 continue
-            for i, rec in hits.items():
-                result[i] = len(rec.payload)
-            runner.stats.inc("hits", len(hits))
-            runner.stats.inc("misses", len(pending) - len(hits))
-            if ti:
-                self._promote([(ti, rec) for rec in hits.values()])
-            pending = [i for i in pending if i not in hits]
+            still, promote = [], []
+            for i, rec in zip(pending, res):
+                if rec is None:
+                    still.append(i)
+                else:
+                    result[i] = len(rec.payload)
+                    if ti:
+                        promote.append((ti, rec))
+            runner.stats.inc("hits", len(pending) - len(still))
+            runner.stats.inc("misses", len(still))
+            self._promote(promote)
+            pending = still
         return result
-
-    @staticmethod
-    def _into_native(runner: TierRunner, keys, views, pending, lay) -> dict[int, Record] | None:
-        """Local tiers read each object straight into its output buffer."""
-        hits: dict[int, Record] = {}
-        for i in pending:
-            n = runner.call("get", runner.tier.get_into, keys[i], lay, views[i])
-            if n is not None:
-                hits[i] = Record(keys[i], lay, views[i][:n])
-            elif not runner.read_health.healthy:
-                return hits or None  # failing: leave the rest to the lower tiers
-        return hits
-
-    def _into_batch(self, runner: TierRunner, keys, views, pending, lay,
-                    deadline: float) -> dict[int, Record] | None:
-        """Remote tiers fetch the batch (verified) and copy each payload once."""
-        res = runner.call("get", runner.tier.get_many, [keys[i] for i in pending], lay,
-                          timeout=self._remaining(deadline))
-        if res is None:
-            return None
-        hits: dict[int, Record] = {}
-        for i, rec in zip(pending, res):
-            if rec is None:
-                continue
-            n = len(rec.payload)
-            if n > len(views[i]):
-                raise BufferTooSmall(f"output buffer of {len(views[i])} bytes is smaller than "
-                                     f"the object ({n})")
-            views[i][:n] = rec.payload
-            hits[i] = rec
-        return hits
 
     def get_into(self, key: bytes, out: Any, layout: bytes | str | None = None) -> int | None:
         return self.get_many_into([key], [out], layout)[0]

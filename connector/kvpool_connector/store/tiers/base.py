@@ -18,7 +18,7 @@ log = logging.getLogger("kvpool.store")
 
 
 class BufferTooSmall(ValueError):
-    """get_into: the caller's buffer cannot hold the object (a caller error: it raises)."""
+    """get_many_into: a caller's buffer cannot hold the object (a caller error: it raises)."""
 
 
 class Tier:
@@ -27,8 +27,6 @@ class Tier:
     remote: bool = False
     #: put_many needs Record.blob (one contiguous header+payload buffer)
     needs_blob: bool = True
-    #: get_into reads straight into the caller's buffer (no intermediate copy)
-    native_into: bool = False
 
     def __init__(self, cfg: Any, namespace: str, stats: TierStats) -> None:
         self.cfg = cfg
@@ -41,9 +39,15 @@ class Tier:
     def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
         raise NotImplementedError
 
-    def get_into(self, key: bytes, layout: bytes, out: memoryview) -> int | None:
-        rec = self.get_many([key], layout)[0]
-        return None if rec is None else copy_into(rec, out)
+    def get_many_into(self, keys: list[bytes], layout: bytes,
+                      outs: list[memoryview]) -> list[Record | None]:
+        """Each hit's payload copied into its output buffer; the records say what was read.
+        Tiers that can read straight into the buffers override this (cpu, disk)."""
+        recs = self.get_many(keys, layout)
+        for rec, out in zip(recs, outs):
+            if rec is not None:
+                copy_into(rec, out)
+        return recs
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         """Presence per key; may answer False for keys after the first missing one (callers

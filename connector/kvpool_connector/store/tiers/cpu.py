@@ -6,8 +6,9 @@ than the whole arena are rejected and counted). The arena is pinned when CUDA is
 so device copies from it are DMA-able. Memory is trusted: the index (key, length, layout)
 replaces the stored header, so reads check the layout but compute no checksum.
 
-Reads copy once: `get_many` returns `bytes`, `get_into` fills the caller's buffer. Returning
-views into the arena would let a concurrent eviction overwrite bytes the caller holds.
+Reads copy once: `get_many` returns `bytes`, `get_many_into` fills the caller's buffers.
+Returning views into the arena would let a concurrent eviction overwrite bytes the caller
+holds.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ class _Entry:
 class CpuTier(Tier):
     type = "cpu"
     needs_blob = False
-    native_into = True
 
     def __init__(self, cfg, namespace, stats) -> None:
         super().__init__(cfg, namespace, stats)
@@ -162,17 +162,24 @@ class CpuTier(Tier):
         self.stats.inc("bytes_out", nbytes)
         return out
 
-    def get_into(self, key: bytes, layout: bytes, out: memoryview) -> int | None:
-        with self._lock:
-            e = self._lookup(key, layout)
-            if e is None:
-                return None
-            if e.length > len(out):
-                raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than the "
-                                 f"object ({e.length})")
-            self._copy_out(e, out)
-        self.stats.inc("bytes_out", e.length)
-        return e.length
+    def get_many_into(self, keys: list[bytes], layout: bytes,
+                      outs: list[memoryview]) -> list[Record | None]:
+        recs: list[Record | None] = []
+        nbytes = 0
+        for key, out in zip(keys, outs):
+            with self._lock:
+                e = self._lookup(key, layout)
+                if e is None:
+                    recs.append(None)
+                    continue
+                if e.length > len(out):
+                    raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than "
+                                         f"the object ({e.length})")
+                self._copy_out(e, out)
+            nbytes += e.length
+            recs.append(Record(key, layout, out[:e.length]))
+        self.stats.inc("bytes_out", nbytes)
+        return recs
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         index = self._index

@@ -5,7 +5,7 @@
 - Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
   this or another process) see a whole object or none; fsync as configured.
 - Large I/O: a single writev of header+payload; reads go straight into the caller's buffer
-  (`get_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With
+  (`get_many_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With
   direct_io, writes use O_DIRECT through a page-aligned copy (buffered where refused).
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
   only, oldest mtime first) and refreshed every rescan_seconds, which re-applies the capacity
@@ -35,7 +35,6 @@ _STALE_TMP_SECONDS = 600
 class DiskTier(Tier):
     type = "disk"
     needs_blob = False
-    native_into = True
 
     def __init__(self, cfg, namespace, stats) -> None:
         super().__init__(cfg, namespace, stats)
@@ -260,9 +259,9 @@ class DiskTier(Tier):
     def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
         return [self._read(key, layout, None) for key in keys]
 
-    def get_into(self, key: bytes, layout: bytes, out: memoryview) -> int | None:
-        rec = self._read(key, layout, out)
-        return None if rec is None else len(rec.payload)
+    def get_many_into(self, keys: list[bytes], layout: bytes,
+                      outs: list[memoryview]) -> list[Record | None]:
+        return [self._read(key, layout, out) for key, out in zip(keys, outs)]
 
     def _read(self, key: bytes, layout: bytes, out: memoryview | None) -> Record | None:
         """Read and verify one object into out (or a new buffer). The payload is read in
