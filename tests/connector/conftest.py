@@ -77,6 +77,8 @@ def make_readonly(tmp_path):
         path.mkdir()
         if _mount_tmpfs(path, "16m"):
             mounts.append(path)
+        elif os.geteuid() == 0:
+            pytest.skip("root ignores file modes and mounting a tmpfs is not allowed here")
         return path
 
     def freeze(path):
