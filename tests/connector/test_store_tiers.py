@@ -316,11 +316,11 @@ def test_prometheus_series_and_several_stores(tier_cfgs, namespace):
         s.put_many([b"k" * 32], [b"v"])
         s.get_many([b"k" * 32, b"j" * 32])
     text = generate_latest(REGISTRY).decode()
-    assert (f'kvpool_store_events_total{{event="hits",namespace="{namespace}",tier="cpu"}} 3.0'
+    assert (f'kvpool_store_events_total{{event="hits",store="{namespace}",tier="cpu"}} 3.0'
             in text)
-    assert f'kvpool_store_tier_healthy{{namespace="{namespace}",tier="cpu"}} 1.0' in text
+    assert f'kvpool_store_tier_healthy{{store="{namespace}",tier="cpu"}} 1.0' in text
     assert "kvpool_store_op_seconds_bucket" in text
-    assert f'kvpool_store_tier_used_bytes{{namespace="{namespace}",tier="cpu"}}' in text
+    assert f'kvpool_store_tier_used_bytes{{store="{namespace}",tier="cpu"}}' in text
     assert all(s.stats()["tiers"]["cpu"]["hits"] == 1 for s in stores)
     for s in stores:
         s.close()

@@ -1,7 +1,8 @@
 """Per-tier counters for `stats()` and the matching Prometheus series.
 
 The Prometheus metric objects are module globals created once at import, labelled by
-namespace and tier, so opening several stores in one process never registers a metric twice
+the store namespace (label `store`, so it never clashes with Kubernetes' `namespace` label
+that scrapers attach) and tier, so opening several stores in one process never registers a metric twice
 (stores of the same namespace add to the same series). Usage gauges (bytes held, queue
 depth) come from one collector that asks every open store at scrape time. `stats()` reads
 the per-store counters kept here, which start at zero for every store.
@@ -20,14 +21,14 @@ EVENTS = ("hits", "misses", "evictions", "drops", "errors", "timeouts", "corrupt
 
 _EVENTS = Counter("kvpool_store_events", "Store events per tier (hits, misses, evictions, "
                   "drops, errors, timeouts, corrupt, foreign_layout, rejected, promotions)",
-                  ["namespace", "tier", "event"])
+                  ["store", "tier", "event"])
 _BYTES = Counter("kvpool_store_bytes", "Payload bytes written to (in) and read from (out) a tier",
-                 ["namespace", "tier", "direction"])
+                 ["store", "tier", "direction"])
 _LATENCY = Histogram("kvpool_store_op_seconds", "Latency of one batched call to a tier",
-                     ["namespace", "tier", "op"],
+                     ["store", "tier", "op"],
                      buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 5))
 _HEALTHY = Gauge("kvpool_store_tier_healthy", "1 when the tier is serving, 0 while backing off",
-                 ["namespace", "tier"])
+                 ["store", "tier"])
 
 
 class _UsageCollector:
@@ -42,9 +43,9 @@ class _UsageCollector:
     def collect(self):
         used = GaugeMetricFamily("kvpool_store_tier_used_bytes",
                                  "Bytes held by a capped tier (cpu, disk)",
-                                 labels=["namespace", "tier"])
+                                 labels=["store", "tier"])
         queue = GaugeMetricFamily("kvpool_store_queue_depth", "Writes waiting for a lower tier",
-                                  labels=["namespace", "tier"])
+                                  labels=["store", "tier"])
         totals: dict[tuple[str, str], list[float]] = {}
         for store in list(self.stores):
             for ns, tier, nbytes, depth in store.usage_samples():
