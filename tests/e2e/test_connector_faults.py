@@ -61,11 +61,13 @@ def test_corrupt_redis_values_are_recomputed(engine, redis_server, namespace, ba
 
 
 def test_redis_stopped_while_requests_run(engine, redis_server, namespace, baseline):
-    stopper = threading.Timer(0.3, redis_server.stop)
+    stopper = threading.Timer(0.2, redis_server.stop)
     stopper.start()
     try:
         outs = engine.generate([PROMPTS[n] for n in NAMES], timeout=300)
         assert [o["token_ids"] for o in outs] == [baseline[n] for n in NAMES]
+        stopper.join()
+        assert redis_server.proc is None
         # with Redis down the engine keeps serving (all misses, nothing raises or hangs)
         down = engine.generate([PROMPTS["fault2"]], timeout=120)[0]
         assert down["token_ids"] == baseline["fault2"] and down["num_cached_tokens"] == 0

@@ -85,6 +85,9 @@ class SchedulerSide:
         self.is_async = is_async
         cpu_bytes = sum(t.size for t in cfg.tiers if t.type == "cpu")
         self.index = KeyIndex(cpu_bytes // max(1, chunk_bytes) if cpu_bytes else 1)
+        # The index mirrors the workers' cpu tier; without one, every stored chunk is in a
+        # lower tier that the scheduler queries itself (and a failed write is not a hit).
+        self.track_stored = cpu_bytes > 0
         self.reqs: dict[str, _Req] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
@@ -213,7 +216,8 @@ class SchedulerSide:
         if wm is None:
             return
         for k in wm.stored_keys:
-            self.index.add(k)
+            if self.track_stored:
+                self.index.add(k)
             self.inflight.discard(k)
         for k in wm.dropped_keys:
             self.inflight.discard(k)

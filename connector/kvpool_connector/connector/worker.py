@@ -32,6 +32,7 @@ from .stats import KVPoolConnectorStats, tier_deltas
 log = logging.getLogger("kvpool.connector")
 
 SAVE_QUEUE = 64  # save batches waiting for the store before new ones are dropped
+SHUTDOWN_FLUSH_S = 10.0  # bound on waiting for lower-tier writes at shutdown
 STORE_STATS_EVERY_S = 0.5  # how often per-tier counters are sampled from store.stats()
 
 
@@ -320,9 +321,9 @@ class WorkerSide:
         for t in self._threads:
             t.join(timeout=5)
         try:
-            self.store.flush()
-        except Exception:
-            pass
+            self.store.flush(timeout=SHUTDOWN_FLUSH_S)
+        except Exception:  # shutting down: a failing backend only loses queued saves
+            log.warning("kvpool: flush at shutdown failed", exc_info=True)
 
 
 class _nullctx:

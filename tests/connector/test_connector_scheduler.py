@@ -1,0 +1,130 @@
+"""Scheduler half of the connector on real vLLM requests (sha256 block hashes) and a real
+disk-tier store: lookups, load plans, save plans, delayed frees, failed-load re-saves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from kvpool_connector.connector.config import load_connector_config
+from kvpool_connector.connector.keys import KeySpace, chunk_keys
+from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
+from kvpool_connector.connector.scheduler import SchedulerSide
+from kvpool_connector.store import open_store
+
+BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
+PREFIX = KeySpace("t", "m", "bf16", "fp", 0, 1, "sha256", 256).prefix()
+
+
+def _request(rid: str, n: int, seed: int = 0) -> Request:
+    init_none_hash(sha256)
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(3, 2000) for _ in range(n)],
+                   SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _output(sched: dict[str, int], preempted=()) -> SchedulerOutput:
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()),
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(), free_encoder_mm_hashes=[],
+                           preempted_req_ids=set(preempted))
+
+
+@pytest.fixture
+def side(tmp_path):
+    cfg = load_connector_config({"namespace": "t", "tiers": [
+        {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
+    lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
+    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
+                      is_async=True)
+    blocks: dict[str, list[int]] = {}
+    s._block_ids = lambda rid: blocks[rid]
+    s.test_blocks = blocks
+    yield s
+    lower.close()
+
+
+def _alloc(side, req, n_external):
+    ids = list(range(100, 100 + len(req.block_hashes) + 1))
+    side.test_blocks[req.request_id] = ids
+    side.after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),)), n_external)
+    return ids
+
+
+def test_cold_request_plans_saves_of_complete_prompt_chunks_only(side):
+    req = _request("r1", 1000)  # 7 full blocks: 3 complete chunks + a tail
+    assert side.num_matched(req, 0) == (0, False)
+    _alloc(side, req, 0)
+    meta = side.build_meta(_output({"r1": 1000}))
+    assert not meta.loads and len(meta.saves) == 1
+    save = meta.saves[0]
+    assert save.keys == chunk_keys(PREFIX, req.block_hashes, BPC)
+    assert save.block_ids == [[100, 101], [102, 103], [104, 105]]
+    # the same chunks are not planned again for another request while in flight
+    twin = _request("r2", 1000)
+    _alloc(side, twin, 0)
+    assert side.build_meta(_output({"r2": 1000})).saves == []
+
+
+def test_reported_chunks_become_hits_with_an_async_load_plan(side):
+    req = _request("r1", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
+    assert side.num_matched(req, 0) == (512, True)
+    # a local prefix hit of one block: load only the rest of the hit
+    again = _request("r1b", 1000)
+    assert side.num_matched(again, 128) == (384, True)
+    ids = _alloc(side, again, 384)
+    meta = side.build_meta(_output({}))
+    (load,) = meta.loads
+    assert [c.key for c in load.chunks] == keys[:2]
+    assert [c.rows for c in load.chunks] == [[1], [0, 1]]
+    assert [c.block_ids for c in load.chunks] == [[ids[1]], [ids[2], ids[3]]]
+
+
+def test_lower_tier_objects_count_as_hits_and_the_last_token_is_never_claimed(side):
+    req = _request("r1", 512)  # exactly two chunks
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.lower.put_many(keys, [b"x" * 64, b"y" * 64])
+    # both chunks are stored, but vLLM must compute the last prompt token
+    assert side.num_matched(req, 0) == (384, True)
+
+
+def test_finished_request_waits_for_its_save_copies(side):
+    req = _request("r1", 600)
+    side.num_matched(req, 0)
+    _alloc(side, req, 0)
+    meta = side.build_meta(_output({"r1": 600}))
+    assert len(meta.saves) == 1
+    assert side.finished(req) is True  # copy not confirmed yet: keep the blocks
+    meta = side.build_meta(_output({}))
+    assert meta.await_saves == {"r1"}
+    side.on_worker_meta(KVPoolWorkerMetadata(copied_saves={"r1": 1}))
+    assert side.delayed == {}
+    done = _request("r2", 100)  # no complete chunk, nothing to wait for
+    side.num_matched(done, 0)
+    assert side.finished(done) is False
+
+
+def test_failed_load_is_saved_again_after_recompute(side):
+    req = _request("r1", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys))
+    assert side.num_matched(req, 0) == (768, True)
+    _alloc(side, req, 768)
+    side.build_meta(_output({}))
+    side.on_worker_meta(KVPoolWorkerMetadata(failed_loads={"r1": [keys[1]]}))
+    assert keys[1] not in side.index
+    req.num_computed_tokens = 256  # vLLM rewinds to the first failed block
+    meta = side.build_meta(_output({"r1": 1000 - 256}))
+    (save,) = meta.saves
+    assert save.keys == [keys[1]]  # keys[2] is still indexed: not saved twice
