@@ -1,0 +1,96 @@
+"""Smoke test of `kvpool bench e2e --quick --json`: real engines, numbers present and sane.
+
+No timing thresholds: the benchmark prints ratios; this only checks that every measurement
+exists, hits cover the prompt and greedy outputs match the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_e2e_quick_json(repo_root, tiny_model):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--quick", "--json"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+
+    assert [e["name"] for e in report["engines"]] == ["kvpool-seed", "kvpool-disk", "example"]
+    summary = report["summary"]
+    assert summary["baseline"] == "kvpool-cold"
+    assert [r["tokens"] for r in summary["rows"]] == report["sizes"] == [512, 2048]
+    for row in summary["rows"]:
+        n = row["tokens"]
+        assert set(row["configs"]) == {"kvpool-cold", "cpu", "disk", "example-cold", "example"}
+        for name, entry in row["configs"].items():
+            assert 0 < entry["ttft_s"] < 120 and math.isfinite(entry["x_recompute"]), name
+            assert entry["tokens_match"] is True, name
+            cold = name.endswith("cold")
+            # a hit covers every whole vLLM block but the one holding the last prompt token
+            if cold:
+                assert entry["num_cached_tokens"] == 0, name
+            else:
+                assert n - 256 < entry["num_cached_tokens"] < n, name
+        for tier in ("cpu", "disk"):
+            assert row["configs"][tier]["speedup_vs_example"] > 0
+
+    for name in ("kvpool-seed", "kvpool-disk", "example"):
+        sched = report["scheduler"][name]
+        assert sched["steps"] > 0 and sched["us_per_step"] > 0 and 0 < sched["share"] < 1, name
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert any("scheduler-side" in g for g in goals)
+    assert all(g["met"] is None or isinstance(g["met"], bool) for g in goals.values())
+
+
+# -- the pure parts (no engine) --------------------------------------------------------------
+
+
+def test_plan_starts_one_engine_per_fresh_tier():
+    from kvpool_connector.bench.e2e_bench import ALL_CONFIGS, plan
+
+    full = plan(list(ALL_CONFIGS))
+    assert [e.name for e in full] == ["recompute", "kvpool-seed", "kvpool-disk", "kvpool-redis",
+                                      "kvpool-s3", "example"]
+    seed = full[1]
+    assert seed.tiers == ["cpu", "disk", "redis", "s3"] and seed.passes == ["kvpool-cold", "cpu"]
+    assert [e.tiers for e in full[2:5]] == [["disk"], ["redis"], ["s3"]]
+    assert plan(["redis"])[0].passes == ["kvpool-cold"]   # no cpu tier: no same-process hit
+    with pytest.raises(ValueError, match="--configs"):
+        plan(["cpu", "nvme"])
+
+
+def _m(config, tokens, ttft, tokens_out=(1, 2)):
+    from kvpool_connector.bench.e2e_bench import Measurement
+
+    return Measurement(config, tokens, ttft, 0 if config == "recompute" else tokens - 128,
+                       list(tokens_out), config)
+
+
+def test_summary_ratios_goals_and_table():
+    from kvpool_connector.bench.e2e_bench import evaluate_goals, render, summarize
+
+    results = [_m("recompute", 8192, 10.0), _m("cpu", 8192, 0.4), _m("disk", 8192, 2.0),
+               _m("example", 8192, 4.0), _m("redis", 8192, 0.5, tokens_out=(9, 9))]
+    summary = summarize(results, [8192])
+    row = summary["rows"][0]["configs"]
+    assert summary["baseline"] == "recompute"
+    assert row["cpu"]["x_recompute"] == pytest.approx(0.04)
+    assert row["cpu"]["speedup_vs_example"] == pytest.approx(10.0)
+    assert row["redis"]["tokens_match"] is False and row["disk"]["tokens_match"] is True
+    sched = {"kvpool-seed": {"steps": 10, "us_per_step": 50.0, "share": 0.002}}
+    goals = {g["goal"].split()[0] + (" ex" if "Example" in g["goal"] else ""): g["met"]
+             for g in evaluate_goals(summary, sched)}
+    assert goals["cpu"] is True and goals["disk"] is False and goals["redis"] is True
+    assert goals["cpu ex"] is True and goals["disk ex"] is False and goals["s3 ex"] is None
+    assert goals["kvpool"] is True
+    report = {"model": "m", "summary": summary, "scheduler": sched,
+              "goals": evaluate_goals(summary, sched)}
+    text = render(report)
+    assert "0.400s (0.040x)" in text and "NO: redis@8192" in text and "50.0 us/step" in text
