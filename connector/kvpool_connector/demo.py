@@ -1,0 +1,414 @@
+"""`kvpool demo` (`make demo`): the main job on one machine.
+
+Starts vLLM's OpenAI-compatible server on the generated `bench` model twice, once as is and
+once with the kvpool connector (cpu + disk tiers; plus Redis when REDIS_URL is set), and
+runs the same multi-turn chat workload against each with the `openai` client: several users,
+each with a long document in the system prompt, take turns in rounds, so the engine's own
+(deliberately small) KV cache keeps evicting the other users' history. Without kvpool every
+turn recomputes its history; with it the history comes back from the pool. Prints TTFT
+p50/p95, throughput and hit rates (vLLM's local prefix cache, kvpool per tier, from the
+server's /metrics) and writes a PNG chart (default out/demo.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from .bench import kv_configs
+
+REDIS_PASSWORD_ENV = "KVPOOL_DEMO_REDIS_PASSWORD"
+BLOCK_TOKENS = 128   # vLLM's block size on its CPU platform
+
+_WORDS = (
+    "cache key value tensor layer token prefix chunk tier memory disk redis bucket object "
+    "engine request latency throughput model attention head block page eviction shard node "
+    "cluster replica operator volume network bandwidth queue batch stream kernel buffer host "
+    "device copy load store hit miss warm cold fleet pool tenant prompt answer summary report "
+    "the a of to in and for with on by from is are was were this that these those it its"
+).split()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Workload shape; `quick` is a small version for tests."""
+
+    preset: str = "bench"
+    conversations: int = 8
+    turns: int = 4
+    doc_tokens: int = 1500
+    question_tokens: int = 40
+    max_tokens: int = 24
+    concurrency: int = 2
+    kv_cache_tokens: int = 6144    # the engine's own KV cache: a few conversations, not all
+    max_model_len: int = 4096
+
+    @staticmethod
+    def quick() -> "Settings":
+        return Settings(preset="tiny", conversations=4, turns=3, doc_tokens=600,
+                        question_tokens=24, max_tokens=8, concurrency=2,
+                        kv_cache_tokens=2048, max_model_len=1536)
+
+
+@dataclass
+class TurnResult:
+    conversation: int
+    turn: int
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RunResult:
+    label: str
+    wall_s: float
+    turns: list[TurnResult] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def make_text(rng: random.Random, n_tokens: int, count_tokens) -> str:
+    """Random words until the tokenizer counts at least n_tokens."""
+    words: list[str] = []
+    step = max(8, n_tokens // 4)
+    while True:
+        words += [rng.choice(_WORDS) for _ in range(step)]
+        text = " ".join(words)
+        if count_tokens(text) >= n_tokens:
+            return text
+
+
+def build_workload(s: Settings, count_tokens, seed: int = 0) -> list[dict[str, Any]]:
+    """Per conversation: a system document and the user's questions (deterministic)."""
+    rng = random.Random(seed)
+    return [{"system": f"Document {c}. " + make_text(rng, s.doc_tokens, count_tokens),
+             "questions": [f"Question {t + 1}: " + make_text(rng, s.question_tokens, count_tokens)
+                           for t in range(s.turns)]}
+            for c in range(s.conversations)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """Hit counters from a vLLM server's Prometheus text (summed over engine labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    per_tier: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name.startswith("kvpool_tier_") and name.endswith("_total") and "tier" in sample.labels:
+                kind = name[len("kvpool_tier_"):-len("_total")]
+                tier = per_tier.setdefault(sample.labels["tier"], {})
+                tier[kind] = tier.get(kind, 0.0) + sample.value
+            elif name.endswith("_total"):
+                sums[name] = sums.get(name, 0.0) + sample.value
+
+    def ratio(hits: str, queries: str) -> float | None:
+        q = sums.get(queries, 0.0)
+        return sums.get(hits, 0.0) / q if q else None
+
+    return {
+        "local_hit_rate": ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        "external_hit_rate": ratio("vllm:external_prefix_cache_hits_total",
+                                   "vllm:external_prefix_cache_queries_total"),
+        "prompt_tokens": sums.get("vllm:prompt_tokens_total"),
+        "tiers": {name: {"hit_chunks": v.get("hit_chunks", 0.0),
+                         "miss_chunks": v.get("miss_chunks", 0.0),
+                         "hit_rate": (v.get("hit_chunks", 0.0)
+                                      / (v.get("hit_chunks", 0.0) + v.get("miss_chunks", 0.0))
+                                      if v.get("hit_chunks", 0.0) + v.get("miss_chunks", 0.0)
+                                      else None)}
+                  for name, v in per_tier.items()},
+    }
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    ttfts = [t.ttft_s for t in run.turns]
+    prompt = sum(t.prompt_tokens for t in run.turns)
+    return {
+        "label": run.label,
+        "requests": len(run.turns),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "ttft_by_turn_s": [statistics.mean(t.ttft_s for t in run.turns if t.turn == k)
+                           for k in sorted({t.turn for t in run.turns})],
+        "requests_per_s": len(run.turns) / run.wall_s if run.wall_s else None,
+        "output_tokens_per_s": (sum(t.completion_tokens for t in run.turns) / run.wall_s
+                                if run.wall_s else None),
+        "cached_token_share": sum(t.cached_tokens for t in run.turns) / prompt if prompt else None,
+        "wall_s": run.wall_s,
+        "metrics": run.metrics,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def render(base: dict[str, Any], pool: dict[str, Any], s: Settings, tiers: list[str]) -> str:
+    """The side-by-side text report (pure)."""
+    def speedup(key: str) -> str:
+        if not pool[key] or not base[key]:
+            return ""
+        r = base[key] / pool[key]
+        return f"({r:.1f}x faster)" if r >= 1 else f"({1 / r:.1f}x slower)"
+
+    rows = [
+        ("TTFT p50", f"{base['ttft_p50_s']:.3f} s", f"{pool['ttft_p50_s']:.3f} s {speedup('ttft_p50_s')}"),
+        ("TTFT p95", f"{base['ttft_p95_s']:.3f} s", f"{pool['ttft_p95_s']:.3f} s {speedup('ttft_p95_s')}"),
+        ("throughput", f"{base['requests_per_s']:.2f} req/s, {base['output_tokens_per_s']:.1f} tok/s",
+         f"{pool['requests_per_s']:.2f} req/s, {pool['output_tokens_per_s']:.1f} tok/s"),
+        ("wall time", f"{base['wall_s']:.1f} s", f"{pool['wall_s']:.1f} s"),
+        ("prompt tokens cached", _pct(base["cached_token_share"]), _pct(pool["cached_token_share"])),
+        ("  vLLM prefix cache", _pct(base["metrics"].get("local_hit_rate")),
+         _pct(pool["metrics"].get("local_hit_rate"))),
+        ("  kvpool (external)", "-", _pct(pool["metrics"].get("external_hit_rate"))),
+    ]
+    for tier in tiers:
+        t = pool["metrics"].get("tiers", {}).get(tier) or {"hit_chunks": 0, "hit_rate": None}
+        reads = ("no reads reached it" if t["hit_rate"] is None
+                 else f"{_pct(t['hit_rate'])} of its reads")
+        cell = f"{t['hit_chunks']:.0f} chunks served ({reads})"
+        rows.append((f"  kvpool {tier} tier", "-", cell))
+    head = (f"kvpool demo: {s.conversations} conversations x {s.turns} turns, concurrency "
+            f"{s.concurrency}, ~{s.doc_tokens}-token documents, engine KV cache "
+            f"{s.kv_cache_tokens} tokens")
+    w = max(len(r[1]) for r in rows) + 2
+    lines = [head, "", f"{'':<22}{'without kvpool':<{w}}with kvpool ({'+'.join(tiers)})"]
+    lines += [f"{a:<22}{b:<{w}}{c}" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def chart(base: dict[str, Any], pool: dict[str, Any], tiers: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = ("#9e9e9e", "#1f77b4")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ax = axes[0][0]
+    xs = range(2)
+    for i, (run, color) in enumerate(zip((base, pool), colors)):
+        ax.bar([x + i * 0.38 for x in xs], [run["ttft_p50_s"], run["ttft_p95_s"]], 0.38,
+               color=color, label=("without kvpool", "with kvpool")[i])
+    ax.set_xticks([x + 0.19 for x in xs], ["TTFT p50", "TTFT p95"])
+    ax.set_ylabel("seconds")
+    ax.set_title("Time to first token")
+    ax.legend()
+    ax = axes[0][1]
+    for run, color, label in zip((base, pool), colors, ("without kvpool", "with kvpool")):
+        turns = range(1, len(run["ttft_by_turn_s"]) + 1)
+        ax.plot(list(turns), run["ttft_by_turn_s"], marker="o", color=color, label=label)
+    ax.set_xticks(list(range(1, len(base["ttft_by_turn_s"]) + 1)))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title("TTFT by conversation turn")
+    ax.legend()
+    ax = axes[1][0]
+    vals = [base["output_tokens_per_s"], pool["output_tokens_per_s"]]
+    ax.bar(["without kvpool", "with kvpool"], vals, color=colors)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput")
+    ax = axes[1][1]
+    names = ["vLLM prefix cache", "kvpool (all tiers)"] + [f"kvpool {t}" for t in tiers]
+    m = pool["metrics"]
+    rates = [m.get("local_hit_rate") or 0.0, m.get("external_hit_rate") or 0.0]
+    rates += [(m.get("tiers", {}).get(t) or {}).get("hit_rate") or 0.0 for t in tiers]
+    base_rates = [base["metrics"].get("local_hit_rate") or 0.0] + [0.0] * (len(names) - 1)
+    ys = range(len(names))
+    ax.barh([y + 0.38 for y in ys], base_rates, 0.38, color=colors[0], label="without kvpool")
+    ax.barh(list(ys), rates, 0.38, color=colors[1], label="with kvpool")
+    ax.set_yticks([y + 0.19 for y in ys], names)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("hit rate")
+    ax.set_title("Hit rates (server /metrics)")
+    ax.legend(loc="lower right")
+    fig.suptitle("kvpool demo: multi-turn chat on vLLM (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def redis_from_env(url: str | None) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """REDIS_URL -> (tier config, env for the engine); a password in the URL moves to env."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    env: dict[str, str] = {}
+    password = parts.password or os.environ.get("REDIS_PASSWORD")
+    if parts.password:
+        host = parts.hostname + (f":{parts.port}" if parts.port else "")
+        user = f"{parts.username}@" if parts.username else ""
+        url = urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+    if password:
+        env[REDIS_PASSWORD_ENV] = password
+    return kv_configs.redis_tier(url, REDIS_PASSWORD_ENV if password else None), env
+
+
+# -- I/O shell ------------------------------------------------------------------------------
+
+
+def _chat_turn(client, history: list[dict[str, str]], max_tokens: int) -> tuple[str, dict]:
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage = None
+    stream = client.chat.completions.create(
+        model="local", messages=history, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    latency = time.perf_counter() - t0
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    return "".join(text), {
+        "ttft_s": ttft if ttft is not None else latency, "latency_s": latency,
+        "prompt_tokens": usage.prompt_tokens if usage else 0,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "cached_tokens": (getattr(details, "cached_tokens", 0) or 0) if details else 0}
+
+
+def run_workload(base_url: str, workload: list[dict[str, Any]], s: Settings, label: str) -> RunResult:
+    """Rounds of turns: every conversation's turn k (concurrently) before any turn k+1."""
+    from openai import OpenAI
+    from tqdm import tqdm
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="kvpool-demo", timeout=600, max_retries=0)
+    histories = [[{"role": "system", "content": c["system"]}] for c in workload]
+    result = RunResult(label=label, wall_s=0.0)
+    lock = threading.Lock()
+    bar = tqdm(total=len(workload) * s.turns, desc=f"{label:<15}", unit="turn", file=sys.stderr)
+
+    def one(c: int, k: int) -> None:
+        hist = histories[c]
+        hist.append({"role": "user", "content": workload[c]["questions"][k]})
+        answer, m = _chat_turn(client, hist, s.max_tokens)
+        hist.append({"role": "assistant", "content": answer})
+        with lock:
+            result.turns.append(TurnResult(conversation=c, turn=k, **m))
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
+        for k in range(s.turns):
+            list(pool.map(lambda c: one(c, k), range(len(workload))))
+    result.wall_s = time.perf_counter() - t0
+    bar.close()
+    return result
+
+
+def _serve(model: Path, s: Settings, kv_cfg: dict | None, env: dict[str, str], label: str,
+           workload: list[dict[str, Any]], log_dir: Path) -> RunResult:
+    from .testbed.engine import VllmServer
+
+    blocks = max(s.kv_cache_tokens // BLOCK_TOKENS, -(-s.max_model_len // BLOCK_TOKENS))
+    server = VllmServer(model, kv_transfer_config=kv_cfg, env=env, max_model_len=s.max_model_len,
+                        extra_args=["--num-gpu-blocks-override", str(blocks)],
+                        log_path=log_dir / f"vllm-{label.replace(' ', '-')}.log")
+    t0 = time.monotonic()
+    print(f"starting vLLM ({label}) ...", file=sys.stderr, flush=True)
+    with server:
+        print(f"vLLM ({label}) up in {time.monotonic() - t0:.0f}s at {server.base_url}",
+              file=sys.stderr, flush=True)
+        run = run_workload(server.base_url, workload, s, label)
+        run.metrics = parse_metrics(server.metrics())
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 4 conversations x 3 turns")
+    ap.add_argument("--model", default=None, help="model path (default: the generated model)")
+    ap.add_argument("--conversations", type=int, default=None)
+    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--out", default="out/demo.png", help="PNG chart path (default out/demo.png)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+
+    from .testbed.localmodel import ensure_model
+
+    if not kv_configs.kvpool_connector_available():
+        print("kvpool demo: kvpool_connector.vllm.KVPoolConnector does not import "
+              "(is vLLM installed? run `make setup`)", file=sys.stderr)
+        return 2
+    s = Settings.quick() if args.quick else Settings()
+    overrides = {k: v for k in ("conversations", "turns", "concurrency")
+                 if (v := getattr(args, k)) is not None}
+    if overrides:
+        s = Settings(**{**asdict(s), **overrides})
+    print(f"preparing model ({s.preset}) ...", file=sys.stderr, flush=True)
+    model = Path(args.model) if args.model else ensure_model(s.preset)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    workload = build_workload(s, lambda text: len(tok.encode(text).ids))
+
+    work = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
+    tiers = [kv_configs.cpu_tier("2Gi"), kv_configs.disk_tier(str(work / "disk"), "4Gi")]
+    env: dict[str, str] = {}
+    redis = redis_from_env(os.environ.get("REDIS_URL"))
+    if redis is not None:
+        tiers.append(redis[0])
+        env.update(redis[1])
+    tier_names = [t["type"] for t in tiers]
+    kv_cfg = kv_configs.kvpool_config(tiers, namespace=f"demo-{uuid.uuid4().hex[:8]}")
+    out = Path(args.out)
+    try:
+        base = summarize(_serve(model, s, None, env, "without kvpool", workload, work))
+        pool = summarize(_serve(model, s, kv_cfg, env, "with kvpool", workload, work))
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvpool demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        logs = out.parent / "demo-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copy(log, logs / log.name)
+        shutil.rmtree(work, ignore_errors=True)
+    print(render(base, pool, s, tier_names))
+    chart(base, pool, tier_names, out)
+    print(f"\nchart: {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": asdict(s), "tiers": tier_names,
+                                               "without": base, "with": pool}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""`kvpool demo --quick` through the module entry point `make demo` uses: two real vLLM
+OpenAI-compatible servers, the openai client, kvpool cpu + disk tiers, a PNG chart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_quick(repo_root, tiny_model, tmp_path):
+    png, report = tmp_path / "demo.png", tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_connector.cli", "demo", "--quick",
+         "--out", str(png), "--json", str(report)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    out = proc.stdout
+    for line in ("TTFT p50", "TTFT p95", "throughput", "kvpool (external)", "kvpool cpu tier",
+                 "kvpool disk tier", f"chart: {png}"):
+        assert line in out, line
+    assert "turn/s" in proc.stderr  # the tqdm progress bar
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    data = json.loads(report.read_text())
+    assert data["tiers"] == ["cpu", "disk"]
+    s = data["settings"]
+    n = s["conversations"] * s["turns"]
+    for run in ("without", "with"):
+        r = data[run]
+        assert r["requests"] == n
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p95_s"]
+        assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+        assert len(r["ttft_by_turn_s"]) == s["turns"]
+    # The engine's own KV cache is too small for every conversation: without kvpool later
+    # turns recompute their history; with kvpool it comes back from the pool's cpu tier.
+    without, with_ = data["without"], data["with"]
+    assert without["metrics"]["external_hit_rate"] is None
+    assert with_["metrics"]["external_hit_rate"] > 0.3
+    assert with_["cached_token_share"] > without["cached_token_share"]
+    assert with_["metrics"]["tiers"]["cpu"]["hit_chunks"] > 0
+
+
+# -- the pure parts (no engine) --------------------------------------------------------------
+
+METRICS_TEXT = """\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="local"} 1000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="local"} 250.0
+# TYPE vllm:external_prefix_cache_queries counter
+vllm:external_prefix_cache_queries_total{engine="0",model_name="local"} 750.0
+# TYPE vllm:external_prefix_cache_hits counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="local"} 600.0
+# TYPE kvpool_tier_hit_chunks counter
+kvpool_tier_hit_chunks_total{engine="0",model_name="local",tier="cpu"} 9.0
+kvpool_tier_hit_chunks_total{engine="0",model_name="local",tier="disk"} 1.0
+# TYPE kvpool_tier_miss_chunks counter
+kvpool_tier_miss_chunks_total{engine="0",model_name="local",tier="cpu"} 1.0
+"""
+
+
+def test_parse_metrics_hit_rates_per_tier():
+    from kvpool_connector.demo import parse_metrics
+
+    m = parse_metrics(METRICS_TEXT)
+    assert m["local_hit_rate"] == 0.25 and m["external_hit_rate"] == 0.8
+    assert m["tiers"]["cpu"] == {"hit_chunks": 9.0, "miss_chunks": 1.0, "hit_rate": 0.9}
+    assert m["tiers"]["disk"]["hit_rate"] == 1.0
+    assert parse_metrics("")["external_hit_rate"] is None
+
+
+def test_percentile_and_workload_are_deterministic():
+    from kvpool_connector.demo import Settings, build_workload, percentile
+
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0], 95) == 1.0
+    s = Settings.quick()
+    count = lambda text: len(text.split())  # noqa: E731
+    a, b = build_workload(s, count), build_workload(s, count)
+    assert a == b and len(a) == s.conversations
+    assert all(len(c["questions"]) == s.turns for c in a)
+    assert all(count(c["system"]) >= s.doc_tokens for c in a)
+    assert len({c["system"] for c in a}) == s.conversations  # every user has its own document
+
+
+def test_redis_url_password_moves_to_the_environment():
+    from kvpool_connector.demo import REDIS_PASSWORD_ENV, redis_from_env
+
+    tier, env = redis_from_env("redis://:s3cret@cache.local:6380/2")
+    assert tier == {"type": "redis", "url": "redis://cache.local:6380/2",
+                    "password_env": REDIS_PASSWORD_ENV}
+    assert env == {REDIS_PASSWORD_ENV: "s3cret"}
+    assert redis_from_env(None) is None
