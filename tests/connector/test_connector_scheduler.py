@@ -128,3 +128,15 @@ def test_failed_load_is_saved_again_after_recompute(side):
     meta = side.build_meta(_output({"r1": 1000 - 256}))
     (save,) = meta.saves
     assert save.keys == [keys[1]]  # keys[2] is still indexed: not saved twice
+
+
+def test_kv_role_producer_never_loads_and_consumer_never_saves(side):
+    req = _request("r1", 1000)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=chunk_keys(PREFIX, req.block_hashes, BPC)))
+    side.load_enabled = False  # kv_producer
+    assert side.num_matched(req, 0) == (0, False)
+    side.load_enabled, side.save_enabled = True, False  # kv_consumer
+    cold = _request("r2", 1000, seed=1)
+    side.num_matched(cold, 0)
+    _alloc(side, cold, 0)
+    assert side.build_meta(_output({"r2": 1000})).saves == []

@@ -57,6 +57,7 @@ def writer(tiny_model, pool):
     eng = connector_engine(tiny_model, tiers, pool["ns"], env=pool["env"]).start()
     first = eng.generate([PROMPTS["a4k"], PROMPTS["b4k"]])
     _wait_stored(pool, _chunks("a4k") + _chunks("b4k"))
+    pool["ab_files"] = disk_files(pool["disk"]["path"])  # the objects of a4k and b4k
     yield eng, first
     eng.stop()
 
@@ -97,14 +98,6 @@ def writer_stopped(writer):
     writer[0].stop()  # from here on, one engine at a time
 
 
-@pytest.fixture(scope="module")
-def disk_engine(writer_stopped, tiny_model, pool):
-    """A fresh process that sees only the disk tier, loading layer by layer."""
-    with connector_engine(tiny_model, [pool["disk"]], pool["ns"], env=pool["env"],
-                          extra={"layerwise": True}) as eng:
-        yield eng
-
-
 def _check_hits(outs, baseline, label):
     for name, out in zip(["a4k", "b4k"], outs):
         assert out["num_cached_tokens"] == full_chunk_tokens(PROMPTS[name]), (label, name)
@@ -112,8 +105,27 @@ def _check_hits(outs, baseline, label):
         RESULTS[f"{name}/{label}"] = out["token_ids"]
 
 
-def test_fresh_engine_hits_from_disk_only_layerwise(disk_engine, baseline):
-    _check_hits(disk_engine.generate([PROMPTS["a4k"], PROMPTS["b4k"]]), baseline, "disk/layerwise")
+def test_fresh_engine_hits_from_disk_only_layerwise_and_recomputes_corrupt_objects(
+        writer_stopped, tiny_model, pool, baseline):
+    with connector_engine(tiny_model, [pool["disk"]], pool["ns"], env=pool["env"],
+                          extra={"layerwise": True}) as eng:
+        _check_hits(eng.generate([PROMPTS["a4k"], PROMPTS["b4k"]]), baseline, "disk/layerwise")
+
+        corrupted = {}
+        for f in pool["ab_files"][::2]:  # flip one payload byte in every other object
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            f.write_bytes(bytes(data))
+            corrupted[f] = bytes(data)
+        outs = eng.generate([PROMPTS["a4k"], PROMPTS["b4k"]])
+        for name, out in zip(["a4k", "b4k"], outs):
+            assert out["token_ids"] == baseline[name]
+        # every corrupt object was rejected on read and replaced by the recomputed chunk
+        wait_until(lambda: all(f.exists() and f.read_bytes() != bad
+                               for f, bad in corrupted.items()),
+                   what="recomputed chunks saved again")
+        _check_hits(eng.generate([PROMPTS["a4k"], PROMPTS["b4k"]]), baseline,
+                    "disk/after-corruption")
 
 
 @pytest.mark.parametrize("tier", ["redis", "s3"])
@@ -125,21 +137,3 @@ def test_fresh_engine_hits_from_one_remote_tier(writer_stopped, tiny_model, pool
 def test_layerwise_on_and_off_give_identical_outputs():
     for name in ("a4k", "b4k"):
         assert RESULTS[f"{name}/disk/layerwise"] == RESULTS[f"{name}/redis"]
-
-
-def test_corrupt_disk_objects_are_recomputed_never_served(disk_engine, pool, baseline):
-    files = disk_files(pool["disk"]["path"])
-    corrupted = {}
-    for f in files[::2]:  # flip one payload byte in every other object
-        data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        f.write_bytes(bytes(data))
-        corrupted[f] = bytes(data)
-    outs = disk_engine.generate([PROMPTS["a4k"], PROMPTS["b4k"]])
-    for name, out in zip(["a4k", "b4k"], outs):
-        assert out["token_ids"] == baseline[name]
-    # every corrupt object was rejected on read and replaced by the recomputed chunk
-    wait_until(lambda: all(f.exists() and f.read_bytes() != bad for f, bad in corrupted.items()),
-               what="recomputed chunks saved again")
-    again = disk_engine.generate([PROMPTS["a4k"], PROMPTS["b4k"]])
-    _check_hits(again, baseline, "disk/after-corruption")

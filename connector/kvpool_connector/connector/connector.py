@@ -90,7 +90,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size, self.bpc,
                                        chunk_bytes, size, lower,
-                                       is_async=not self.cfg.layerwise)
+                                       is_async=not self.cfg.layerwise,
+                                       load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
             self.sched._block_ids = self._request_block_ids
         else:
             self.worker = None  # created in register_kv_caches, once the layout is known

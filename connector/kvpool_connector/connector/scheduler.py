@@ -74,7 +74,7 @@ class KeyIndex:
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
-                 lower_store, is_async: bool):
+                 lower_store, is_async: bool, load: bool = True, save: bool = True):
         self.cfg = cfg
         self.prefix = prefix
         self.block_size = block_size
@@ -83,6 +83,8 @@ class SchedulerSide:
         self.world_size = world_size
         self.lower = lower_store
         self.is_async = is_async
+        self.load_enabled = load  # kv_role kv_consumer / kv_both
+        self.save_enabled = save  # kv_role kv_producer / kv_both
         cpu_bytes = sum(t.size for t in cfg.tiers if t.type == "cpu")
         self.index = KeyIndex(cpu_bytes // max(1, chunk_bytes) if cpu_bytes else 1)
         # The index mirrors the workers' cpu tier; without one, every stored chunk is in a
@@ -117,6 +119,8 @@ class SchedulerSide:
 
     def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
+        if not self.load_enabled:
+            return 0, False
         hashes = request.block_hashes
         now = time.monotonic()
         if st.lookup and st.lookup[0] == len(hashes) and now - st.lookup[2] < LOOKUP_TTL_S:
@@ -178,6 +182,8 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, st: _Req, n_sched: int) -> SaveJob | None:
+        if not self.save_enabled:
+            return None
         req = st.request
         done_tokens = req.num_computed_tokens + n_sched
         if not self.cfg.save_decode_tokens:
