@@ -58,7 +58,7 @@ def test_gather_then_scatter_restores_exactly_those_blocks(make):
     lay2 = KVLayout(dst, list(dst), NUM_BLOCKS, "TEST")
     assert lay2.fingerprint() == lay.fingerprint()
     new_ids = torch.tensor([0, 5, 11])
-    lay2.scatter(buf, 3, torch.arange(3), new_ids)
+    lay2.scatter(buf, 3, [0, 1, 2], new_ids.tolist())
     for name in src:
         v2 = lay2.layers[lay2.layer_index(name)]
         v1 = lay.layers[lay.layer_index(name)]
@@ -76,7 +76,7 @@ def test_partial_rows_and_single_layer_scatter():
     lay.gather(torch.tensor([3, 4]), buf)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     lay2 = KVLayout(dst, list(dst), NUM_BLOCKS)
-    lay2.scatter(buf, 2, torch.tensor([1]), torch.tensor([8]), layer=1)  # 2nd block, layer 1
+    lay2.scatter(buf, 2, [1], [8], layer=1)  # 2nd block, layer 1
     name1 = list(src)[1]
     assert torch.equal(dst[name1][8], src[name1][4])
     assert not dst[list(src)[0]].any() and not dst[list(src)[2]].any()
@@ -115,3 +115,19 @@ def test_layers_sharing_one_tensor_are_stored_once():
     t = _cpu_attn()
     lay = KVLayout({"a": t, "b": t}, ["a", "b"], NUM_BLOCKS)
     assert len(lay.layers) == 1 and lay.layer_index("a") == 0
+
+
+def test_payload_bytes_do_not_depend_on_physical_strides():
+    """The fast path (blocks as contiguous rows) and the strided path write the same bytes."""
+    logical = _caches(_cpu_attn)
+    strided = {k: v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for k, v in logical.items()}
+    a, b = (KVLayout(c, list(c), NUM_BLOCKS) for c in (logical, strided))
+    assert a.layers[0].flat is not None and b.layers[0].flat is None
+    ids = torch.tensor([4, 0, 10])
+    pa, pb = (torch.empty(a.chunk_nbytes(3), dtype=torch.uint8) for _ in range(2))
+    a.gather(ids, pa)
+    b.gather(ids, pb)
+    assert torch.equal(pa, pb)
+    b.scatter(pa, 3, [0, 1, 2], [1, 2, 3])  # a payload of one path loads into the other
+    for k in logical:
+        assert torch.equal(strided[k][1:4], logical[k][ids])

@@ -78,6 +78,7 @@ class WorkerSide:
         self._slock = threading.Lock()
         self._store_stats_prev: dict = {}
         self._store_stats_at = 0.0
+        self._sample_store = False
         self._stop = False
         self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
                          threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
@@ -221,8 +222,7 @@ class WorkerSide:
         with ctx:
             for layer in layers:
                 for c, src in good:
-                    lay.scatter(src, self.bpc, torch.tensor(c.rows, dtype=torch.long),
-                                torch.tensor(c.block_ids, dtype=torch.long), layer=layer)
+                    lay.scatter(src, self.bpc, c.rows, c.block_ids, layer=layer)
                 if self.cuda:
                     self.copy_stream.synchronize()  # loader thread only
                 if layer is not None:
@@ -252,6 +252,7 @@ class WorkerSide:
             self._failed_keys[ld.job.req_id] = failed
         self._inc("kvpool_load_error_chunks", len(failed))
         self._inc("kvpool_loaded_chunks", ld.chunks_ok)
+        self._sample_store = True  # tier hits of this load go out with this step's stats
         self._inc("kvpool_loaded_bytes", ld.nbytes)
 
     # -- per-step reports --------------------------------------------------------------
@@ -295,8 +296,8 @@ class WorkerSide:
 
     def take_stats(self) -> KVPoolConnectorStats | None:
         now_t = time.monotonic()
-        if now_t - self._store_stats_at >= STORE_STATS_EVERY_S:
-            self._store_stats_at = now_t
+        if self._sample_store or now_t - self._store_stats_at >= STORE_STATS_EVERY_S:
+            self._store_stats_at, self._sample_store = now_t, False
             try:
                 now = self.store.stats()
             except Exception:
