@@ -38,6 +38,13 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
 def _kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     if proc.poll() is not None:
         return
@@ -104,10 +111,7 @@ class VllmServer:
         raise TimeoutError(f"vLLM server not healthy after {ENGINE_START_TIMEOUT}s; log tail:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "<no log>"
+        return _tail(self.log_path, n)
 
     def metrics(self) -> str:
         import urllib.request
@@ -183,10 +187,7 @@ class OfflineEngine:
         return self._reply(timeout)["outputs"]
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "<no log>"
+        return _tail(self.log_path, n)
 
     def stop(self) -> None:
         if self.proc is not None:
