@@ -3,12 +3,13 @@
 Process model. vLLM runs this half in the EngineCore process and the workers in their own
 processes; the store's cpu tier lives in the worker (it is filled from, and copied into, the
 worker's paged KV). So a lookup here consults (1) an in-memory index of chunks the workers
-reported stored (they report keys through the per-step worker metadata), bounded like the
-cpu tier it mirrors, and (2) the shared lower tiers (disk, Redis, S3) opened here without
-the cpu tier, which also hold what other engines of the pool computed. A lookup is only a
-promise: if a chunk is gone by the time the worker loads it (evicted, corrupt, backend
-down), the worker reports its blocks through `get_block_ids_with_load_errors` and vLLM
-recomputes them (`kv_load_failure_policy: recompute`).
+copied out for saving into a local first tier (cpu or disk), reported through the per-step
+worker metadata and bounded by that tier's size, and (2) the shared lower tiers (disk,
+Redis, S3) opened here without the cpu tier, which also hold what other engines of the pool
+computed. A lookup is only a promise: if a chunk is gone by the time the worker loads it
+(evicted, corrupt, backend down), the worker reports its blocks through
+`get_block_ids_with_load_errors`, vLLM recomputes them (`kv_load_failure_policy:
+recompute`) and the recomputed chunks are saved again.
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ class SchedulerSide:
         self.is_async = is_async
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
-        cpu_bytes = sum(t.size for t in cfg.tiers if t.type == "cpu")
-        self.index = KeyIndex(cpu_bytes // max(1, chunk_bytes) if cpu_bytes else 1)
-        # The index mirrors the workers' cpu tier; without one, every stored chunk is in a
-        # lower tier that the scheduler queries itself (and a failed write is not a hit).
-        self.track_stored = cpu_bytes > 0
+        local_bytes = cfg.tiers[0].size if cfg.tiers[0].type in ("cpu", "disk") else 0
+        self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
+        # The index holds what the workers copied out and hand to a local first tier (cpu or
+        # disk; a lower tier's own index may lag behind). With a remote first tier the
+        # scheduler asks the tier itself, so a failed write is never taken for a hit.
+        self.track_stored = cfg.tiers[0].type in ("cpu", "disk")
         self.reqs: dict[str, _Req] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies

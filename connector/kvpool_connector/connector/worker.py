@@ -41,6 +41,11 @@ class _PendingSave:
     job: SaveJob
     buf: torch.Tensor
     event: object | None  # CUDA event of the gather, None on CPU (copy already done)
+    queued: bool = True   # False: the save queue was full, the save is dropped
+
+    def chunks(self) -> list[torch.Tensor]:
+        size = self.buf.numel() // len(self.job.keys)
+        return [self.buf[i * size:(i + 1) * size] for i in range(len(self.job.keys))]
 
 
 @dataclass
@@ -69,6 +74,7 @@ class WorkerSide:
         self._copied: dict[str, int] = defaultdict(int)          # to report to scheduler
         self._await: set[str] = set()                  # finished reqs awaiting copies
         self._stored: list[bytes] = []
+        self._pending: dict[bytes, torch.Tensor] = {}  # copied out, not yet in the store
         self._dropped: list[bytes] = []
         self._async_loads: dict[str, _Load] = {}
         self._sync_loads: list[_Load] = []
@@ -115,25 +121,33 @@ class WorkerSide:
             pending = _PendingSave(job, buf, event)
             with self._lock:
                 self._copies_by_req[job.req_id] += 1
+            try:
+                self._save_q.put_nowait(pending)
+            except queue.Full:
+                pending.queued = False
+                with self._lock:
+                    self._dropped.extend(job.keys)
+                self._inc("kvpool_save_dropped_chunks", n)
             if event is None:
                 self._mark_copied(pending)
             else:
                 self._uncopied.append(pending)
-            try:
-                self._save_q.put_nowait(pending)
-            except queue.Full:
-                with self._lock:
-                    self._dropped.extend(job.keys)
-                self._inc("kvpool_save_dropped_chunks", n)
 
     def _mark_copied(self, p: _PendingSave) -> None:
+        """The chunk left the paged KV cache: its blocks may be reused, and until the store
+        holds it, loads are served from this buffer (so it counts as stored right away)."""
         with self._lock:
             self._copies_by_req[p.job.req_id] -= 1
             if self._copies_by_req[p.job.req_id] <= 0:
                 del self._copies_by_req[p.job.req_id]
             self._copied[p.job.req_id] += 1
-        self._inc("kvpool_saved_chunks", len(p.job.keys))
-        self._inc("kvpool_saved_bytes", p.buf.numel())
+            if p.queued:
+                for key, chunk in zip(p.job.keys, p.chunks()):
+                    self._pending[key] = chunk
+                self._stored.extend(p.job.keys)
+        if p.queued:
+            self._inc("kvpool_saved_chunks", len(p.job.keys))
+            self._inc("kvpool_saved_bytes", p.buf.numel())
 
     def _poll_copies(self, wait: bool = False) -> None:
         still = []
@@ -154,16 +168,16 @@ class WorkerSide:
             try:
                 if p.event is not None:
                     p.event.synchronize()  # background thread: the hot path never waits
-                n = len(p.job.keys)
-                size = p.buf.numel() // n
-                self.store.put_many(p.job.keys, [p.buf[i * size:(i + 1) * size] for i in range(n)])
-                with self._lock:
-                    self._stored.extend(p.job.keys)
+                self.store.put_many(p.job.keys, p.chunks())
             except Exception:  # a failing backend degrades service, never the engine
                 log.exception("kvpool: save of %d chunks failed", len(p.job.keys))
                 with self._lock:
                     self._dropped.extend(p.job.keys)
                 self._inc("kvpool_save_dropped_chunks", len(p.job.keys))
+            finally:
+                with self._lock:
+                    for key in p.job.keys:
+                        self._pending.pop(key, None)
 
     def preempted(self, req_ids: set[str]) -> None:
         """Blocks of preempted requests are reused next: finish their copies now."""
@@ -205,10 +219,22 @@ class WorkerSide:
         expect = lay.chunk_nbytes(self.bpc)
         buf = torch.empty(len(chunks) * expect, dtype=torch.uint8, pin_memory=self.cuda)
         views = [buf[i * expect:(i + 1) * expect] for i in range(len(chunks))]
-        try:
-            got = self.store.get_many_into([c.key for c in chunks], views)
-        except ValueError:  # an object larger than a chunk of this layout: not ours
-            got = [None] * len(chunks)
+        got: list[int | None] = [None] * len(chunks)
+        with self._lock:  # chunks still on their way to the store: copy from the save buffer
+            for i, c in enumerate(chunks):
+                src = self._pending.get(c.key)
+                if src is not None and src.numel() == expect:
+                    views[i].copy_(src)
+                    got[i] = expect
+        rest = [i for i, n in enumerate(got) if n is None]
+        if rest:
+            try:
+                fetched = self.store.get_many_into([chunks[i].key for i in rest],
+                                                   [views[i] for i in rest])
+            except ValueError:  # an object larger than a chunk of this layout: not ours
+                fetched = [None] * len(rest)
+            for i, n in zip(rest, fetched):
+                got[i] = n
         good = []
         for c, n, src in zip(chunks, got, views):
             if n != expect:
