@@ -61,6 +61,8 @@ def test_multi_turn_chat_shows_external_hits_per_tier_on_metrics(server):
 
     text = server.metrics()
     assert _metric(text, "vllm:external_prefix_cache_hits_total") >= sum(cached[1:])
+    # vLLM's own per-source split: the history came from host memory (the cpu tier)
+    assert _metric(text, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
     assert _metric(text, "kvpool_tier_hit_chunks_total", tier="cpu") >= 7 * 3
     assert _metric(text, "kvpool_saved_chunks_total") > 0
     assert _metric(text, "kvpool_loaded_chunks_total") >= 7 * 3

@@ -196,15 +196,21 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
+        """Split a hit between the local first tier (index) and the lower tiers."""
         if num_external_tokens <= 0 or self.sched is None:
             return {}
-        local, lower = self.sched.hit_sources(request)
-        host = min(num_external_tokens, local * self.cfg.chunk_tokens) if local else 0
-        out = {}
-        if host:
-            out[CacheHitSource.HOST] = host
-        if num_external_tokens - host:
-            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - host
+        local, _ = self.sched.hit_sources(request)
+        types = [t.type for t in self.cfg.tiers]
+        first = CacheHitSource.HOST if types[0] == "cpu" else CacheHitSource.DISK
+        lower_types = {t for t in types if t != "cpu"}
+        lower = (CacheHitSource.DISK if lower_types == {"disk"}
+                 else CacheHitSource.EXTERNAL_UNSPECIFIED)
+        n_first = min(num_external_tokens, local * self.cfg.chunk_tokens)
+        out: dict[CacheHitSource, int] = {}
+        if n_first:
+            out[first] = n_first
+        if num_external_tokens - n_first:
+            out[lower] = out.get(lower, 0) + num_external_tokens - n_first
         return out
 
     def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:
