@@ -30,6 +30,9 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM logs to stdout by default, which the offline worker reserves for replies: keep
+    # engine tracebacks in the log file instead of losing them.
+    env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
