@@ -16,6 +16,7 @@ fails its checksum in the store is reported through `get_block_ids_with_load_err
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -220,12 +221,12 @@ class WorkerSide:
         buf = torch.empty(len(chunks) * expect, dtype=torch.uint8, pin_memory=self.cuda)
         views = [buf[i * expect:(i + 1) * expect] for i in range(len(chunks))]
         got: list[int | None] = [None] * len(chunks)
-        with self._lock:  # chunks still on their way to the store: copy from the save buffer
-            for i, c in enumerate(chunks):
-                src = self._pending.get(c.key)
-                if src is not None and src.numel() == expect:
-                    views[i].copy_(src)
-                    got[i] = expect
+        with self._lock:  # chunks still on their way to the store: read the save buffer
+            pending = [self._pending.get(c.key) for c in chunks]
+        for i, src in enumerate(pending):  # a save buffer is never written after its gather
+            if src is not None and src.numel() == expect:
+                views[i].copy_(src)
+                got[i] = expect
         rest = [i for i, n in enumerate(got) if n is None]
         if rest:
             try:
@@ -244,7 +245,7 @@ class WorkerSide:
             ld.nbytes += expect
         ld.chunks_ok = len(good)
         layers = range(len(lay.layers)) if (not ld.job.is_async and self.layerwise) else [None]
-        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else _nullctx()
+        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             for layer in layers:
                 for c, src in good:
@@ -352,10 +353,3 @@ class WorkerSide:
         except Exception:  # shutting down: a failing backend only loses queued saves
             log.warning("kvpool: flush at shutdown failed", exc_info=True)
 
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
