@@ -140,3 +140,40 @@ def test_kv_role_producer_never_loads_and_consumer_never_saves(side):
     side.num_matched(cold, 0)
     _alloc(side, cold, 0)
     assert side.build_meta(_output({"r2": 1000})).saves == []
+
+
+def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
+    """With Redis below the cpu tier, a lookup answers None ("ask again next step") while
+    the Redis round trip runs on a thread, then the hit count once it is back."""
+    import threading
+
+    monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
+    cfg = load_connector_config({"namespace": "async-lookup", "tiers": [
+        {"type": "cpu", "size": "64Mi"},
+        {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
+    lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
+    try:
+        s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
+                          lower_store=lower, is_async=True)
+        req = _request("r1", 1000, seed=11)
+        keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+        lower.put_many(keys[:2], [b"x" * 64] * 2)
+        lower.flush()
+        # Hold the real Redis lookup until released, standing in for a slow network (a
+        # wrapper around the real call: no way to slow loopback Redis down otherwise).
+        gate = threading.Event()
+        real = lower.contains_prefix
+        monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
+        assert s.num_matched(req, 0) == (None, False)  # in flight: the scheduler moves on
+        assert s.num_matched(req, 0) == (None, False)
+        gate.set()
+        for _ in range(200):
+            answer = s.num_matched(req, 0)
+            if answer[0] is not None:
+                break
+            threading.Event().wait(0.01)
+        assert answer == (2 * 256, True)
+        assert s.hit_sources(req) == (0, 2)
+        s.close()
+    finally:
+        lower.close()

@@ -169,8 +169,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.shutdown()
             self.worker.store.close()
-        if self.sched is not None and self.sched.lower is not None:
-            self.sched.lower.close()
+        if self.sched is not None:
+            self.sched.close()
+            if self.sched.lower is not None:
+                self.sched.lower.close()
 
     # ==== scheduler side ===============================================================
     def _request_block_ids(self, req_id: str) -> list[int]:

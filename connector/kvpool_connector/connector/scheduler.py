@@ -10,6 +10,12 @@ computed. A lookup is only a promise: if a chunk is gone by the time the worker 
 (evicted, corrupt, backend down), the worker reports its blocks through
 `get_block_ids_with_load_errors`, vLLM recomputes them (`kv_load_failure_policy:
 recompute`) and the recomputed chunks are saved again.
+
+Remote lookups never block the scheduler. When the lower tiers include Redis or S3, the
+part of a lookup that needs them runs on a small thread pool and `num_matched` answers
+None ("ask again next step", which vLLM supports) until it is done; the in-memory index
+and local disk are answered inline. A step of the engine loop therefore never waits on a
+network round trip.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +49,7 @@ class _Req:
     pending_copies: int = 0         # save jobs whose block copy is not confirmed
     load: LoadJob | None = None
     hit_local_index: int = 0        # of hit_chunks, how many came from the cpu-tier index
+    pending: tuple[int, int, Future] | None = None  # (n block hashes, local hits, remote count)
 
 
 class KeyIndex:
@@ -97,6 +105,13 @@ class SchedulerSide:
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
         self.stats = KVPoolConnectorStats()
+        remote = {"redis", "s3"} & {t.type for t in cfg.tiers}
+        self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
+                             if remote and lower_store is not None else None)
+
+    def close(self) -> None:
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookups -----------------------------------------------------------------------
     def _state(self, request: "Request") -> _Req:
@@ -119,7 +134,7 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         if not self.load_enabled:
             return 0, False
@@ -128,12 +143,10 @@ class SchedulerSide:
         if st.lookup and st.lookup[0] == len(hashes) and now - st.lookup[2] < LOOKUP_TTL_S:
             hit = st.lookup[1]
         else:
-            t0 = time.perf_counter()
-            keys = chunk_keys(self.prefix, hashes, self.bpc)
-            hit, st.hit_local_index = self._count_hits(keys)
-            self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
-            self.stats.inc("kvpool_lookups")
-            st.lookup = (len(hashes), hit, now)
+            found = self._lookup(st, hashes, now)
+            if found is None:
+                return None, False  # a remote lookup is in flight: ask again next step
+            hit = found
         st.hit_chunks = hit
         # Never claim the last prompt token: vLLM must compute it to sample.
         limit = (request.num_tokens - 1) // self.block_size * self.block_size
@@ -141,6 +154,38 @@ class SchedulerSide:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.is_async
+
+    def _lookup(self, st: _Req, hashes: list, now: float) -> int | None:
+        """Leading chunks present; None while a remote part of the lookup is running."""
+        t0 = time.perf_counter()
+        if st.pending is not None:
+            n_hashes, local, fut = st.pending
+            if not fut.done():
+                return None
+            st.pending = None
+            try:
+                more = fut.result()
+            except Exception:  # the store never raises; a broken pool is a miss
+                more = 0
+            keys = chunk_keys(self.prefix, hashes[:n_hashes], self.bpc)
+            hit = local + more
+            if more:
+                hit += self.index.prefix_len(keys[hit:])
+            st.hit_local_index = local
+        else:
+            keys = chunk_keys(self.prefix, hashes, self.bpc)
+            local = self.index.prefix_len(keys)
+            if self._lookup_pool is not None and local < len(keys):
+                rest = keys[local:]
+                st.pending = (len(hashes), local, self._lookup_pool.submit(self.lower.contains_prefix, rest))
+                self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
+                return None
+            hit, st.hit_local_index = self._count_hits(keys)
+            n_hashes = len(hashes)
+        self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
+        self.stats.inc("kvpool_lookups")
+        st.lookup = (n_hashes, hit, now)
+        return hit
 
     def after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self._state(request)
