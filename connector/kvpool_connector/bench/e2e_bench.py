@@ -282,7 +282,8 @@ class Backends:
 def transfer_config(spec: EngineSpec, backends: Backends) -> dict[str, Any] | None:
     if spec.kind == "kvpool":
         return kv_configs.kvpool_config([backends.tier(t) for t in spec.tiers],
-                                        backends.namespace, timed=True)
+                                        backends.namespace, timed=True,
+                                        **getattr(backends, "connector_keys", {}))
     if spec.kind == "example":
         return kv_configs.example_config(str(backends.example_path), timed=True)
     return None
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   "model; --quick: the tiny one)")
     ap.add_argument("--repeat", type=int, default=1, help="run every measurement but the cold "
                     "passes N times and keep the lowest TTFT (a shared machine is noisy)")
+    ap.add_argument("--layerwise", action="store_true", help="kvpool engines load layer by layer "
+                    "inside the forward pass (layerwise: true) instead of asynchronously before it")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("--workdir", default=None, help="where disk tiers live (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -393,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"{len(engines)} engines ({', '.join(e.name for e in engines)}), sizes {sizes}, "
          f"model {model.name}")
     backends = Backends(set(configs), workdir)
+    backends.connector_keys = {"layerwise": True} if args.layerwise else {}
     results: list[Measurement] = []
     scheduler: dict[str, Any] = {}
     t0 = time.monotonic()
