@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connector")
 
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
+LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 
 
 @dataclass
@@ -177,7 +178,7 @@ class SchedulerSide:
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
-                st.pending = (len(hashes), local, self._lookup_pool.submit(self.lower.contains_prefix, rest))
+                st.pending = (len(hashes), local, self._lookup_pool.submit(self._remote_prefix, rest))
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 return None
             hit, st.hit_local_index = self._count_hits(keys)
@@ -186,6 +187,18 @@ class SchedulerSide:
         self.stats.inc("kvpool_lookups")
         st.lookup = (n_hashes, hit, now)
         return hit
+
+    def _remote_prefix(self, keys: list[bytes]) -> int:
+        """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier
+        (S3) is found as long as each batch answers within the store's bound."""
+        n = 0
+        for start in range(0, len(keys), LOOKUP_BATCH):
+            part = keys[start:start + LOOKUP_BATCH]
+            found = self.lower.contains_prefix(part)
+            n += found
+            if found < len(part):
+                break
+        return n
 
     def after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         st = self._state(request)

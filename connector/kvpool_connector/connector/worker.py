@@ -35,6 +35,7 @@ log = logging.getLogger("kvpool.connector")
 SAVE_QUEUE = 64  # save batches waiting for the store before new ones are dropped
 SHUTDOWN_FLUSH_S = 10.0  # bound on waiting for lower-tier writes at shutdown
 STORE_STATS_EVERY_S = 0.5  # how often per-tier counters are sampled from store.stats()
+LOAD_BATCH_CHUNKS = 8  # chunks per store read, each read with its own time bound
 
 
 @dataclass
@@ -228,14 +229,20 @@ class WorkerSide:
                 views[i].copy_(src)
                 got[i] = expect
         rest = [i for i, n in enumerate(got) if n is None]
-        if rest:
+        # Batches, each with the store's own time bound: a long prompt from a slow tier
+        # (S3) loads as long as it makes progress, instead of failing on one deadline for
+        # the whole prompt. After a missing chunk vLLM recomputes from there anyway.
+        for start in range(0, len(rest), LOAD_BATCH_CHUNKS):
+            part = rest[start:start + LOAD_BATCH_CHUNKS]
             try:
-                fetched = self.store.get_many_into([chunks[i].key for i in rest],
-                                                   [views[i] for i in rest])
+                fetched = self.store.get_many_into([chunks[i].key for i in part],
+                                                   [views[i] for i in part])
             except ValueError:  # an object larger than a chunk of this layout: not ours
-                fetched = [None] * len(rest)
-            for i, n in zip(rest, fetched):
+                fetched = [None] * len(part)
+            for i, n in zip(part, fetched):
                 got[i] = n
+            if any(n != expect for n in fetched):
+                break
         good = []
         for c, n, src in zip(chunks, got, views):
             if n != expect:
