@@ -142,6 +142,39 @@ class S3TierConfig(_TierBase):
     verify_tls: bool = True
 
 
+class SecurityConfig(_Strict):
+    """Keys that authenticate (and optionally encrypt) every object in a shared tier.
+
+    The pool key comes from an environment variable or a mounted file, never from the config
+    itself; it must hold at least 32 characters (the operator generates 43). The previous key
+    is optional: during a rotation objects written under it stay readable (and are rewritten
+    under the current key on their next hit); an unset variable or a missing file means none.
+    """
+
+    key_env: str | None = Field(None, min_length=1, description="environment variable with the "
+                                "pool key (>= 32 characters)")
+    key_file: str | None = Field(None, min_length=1, description="file with the pool key "
+                                 "(a mounted Secret)")
+    previous_key_env: str | None = Field(None, min_length=1, description="environment variable "
+                                         "with the previous pool key, accepted for reads")
+    previous_key_file: str | None = Field(None, min_length=1, description="file with the "
+                                          "previous pool key, accepted for reads")
+    encrypt: bool = Field(False, description="encrypt objects in the disk, redis and s3 tiers "
+                          "with AES-256-GCM (authenticated: a bad tag is a miss)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.key_env and self.key_file:
+            raise ValueError("key_env, key_file: set one of them, not both")
+        if self.previous_key_env and self.previous_key_file:
+            raise ValueError("previous_key_env, previous_key_file: set one of them, not both")
+        return self
+
+    @property
+    def has_key(self) -> bool:
+        return bool(self.key_env or self.key_file)
+
+
 TierConfig = Annotated[
     Union[CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig],
     Field(discriminator="type"),
@@ -163,6 +196,8 @@ class StoreConfig(_Strict):
     backoff_max_seconds: float = Field(10.0, gt=0)
     promote: bool = Field(True, description="copy lower-tier hits into the faster tiers")
     metrics: bool = Field(True, description="export Prometheus metrics")
+    security: SecurityConfig = Field(default_factory=SecurityConfig,
+                                     description="pool key (object MACs, names) and encryption")
 
     @model_validator(mode="after")
     def _unique_names(self):

@@ -18,7 +18,8 @@ from pydantic import Field, ValidationError
 from ..config import StoreConfig
 
 EXTRA_CONFIG = "kv_connector_extra_config"
-CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens")
+CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
+                  "require_cache_salt")
 
 
 class ConnectorConfigError(ValueError):
@@ -37,6 +38,8 @@ class ConnectorConfig(StoreConfig):
                                                "(layer i+1 copies while layer i computes)")
     save_decode_tokens: bool = Field(False, description="also store chunks completed by "
                                                         "generated tokens, not only the prompt")
+    require_cache_salt: bool = Field(False, description="requests without vLLM's cache_salt are "
+                                     "neither looked up nor saved (tenant isolation)")
 
     def store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.
