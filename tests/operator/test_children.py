@@ -60,3 +60,29 @@ def test_owner_reference_shape():
     ref = owner_reference({"metadata": {"name": "p", "uid": "abc"}})
     assert ref == {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool", "name": "p", "uid": "abc",
                    "controller": True, "blockOwnerDeletion": True}
+
+
+class _ListingKube:
+    """Just enough of Kube for refresh_status: counts listings, has no children."""
+
+    def __init__(self) -> None:
+        self.listings = 0
+
+    def list(self, api_version, kind, namespace, labels):
+        self.listings += 1
+        return []
+
+
+def test_refresh_status_writes_nothing_before_the_first_reconcile(settings):
+    from kvpool_operator.reconcile.children import refresh_status
+
+    pool = {**load_example("tiered-full"), "metadata": {"name": "tiered-full", "namespace": "ml", "generation": 1}}
+    kube = _ListingKube()
+    assert refresh_status(kube, pool, settings, "2026-01-01T00:00:00Z") is None
+    assert refresh_status(kube, {**pool, "status": {"conditions": []}}, settings, "2026-01-01T00:00:00Z") is None
+    assert kube.listings == 0  # not even a read: the reconcile pass comes first
+
+    reconciled = {**pool, "metadata": {**pool["metadata"], "generation": 2}, "status": {"observedGeneration": 1}}
+    status = refresh_status(kube, reconciled, settings, "2026-01-01T00:00:00Z")
+    assert status is not None and status["observedGeneration"] == 1  # the generation reconciled, not the new one
+    assert {c["observedGeneration"] for c in status["conditions"]} == {1}

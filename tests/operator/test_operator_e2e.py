@@ -64,6 +64,31 @@ async def server():
         yield srv
 
 
+class LogLines(logging.Handler):
+    """Messages of the operator's per-object logger (kopf.objects), in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def operator_log():
+    handler = LogLines()
+    logger = logging.getLogger("kopf.objects")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
 @pytest.fixture
 def op_settings() -> Settings:
     return Settings(connector_image="kvpool-vllm:test", reconcile_interval=300)
@@ -120,7 +145,11 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
     async with running_operator(server, op_settings):
         # --- create: every child exists, owned by the pool, applied server-side
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
-        await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "True", message="status")
+        # The first reconcile pass ends by writing status with observedGeneration (a child event may
+        # refresh conditions earlier, never observedGeneration): wait for it, do not read it once.
+        status = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1
+                                  and pool_obj(server)["status"], message="first reconcile's status")
+        assert conditions(server)["ConfigValid"]["status"] == "True"
         uid = pool_obj(server)["metadata"]["uid"]
         for resource, name in ALL_CHILDREN:
             obj = await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
@@ -135,11 +164,9 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         )  # a real API server records kvpool-operator as owner of exactly these fields
         secret = child(server, "v1/secrets", "tiered-full-redis")
         assert len(secret["stringData"]["password"]) >= 32  # generated at creation (real API: into .data)
-        status = pool_obj(server)["status"]
         # only fields of the status schema (a real API server would prune anything else)
         assert set(status) <= {f.alias for f in models.KVCachePoolStatus.model_fields.values()}
         models.KVCachePoolStatus.model_validate(status)
-        assert status["observedGeneration"] == 1
         assert status["phase"] == "Pending"  # no kubelet here: no engine pod ever becomes ready
         assert status["endpoints"]["openai"] == f"http://tiered-full.{NS}.svc:8000"
         assert set(conditions(server)) >= {"Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady"}
@@ -172,12 +199,13 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
                                 and conditions(server)["ConfigValid"])
         assert cond["reason"] == "InvalidSpec"
         assert "spec.tiers.disk.volume" in cond["message"] and "exactly one of" in cond["message"]
-        assert pool_obj(server)["status"]["phase"] == "Invalid"
-        assert conditions(server)["Stalled"]["status"] == "True"
-        await asyncio.sleep(0.5)
+        await eventually(lambda: pool_obj(server)["status"]["phase"] == "Invalid"
+                         and conditions(server)["Stalled"]["status"] == "True", message="Invalid, Stalled")
+        # The pass that found the spec invalid is over once its status and Event are out (it applies
+        # children before either): no write it could still make is pending.
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
         assert len(child_writes(server)) == writes_before
         assert child(server, "apps/v1/deployments", "tiered-full") is not None
-        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
 
         # --- fix it again: valid and converged
         await send(server, "patch", f"{POOLS_URL}/tiered-full",
@@ -192,24 +220,23 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         assert child(server, "apps/v1/deployments", "tiered-full")["metadata"]["ownerReferences"][0]["uid"] == uid
 
 
-async def test_restart_converges_without_rewriting_unchanged_children(server, op_settings):
+async def test_restart_converges_without_rewriting_unchanged_children(server, op_settings, operator_log):
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         for resource, name in ALL_CHILDREN:
             await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
-        await eventually(lambda: conditions(server).get("ConfigValid"))
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
     secret_before = copy.deepcopy(child(server, "v1/secrets", "tiered-full-minio"))
     writes = len(child_writes(server))
     versions = {key: len(server.objects[key].history) for key in server.objects
                 if key[0].plural not in (models.PLURAL, "events")}
 
-    mark = len(requests(server))
+    mark = len(operator_log.lines)
     async with running_operator(server, op_settings):  # the resume handler runs for the existing pool
-        # a reconcile pass lists every child kind, PodDisruptionBudgets last
-        await eventually(lambda: any(r.resource is not None and r.resource.plural == "poddisruptionbudgets"
-                                     and r.method == "GET" and r.name is None for r in requests(server)[mark:]),
-                         message="resume pass")
-        await asyncio.sleep(1.0)  # time for any (wrong) write after the listing to arrive
+        # the handler logs its summary after its last write: then nothing of that pass is pending
+        summary = await eventually(lambda: [line for line in operator_log.lines[mark:] if line.startswith("reconciled:")],
+                                   message="resume pass finished")
+        assert len(summary) == 1 and summary[0].startswith("reconciled: 0 applied, 0 pruned,"), summary
     assert len(child_writes(server)) == writes, [f"{r.method} {r.url}" for r in child_writes(server)[writes:]]
     assert {key: len(server.objects[key].history) for key in versions} == versions
     assert child(server, "v1/secrets", "tiered-full-minio") == secret_before  # credentials never rotate
@@ -338,9 +365,11 @@ async def test_api_error_on_one_child_is_reported_and_retried(server):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         await eventually(lambda: ("Warning", "ApplyFailed") in event_reasons(server, with_type=True))
         assert child(server, "apps/v1/deployments", "tiered-full") is not None  # the rest went on
-        degraded = [r for r in requests(server) if r.resource is not None and r.resource.plural == models.PLURAL
-                    and r.method == "PATCH" and "ApplyFailed" in json.dumps(r.data)]
-        assert degraded, "the pool's status never reported ApplyFailed"
+        # kopf writes the status patch after the handler returned, so after the Event: poll for it
+        await eventually(lambda: [r for r in requests(server) if r.resource is not None
+                                  and r.resource.plural == models.PLURAL and r.method == "PATCH"
+                                  and "ApplyFailed" in json.dumps(r.data)],
+                         message="the pool's status reports ApplyFailed")
         # kopf retries the handler; the next pass succeeds and clears Degraded. (kmock stores even a
         # rejected write, so here the retry finds the StatefulSet in place; a real API server would
         # have stored nothing and the retry re-applies it.)

@@ -236,11 +236,17 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.body)[:300]
 
 
-def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: str) -> dict[str, Any]:
-    """Status only (on child events): reads children, changes nothing but the pool's status."""
+def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: str) -> dict[str, Any] | None:
+    """Status only (on child events): reads children, changes nothing but the pool's status.
+
+    None until the pool has been reconciled once: without observedGeneration a status would look
+    (to kstatus, Argo CD, Flux and tests) like a verdict on a spec nobody has looked at yet.
+    """
+    previous = body.get("status") or {}
+    if previous.get("observedGeneration") is None:
+        return None
     meta = body["metadata"]
     live = list_children(kube, meta["namespace"], meta["name"])
-    previous = body.get("status") or {}
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:

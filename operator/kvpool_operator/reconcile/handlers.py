@@ -122,7 +122,7 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
             if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
                 return
             status = refresh_status(kube, pool, settings, now())
-            if not is_subset(status, pool.get("status") or {}):
+            if status is not None and not is_subset(status, pool.get("status") or {}):
                 kube.patch_status(namespace, owner_name, status)
         except ApiException as exc:
             logger.warning("status refresh of %s/%s failed: %s", namespace, owner_name, exc.reason)
