@@ -1,4 +1,4 @@
-"""A thin Kubernetes API shell over the official client: apply, get, list, delete, patch status.
+"""A thin Kubernetes API shell over the official client: apply, create, get, list, patch, delete.
 
 Server-side apply (`application/apply-patch+yaml`, field manager `kvpool-operator`, force) for
 every child; the official client does transport, auth and TLS. Only the kinds the operator
@@ -82,6 +82,15 @@ class Kube:
         url = path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
         query = [("fieldManager", MANAGER), ("force", "true")]
         return self._call("PATCH", url, query=query, body=manifest, content_type=APPLY)
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """POST: fails (409) when the object exists, so it never replaces anything."""
+        meta = manifest["metadata"]
+        return self._call("POST", path(manifest["apiVersion"], manifest["kind"], meta["namespace"]), body=manifest)
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch: only the fields in `body` change."""
+        return self._call("PATCH", path(api_version, kind, namespace, name), body=body, content_type=MERGE)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -1,7 +1,8 @@
 """The one list of API permissions the operator uses (Kubernetes PolicyRule shape).
 
-The Helm chart's ClusterRole/Role and its tests derive from `RBAC_RULES`; tests here check that
-every kind the operator renders, reads or watches is covered, so code and RBAC cannot drift.
+The Helm chart's ClusterRole/Role and its tests derive from `RBAC_RULES`. Tests pin it verbatim
+and compare it with the requests the real operator sends to the emulator, so a verb the code
+stops using, or starts using, fails a test.
 """
 
 from __future__ import annotations
@@ -10,24 +11,28 @@ from typing import Any
 
 from kvpool_operator import models
 
-CHILD_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+# Applied server-side (patch; create when absent), listed to find and compare children, pruned.
+# Never `get` (listing reads them all), never `update` (no PUT anywhere), `watch` only where a
+# handler watches (the workloads whose status flows into the pool's).
+APPLIED = ["list", "create", "patch", "delete"]
 
 RBAC_RULES: list[dict[str, Any]] = [
-    # The pools themselves; status through the status subresource.
-    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "patch", "update"]},
-    {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["get", "patch", "update"]},
-    # Children: server-side applied, pruned, and (workloads) watched for status.
-    {"apiGroups": [""], "resources": ["configmaps", "secrets", "services"], "verbs": CHILD_VERBS},
-    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": CHILD_VERBS},
-    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
-    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": CHILD_VERBS},
-    # Kubernetes Events about pools (kopf posts them through core/v1 events).
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    # kopf: resource discovery, namespace scanning (globs), peering between operator replicas.
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    # The pools: kopf watches them and patches finalizers/annotations; child events read one pool.
+    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["patch"]},
+    # Generated Secrets are read by their known names (never listed: listing would read every
+    # Secret in the namespace), created only if absent, completed by patch, pruned.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": APPLIED},
+    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": [*APPLIED, "watch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": APPLIED},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": APPLIED},
+    # Kubernetes Events about pools (kopf posts them to core/v1 events, never patches them).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # kopf: CRD observation, namespace observation (namespaced mode), peering between replicas.
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
 # Cluster-scoped resources: a namespaced install still needs a ClusterRole for these.

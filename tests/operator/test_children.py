@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvpool_operator.reconcile.children import fill_generated, is_subset, owner_reference, plan, with_owner
+import base64
+
+from kvpool_operator.reconcile.children import is_subset, owner_reference, plan, with_owner
+from kvpool_operator.reconcile.secrets import SecretAction, generated_values, plan_secret
+from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.render import render
 from tests.operator.conftest import load_example
 
@@ -19,9 +23,12 @@ def test_is_subset_ignores_server_defaults_and_normalisation():
 
 
 def _live(manifests, uid):
+    """As the API would return the rendered children: generated Secrets hold their keys."""
     out = {}
     for m in manifests:
         obj = with_owner(m, {"uid": uid})
+        if m["kind"] == "Secret":
+            obj["data"] = {k: base64.b64encode(b"x" * 32).decode() for k in generate_keys(m)}
         out[(m["apiVersion"], m["kind"], m["metadata"]["name"])] = obj
     return out
 
@@ -44,16 +51,65 @@ def test_plan_applies_only_differences_and_prunes_owned_leftovers(settings):
                            ("v1", "Service", "tiered-full-redis")]
 
 
-def test_existing_generated_secret_is_never_reapplied(settings):
-    pool = load_example("tiered-full")
-    desired = render(pool, settings)
-    secret = next(m for m in desired if m["kind"] == "Secret")
-    live = {("v1", "Secret", secret["metadata"]["name"]): {"metadata": {"name": "x"}, "data": {"password": "b2xk"}}}
-    steps = plan([secret], live, "u1")
-    assert steps.apply == []
-    filled = fill_generated(secret)
-    assert len(filled["stringData"]["password"]) >= 32
-    assert fill_generated(secret)["stringData"] != filled["stringData"]
+def _redis_secret(settings):
+    secret = next(m for m in render(load_example("tiered-full"), settings) if m["kind"] == "Secret"
+                  and m["metadata"]["name"] == "tiered-full-redis")
+    return with_owner(secret, {"uid": "u1"})
+
+
+def _labelled(secret, **fields):
+    return {"metadata": {"name": secret["metadata"]["name"], "labels": dict(secret["metadata"]["labels"]),
+                         "ownerReferences": [{"uid": "u1"}]}, **fields}
+
+
+def test_generated_secret_is_created_only_when_absent_and_never_rewritten(settings):
+    secret = _redis_secret(settings)
+    keys = tuple(generate_keys(secret))
+    assert plan_secret(secret, None, "tiered-full") == SecretAction(secret, create=True, add_keys=keys)
+    complete = _labelled(secret, data={k: "b2xk" for k in keys})
+    assert plan_secret(secret, complete, "tiered-full") is None  # values are never re-applied
+    steps = plan([secret], {("v1", "Secret", "tiered-full-redis"): complete}, "u1")
+    assert steps.apply == [] and steps.secrets == [] and steps.unchanged == [("v1", "Secret", "tiered-full-redis")]
+
+
+def test_labelled_secret_is_adopted_and_completed_never_overwritten(settings):
+    secret = _redis_secret(settings)
+    keys = generate_keys(secret)
+    partial = _labelled(secret, stringData={keys[0]: "kept"})
+    partial["metadata"]["ownerReferences"] = []
+    action = plan_secret(secret, partial, "tiered-full")
+    assert action == SecretAction(secret, create=False, add_keys=tuple(keys[1:]), adopt=True)
+    assert keys[0] not in action.add_keys  # the value someone set stays
+
+
+def test_someone_elses_secret_is_a_conflict_and_left_alone(settings):
+    secret = _redis_secret(settings)
+    foreign = {"metadata": {"name": "tiered-full-redis", "labels": {"app": "mine"}}, "data": {"password": "eA=="}}
+    message = plan_secret(secret, foreign, "tiered-full")
+    assert isinstance(message, str) and "'tiered-full-redis' exists but is not labelled" in message
+    other_pool = _labelled(secret, data={"password": "eA=="})
+    other_pool["metadata"]["labels"]["kvpool.dev/pool"] = "another-pool"
+    assert isinstance(plan_secret(secret, other_pool, "tiered-full"), str)
+    steps = plan([secret], {("v1", "Secret", "tiered-full-redis"): foreign}, "u1")
+    assert steps.conflicts and steps.apply == [] and steps.secrets == [] and steps.prune == []
+
+
+def test_generated_values_have_the_form_their_consumers_need():
+    first = generated_values(["password", "accessKey", "hashSeed"])
+    assert len(first["password"]) >= 32 and first["accessKey"].startswith("kvpool-")
+    assert 0 <= int(first["hashSeed"]) < 2**32 and first["hashSeed"] == str(int(first["hashSeed"]))
+    assert generated_values(["password"])["password"] != first["password"]
+
+
+def test_every_rendered_secret_has_a_name_the_operator_reads(settings):
+    """The operator cannot list Secrets: each one it renders must be among the names it reads."""
+    from tests.operator.conftest import example_ids
+
+    for name in example_ids():
+        pool = load_example(name)
+        for m in render(pool, settings):
+            if m["kind"] == "Secret":
+                assert m["metadata"]["name"] in generated_secret_names(pool["metadata"]["name"])
 
 
 def test_owner_reference_shape():

@@ -378,3 +378,69 @@ async def test_api_error_on_one_child_is_reported_and_retried(server):
         passes = [r for r in requests(server) if r.method == "GET" and r.resource is not None
                   and r.resource.plural == "statefulsets" and r.name is None]
         assert len(passes) >= 2  # at least the failed pass and its retry listed the children
+
+
+def verbs_used(reqs: list[kmock.Request]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) the way the API server authorizes each request.
+
+    A server-side apply also needs `create` (the API server checks it when the object is absent).
+    """
+    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get",
+                 kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
+    out = set()
+    for r in reqs:
+        if r.resource is None or r.resource.plural is None:  # discovery: open to every client
+            continue
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        if r.method == "PUT":
+            verbs = {"update"}
+        elif r.method == "PATCH":
+            verbs = {"patch", "create"} if r.headers.get("Content-Type", "").startswith(APPLY) else {"patch"}
+        else:
+            verbs = {by_action[r.action]}
+        out |= {(r.resource.group, resource, verb) for verb in verbs}
+    return out
+
+
+# Granted but not exercised here, and why (everything else granted must show up in the requests).
+NOT_EXERCISED = {
+    # kopf's framework: the test runs kopf standalone with cluster scanning off.
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"), ("", "namespaces", "watch"),
+    *{("kopf.dev", plural, verb) for plural in ("clusterkopfpeerings", "kopfpeerings")
+      for verb in ("list", "watch", "patch")},
+    # Pruning works on every child kind; a pool always renders its ConfigMap and Deployment, so
+    # these two go only when an operator upgrade renames a child.
+    ("", "configmaps", "delete"), ("apps", "deployments", "delete"),
+}
+
+
+async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, op_settings):
+    from kvpool_operator.rbac import RBAC_RULES
+
+    granted = {(g, r, v) for rule in RBAC_RULES for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    # a labelled Secret without an ownerReference (restored from a backup): adopted by a patch
+    await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {
+        "metadata": {"name": "tiered-full-redis", "labels": {"app.kubernetes.io/managed-by": MANAGER,
+                                                             "kvpool.dev/pool": "tiered-full"}},
+        "data": {"password": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA=="}})
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        for resource, name in ALL_CHILDREN:
+            await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        # fewer children: the PDB, the NetworkPolicy and everything of Redis are pruned
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {
+            "replicas": 1, "networkPolicy": {"enabled": False}, "tiers": {"redis": None}}})
+        for resource, name in (("policy/v1/poddisruptionbudgets", "tiered-full"), ("v1/secrets", "tiered-full-redis"),
+                               ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends")):
+            await eventually(lambda: child(server, resource, name) is None, message=f"prune {resource}")
+        async with server.request("delete", f"{POOLS_URL}/tiered-full") as resp:
+            assert resp.status < 300
+        await eventually(lambda: pool_obj(server) is None, message="pool deleted")
+    test_client = "kmock/"  # the test's own requests (creating, editing, deleting the pool)
+    used = verbs_used([r for r in requests(server) if not r.headers.get("User-Agent", "").startswith(test_client)])
+    assert used <= granted, f"used but not granted: {sorted(used - granted)}"
+    assert granted - used == NOT_EXERCISED, f"granted but never used: {sorted(granted - used - NOT_EXERCISED)}"

@@ -1,15 +1,15 @@
 """Bring a pool's children to the rendered state: apply what differs, keep generated Secrets, prune.
 
 The decision of what to do is pure (`plan`); `reconcile` is the thin I/O around it.
-Children are found by label (`kvpool.dev/pool=<name>`, `app.kubernetes.io/managed-by`) and are
-pruned only when they carry an ownerReference to this very pool (same uid).
+Children are found by label (`kvpool.dev/pool=<name>`, `app.kubernetes.io/managed-by`), generated
+Secrets by their few possible names (the operator may not list Secrets), and are pruned only when
+they carry an ownerReference to this very pool (same uid).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +20,17 @@ from kvpool_operator import models
 from kvpool_operator.kube import Kube
 from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
 from kvpool_operator.render.connector import redis_url, referenced_secrets, s3_endpoint
-from kvpool_operator.render.secrets import generate_keys
+from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import Observation, compute_status
 
 Key = tuple[str, str, str]  # apiVersion, kind, name
+
+SECRET = ("v1", "Secret")
+LISTED_KINDS = tuple(k for k in CHILD_KINDS if k != SECRET)  # Secrets are read by name, never listed
+WORKLOAD_KINDS = (("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"))  # all that status reads
 
 
 def key_of(manifest: dict[str, Any]) -> Key:
@@ -91,6 +96,8 @@ def is_subset(want: Any, have: Any) -> bool:
 @dataclass
 class Plan:
     apply: list[dict[str, Any]] = field(default_factory=list)
+    secrets: list[SecretAction] = field(default_factory=list)  # generated Secrets to create or complete
+    conflicts: list[str] = field(default_factory=list)  # someone else's Secret where ours belongs
     unchanged: list[Key] = field(default_factory=list)
     prune: list[Key] = field(default_factory=list)
 
@@ -103,23 +110,19 @@ def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_u
         key = key_of(manifest)
         wanted.add(key)
         current = live.get(key)
-        if current is not None and generate_keys(manifest):
-            out.unchanged.append(key)  # generated credentials are created once and never rotated
+        if generate_keys(manifest):  # never applied: created once, completed, never rewritten
+            action = plan_secret(manifest, current, manifest["metadata"]["labels"][POOL_LABEL])
+            if isinstance(action, str):
+                out.conflicts.append(action)
+            elif action is None:
+                out.unchanged.append(key)
+            else:
+                out.secrets.append(action)
         elif current is not None and is_subset(manifest, current):
             out.unchanged.append(key)
         else:
             out.apply.append(manifest)
     out.prune = sorted(k for k, obj in live.items() if k not in wanted and owner_uid and owned_by(obj, owner_uid))
-    return out
-
-
-def fill_generated(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Random values for a Secret created for the first time (MinIO needs >= 8 characters)."""
-    out = copy.deepcopy(manifest)
-    values = {}
-    for key in generate_keys(manifest):
-        values[key] = ("kvpool-" + secrets.token_hex(6)) if key == "accessKey" else secrets.token_urlsafe(32)
-    out["stringData"] = values
     return out
 
 
@@ -138,12 +141,19 @@ def selector_string(pool_name: str) -> str:
     return f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={pool_name},{POOL_LABEL}={pool_name}"
 
 
-def list_children(kube: Kube, namespace: str, pool_name: str) -> dict[Key, dict[str, Any]]:
+def list_children(kube: Kube, namespace: str, pool_name: str,
+                  kinds: tuple[tuple[str, str], ...] = LISTED_KINDS) -> dict[Key, dict[str, Any]]:
+    """Live children of `kinds` by label, plus (with the default kinds) generated Secrets by name."""
     labels = {POOL_LABEL: pool_name, "app.kubernetes.io/managed-by": MANAGER}
     live: dict[Key, dict[str, Any]] = {}
-    for api_version, kind in CHILD_KINDS:
+    for api_version, kind in kinds:
         for obj in kube.list(api_version, kind, namespace, labels):
             live[(api_version, kind, obj["metadata"]["name"])] = obj
+    if kinds == LISTED_KINDS:
+        for name in generated_secret_names(pool_name):
+            secret = kube.get(*SECRET, namespace, name)
+            if secret is not None:  # someone else's too: plan() must see it to leave it alone
+                live[(*SECRET, name)] = secret
     return live
 
 
@@ -207,13 +217,21 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     ref = owner_reference(body)
     desired = [with_owner(m, ref) for m in render_pool(pool)]
     steps = plan(desired, live, uid)
+    if steps.conflicts:  # someone else's Secret stands where ours belongs: touch nothing, look again later
+        invalid = "; ".join(steps.conflicts)
+        status = compute_status(_observation(body, pool, live, invalid=invalid), now)
+        return Outcome(status=status, invalid=invalid, recheck=True, unchanged=len(live))
     outcome = Outcome(status={}, unchanged=len(steps.unchanged))
+    for action in steps.secrets:
+        try:
+            outcome.applied.append(execute(kube, action))
+        except ApiException as exc:
+            outcome.errors.append(f"Secret/{action.name}: {exc.status} {exc.reason}: {_api_message(exc)}")
     for manifest in steps.apply:
         key = key_of(manifest)
-        body_to_send = fill_generated(manifest) if generate_keys(manifest) else manifest
         verb = "updated" if key in live else "created"
         try:
-            live[key] = kube.apply(body_to_send)
+            live[key] = kube.apply(manifest)
             outcome.applied.append(f"{verb} {describe(key)}")
         except ApiException as exc:
             outcome.errors.append(f"{describe(key)}: {exc.status} {exc.reason}: {_api_message(exc)}")
@@ -246,7 +264,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     if previous.get("observedGeneration") is None:
         return None
     meta = body["metadata"]
-    live = list_children(kube, meta["namespace"], meta["name"])
+    live = list_children(kube, meta["namespace"], meta["name"], WORKLOAD_KINDS)
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:

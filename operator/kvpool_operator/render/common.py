@@ -29,6 +29,11 @@ S3_ACCESS_KEY_ENV = "KVPOOL_S3_ACCESS_KEY"
 S3_SECRET_KEY_ENV = "KVPOOL_S3_SECRET_KEY"
 
 
+def child_name(pool_name: str, component: str) -> str:
+    """`<pool>-<component>`: the names of a pool's children (also known without parsing its spec)."""
+    return f"{pool_name}-{component}"
+
+
 class InvalidPool(ValueError):
     """The pool cannot be rendered; the message names the field."""
 
@@ -45,19 +50,19 @@ class Pool:
     # names of children
     @property
     def config_map(self) -> str:
-        return f"{self.name}-kvpool"
+        return child_name(self.name, "kvpool")
 
     @property
     def redis(self) -> str:
-        return f"{self.name}-redis"
+        return child_name(self.name, "redis")
 
     @property
     def minio(self) -> str:
-        return f"{self.name}-minio"
+        return child_name(self.name, "minio")
 
     @property
     def network_policy(self) -> str:
-        return f"{self.name}-backends"
+        return child_name(self.name, "backends")
 
     def svc_host(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc"

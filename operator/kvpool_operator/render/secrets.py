@@ -1,15 +1,19 @@
 """Generated Secrets of managed backends: Redis `requirepass`, MinIO root credentials.
 
 Rendering stays pure: the manifest carries no data, only the annotation
-`kvpool.dev/generate-keys` naming the keys. The reconciler fills random values when it creates
-the Secret and never touches an existing one, so a reconcile never rotates credentials.
+`kvpool.dev/generate-keys` naming the keys. The reconciler (reconcile/secrets.py) fills random
+values when it creates the Secret, adds keys a labelled one lacks and never rewrites a value, so
+a reconcile never rotates credentials.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvpool_operator.render.common import GENERATE_ANNOTATION, Pool
+from kvpool_operator.render.common import GENERATE_ANNOTATION, Pool, child_name
+
+# Components whose Secret the operator may generate: all the names it ever reads Secrets under.
+GENERATED_COMPONENTS = ("redis", "minio")
 
 
 def _secret(pool: Pool, name: str, component: str, keys: list[str]) -> dict[str, Any]:
@@ -28,6 +32,11 @@ def render_secrets(pool: Pool) -> list[dict[str, Any]]:
     if pool.managed_s3:
         out.append(_secret(pool, pool.minio, "minio", ["accessKey", "secretKey"]))
     return out
+
+
+def generated_secret_names(pool_name: str) -> list[str]:
+    """Every name a generated Secret of this pool can have (the operator reads them, never lists)."""
+    return [child_name(pool_name, component) for component in GENERATED_COMPONENTS]
 
 
 def generate_keys(manifest: dict[str, Any]) -> list[str]:
