@@ -298,6 +298,32 @@ class ServiceSpec(_Model):
     port: int = Field(8000, ge=1, le=65535, description="Service port of the OpenAI-compatible API.")
 
 
+class KeysSecretRef(_Model):
+    name: str = Field(
+        min_length=1, max_length=253,
+        description="Secret in the pool's namespace with poolKey (>= 32 characters), hashSeed (a decimal "
+        "in [0, 4294967295]) and, during a rotation, previousPoolKey.",
+    )
+
+
+class SecuritySpec(_Model):
+    keys_secret_ref: KeysSecretRef | None = Field(
+        None,
+        description="Bring your own pool keys; empty: the operator generates the Secret <name>-kvpool-keys "
+        "once (random pool key and hash seed) and never rewrites it.",
+    )
+    encryption: bool = Field(
+        False,
+        description="Encrypt objects in the shared tiers (disk, Redis, S3) with AES-256-GCM under the pool "
+        "key; they are authenticated (MAC) either way.",
+    )
+    require_cache_salt: bool = Field(
+        False,
+        description="Requests without vLLM's cache_salt are neither looked up nor saved (tenant isolation; "
+        "tiered mode).",
+    )
+
+
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
         False, description="Create a NetworkPolicy so only this pool's engine pods reach its managed Redis/MinIO."
@@ -318,6 +344,12 @@ _SPEC_RULES = (
         ".tiers",
     ),
     ("self.chunkTokens % 16 == 0", "chunkTokens must be a multiple of 16 (vLLM's block size)", ".chunkTokens"),
+    (
+        "self.connector == 'tiered' || !self.security.requireCacheSalt",
+        "security.requireCacheSalt needs connector: tiered (vLLM's native offloading cannot refuse "
+        "unsalted requests)",
+        ".security.requireCacheSalt",
+    ),
 )
 
 
@@ -339,6 +371,9 @@ class KVCachePoolSpec(_Model):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="NetworkPolicy for managed backends."
     )
+    security: SecuritySpec = Field(
+        default_factory=SecuritySpec, description="Pool keys, hash seed, encryption and tenant isolation."
+    )
 
     model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES))
 
@@ -354,6 +389,8 @@ class KVCachePoolSpec(_Model):
             raise ValueError(_SPEC_RULES[1][1])
         if self.chunk_tokens % 16:
             raise ValueError(_SPEC_RULES[2][1])
+        if self.connector != "tiered" and self.security.require_cache_salt:
+            raise ValueError(_SPEC_RULES[3][1])
         return self
 
 

@@ -30,7 +30,6 @@ class Settings(BaseModel):
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")
     reconcile_interval: float = Field(300.0, gt=0, description="Seconds between drift-correction passes.")
     retry_delay: float = Field(15.0, gt=0, description="Seconds before retrying after API errors or a missing Secret.")
-    python_hash_seed: str = Field("0", description="PYTHONHASHSEED shared by all engine replicas.")
     backend_wait_seconds: int = Field(
         120, ge=0, description="How long an engine pod waits for its managed backends before starting anyway."
     )

@@ -3,6 +3,10 @@
 kmock stores plain JSON and merges patches. A real API server additionally:
 - fills metadata.namespace from the URL and name from generateName, assigns metadata.uid, creationTimestamp, resourceVersion and bumps generation on spec changes
   (added here: kopf's consistency checks and the pool's observedGeneration need them);
+- fills apiVersion and kind of created objects and folds a Secret's write-only `stringData` into
+  base64 `data` (added here: kubectl and the operator read `data`, as against a cluster);
+- serves discovery with the core group version `v1` and singular names (fixed here, so the real
+  kubectl can run documented commands against the emulator);
 - creates the object when a server-side apply (application/apply-patch+yaml) names a missing one
   (added here as an upsert);
 - tracks field ownership per field manager and removes fields a manager stopped applying,
@@ -13,6 +17,7 @@ kmock stores plain JSON and merges patches. A real API server additionally:
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
 import itertools
@@ -58,11 +63,28 @@ class ApiServer(kmock.KubernetesEmulator):
             await self._complete(request)
         return await super()._handle(request)
 
+    async def _serve_version(self, request):
+        doc = await super()._serve_version(request)
+        doc["groupVersion"] = doc["groupVersion"].lstrip("/")  # kmock says "/v1" for the core group
+        for resource in doc.get("resources", []):
+            if resource.get("kind") and "/" not in resource["name"]:
+                resource["singularName"] = resource["kind"].lower()
+        return doc
+
     async def _complete(self, request: kmock.Request) -> None:
         data = request.data
         meta = data.setdefault("metadata", {})
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if request.resource.plural == "secrets" and isinstance(data.get("stringData"), dict):
+            encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in data.pop("stringData").items()}
+            data["data"] = {**(data.get("data") or {}), **encoded}
         if request.action == kmock.action.CREATE:
+            res = request.resource
+            group_version = f"{res.group}/{res.version}" if res.group else res.version
+            info = RESOURCES.get(f"{group_version}/{res.plural}")
+            if info is not None:
+                data.setdefault("apiVersion", group_version)
+                data.setdefault("kind", info.kind)
             if request.namespace:
                 meta.setdefault("namespace", request.namespace)
             if "name" not in meta and "generateName" in meta:

@@ -10,6 +10,8 @@ import yaml
 
 from kvpool_operator import crd
 from kvpool_operator.cli import main
+from kvpool_operator.render import render
+from kvpool_operator.settings import Settings
 from tests.operator.conftest import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,8 +26,9 @@ def test_render_prints_multi_document_yaml():
     out = cli("render", "-f", "examples/tiered-full.yaml", "--namespace", "team-a")
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    assert len(docs) == 11
-    assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
+    pool = yaml.safe_load((REPO / "examples" / "tiered-full.yaml").read_text())
+    assert docs == render(pool, Settings(), "team-a")  # exactly the operator's render function
+    assert len(docs) >= 11 and {d["metadata"]["namespace"] for d in docs} == {"team-a"}
 
 
 def test_render_bad_file_exits_2_naming_the_field(tmp_path):

@@ -98,6 +98,7 @@ INVALID = [
     ("native-shared", "spec.tiers.cpu", _DELETE, "native mode needs tiers.cpu"),
     ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
     ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
+    ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
 ]
 
 

@@ -52,7 +52,6 @@ SCENARIOS: dict[str, dict] = {
             "imagePullPolicy": "Always",
             "reconcileInterval": 120,
             "retryDelay": 15.5,
-            "pythonHashSeed": "42",
             "backendWaitSeconds": 0,
         },
         "operator.extraEnv": [{"name": "EXTRA", "value": "1"}],
@@ -244,7 +243,6 @@ def test_settings_reach_the_operator_as_it_reads_them():
     assert settings.image_pull_policy == "Always"
     assert settings.reconcile_interval == 120
     assert settings.retry_delay == 15.5
-    assert settings.python_hash_seed == "42"
     assert settings.backend_wait_seconds == 0
     assert settings.namespaces == ("team-a", "kvpool-system")
     assert settings.log_format == "json"

@@ -8,15 +8,19 @@ For those the tests assert the requests the operator sends.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import json
 import logging
+import re
+from pathlib import Path
 from typing import Any
 
 import kopf
 import kmock
 import pytest
+import yaml
 
 from kvpool_operator import models
 from kvpool_operator.kube import Kube
@@ -106,9 +110,25 @@ def child(server, resource: str, name: str) -> dict[str, Any] | None:
     return live(server, resource, NS, name)
 
 
+def secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+
 def checksum(server) -> str:
     dep = child(server, "apps/v1/deployments", "tiered-full")
     return dep["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]
+
+
+def write_kubeconfig(server, tmp_path) -> Path:
+    """A kubeconfig for the emulator (namespace ml), as kubectl and the operator's client read it."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": str(server.url).rstrip("/")}}],
+        "users": [{"name": "emu", "user": {"token": "t"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}],
+    }))
+    return path
 
 
 async def send(server, method: str, url: str, body: dict[str, Any]) -> None:
@@ -132,7 +152,7 @@ def child_writes(server) -> list[kmock.Request]:
 
 
 ALL_CHILDREN = [
-    ("v1/secrets", "tiered-full-redis"), ("v1/secrets", "tiered-full-minio"),
+    ("v1/secrets", "tiered-full-kvpool-keys"), ("v1/secrets", "tiered-full-redis"), ("v1/secrets", "tiered-full-minio"),
     ("v1/configmaps", "tiered-full-kvpool"), ("apps/v1/statefulsets", "tiered-full-redis"),
     ("v1/services", "tiered-full-redis"), ("apps/v1/statefulsets", "tiered-full-minio"),
     ("v1/services", "tiered-full-minio"), ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"),
@@ -163,7 +183,9 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
             for r in applies
         )  # a real API server records kvpool-operator as owner of exactly these fields
         secret = child(server, "v1/secrets", "tiered-full-redis")
-        assert len(secret["stringData"]["password"]) >= 32  # generated at creation (real API: into .data)
+        assert len(secret_data(secret)["password"]) >= 32  # generated at creation
+        keys = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
+        assert len(keys["poolKey"]) >= 32 and 0 <= int(keys["hashSeed"]) < 2**32
         # only fields of the status schema (a real API server would prune anything else)
         assert set(status) <= {f.alias for f in models.KVCachePoolStatus.model_fields.values()}
         models.KVCachePoolStatus.model_validate(status)
@@ -305,16 +327,8 @@ async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path)
     import sys
 
     import aiohttp
-    import yaml
 
-    url = str(server.url).rstrip("/")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": url}}],
-        "users": [{"name": "emu", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}],
-    }))
+    kubeconfig = write_kubeconfig(server, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -444,3 +458,120 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, op_settin
     used = verbs_used([r for r in requests(server) if not r.headers.get("User-Agent", "").startswith(test_client)])
     assert used <= granted, f"used but not granted: {sorted(used - granted)}"
     assert granted - used == NOT_EXERCISED, f"granted but never used: {sorted(granted - used - NOT_EXERCISED)}"
+
+
+REPO = Path(__file__).resolve().parents[2]
+WRITES = ("POST", "PATCH", "PUT", "DELETE")
+
+
+def doc_bash_blocks(heading: str) -> list[str]:
+    """The ```bash blocks of one section of docs/operator.md (what users copy and run)."""
+    text = (REPO / "docs" / "operator.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", section, re.S)
+
+
+async def bash(script: str, kubeconfig: Path, tmp_path: Path, **env: str) -> str:
+    """Run a documented snippet with the real kubectl (./bin) against the emulator."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-euo", "pipefail", "-c", script,
+        env={"PATH": f"{REPO / 'bin'}:/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+    assert proc.returncode == 0, out
+    return out
+
+
+def writes_to(server, resource: str, name: str, by_operator: bool = True) -> list[kmock.Request]:
+    """Write requests to one object (a POST names it in its body), by the operator or anyone."""
+    out = []
+    for r in requests(server):
+        if r.method not in WRITES or r.resource is None or r.resource.plural != resource:
+            continue
+        target = r.name or ((r.data or {}).get("metadata") or {}).get("name")
+        agent = r.headers.get("User-Agent", "")
+        if target == name and (not by_operator or agent.startswith(("OpenAPI-Generator", "kopf"))):
+            out.append(r)
+    return out
+
+
+async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
+    """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set."""
+    settings = Settings(connector_image="kvpool-vllm:test", reconcile_interval=0.5)
+    kubeconfig = write_kubeconfig(server, tmp_path)
+    rotate, drop = doc_bash_blocks("## Pool keys and their rotation")
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        keys = await eventually(lambda: child(server, "v1/secrets", "tiered-full-kvpool-keys"), message="keys")
+        old = secret_data(keys)["poolKey"]
+        await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="engines")
+
+        await bash(rotate, kubeconfig, tmp_path)
+        rotated = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
+        assert rotated["previousPoolKey"] == old and rotated["poolKey"] != old and len(rotated["poolKey"]) >= 32
+        assert rotated["hashSeed"] == secret_data(keys)["hashSeed"]
+        restart = "kubectl.kubernetes.io/restartedAt"
+        template = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]
+        assert restart in template["metadata"]["annotations"]
+
+        # drift passes come and go; none of them touches the rotated Secret or undoes the restart
+        mark = len(operator_log.lines)
+        await eventually(lambda: sum(line.startswith("reconciled:") for line in operator_log.lines[mark:]) >= 2,
+                         message="two drift passes")
+        assert secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys")) == rotated
+        assert [r.method for r in writes_to(server, "secrets", "tiered-full-kvpool-keys")] == ["POST"]
+        template = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]
+        assert restart in template["metadata"]["annotations"]
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"]["secretKeyRef"] == {
+            "name": "tiered-full-kvpool-keys", "key": "previousPoolKey", "optional": True}
+
+        await bash(drop, kubeconfig, tmp_path, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
+        done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
+        assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
+
+
+async def test_a_users_keys_secret_is_checked_and_used(server):
+    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    pool = load_example("tiered-full")
+    pool["spec"]["security"] = {"keysSecretRef": {"name": "team-keys"}}
+    short = "too-short-a-key"
+    async with running_operator(server, settings):
+        await send(server, "post", f"/api/v1/namespaces/{NS}/secrets",
+                   {"metadata": {"name": "team-keys"}, "stringData": {"poolKey": short, "hashSeed": "-1"}})
+        await send(server, "post", POOLS_URL, pool)
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="invalid keys")
+        assert "spec.security.keysSecretRef: Secret 'team-keys' key 'poolKey' must hold at least 32" in cond["message"]
+        assert "key 'hashSeed' must be a decimal integer in [0, 4294967295]" in cond["message"]
+        assert short not in json.dumps(pool_obj(server)) and short not in json.dumps(event_reasons(server))
+        assert child(server, "apps/v1/deployments", "tiered-full") is None
+        await send(server, "patch", f"/api/v1/namespaces/{NS}/secrets/team-keys",
+                   {"stringData": {"poolKey": "k" * 40, "hashSeed": "4294967295"}})
+        dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="engines")
+        env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["PYTHONHASHSEED"]["valueFrom"]["secretKeyRef"] == {"name": "team-keys", "key": "hashSeed"}
+        assert env["KVPOOL_POOL_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "team-keys", "key": "poolKey"}
+        assert child(server, "v1/secrets", "tiered-full-kvpool-keys") is None  # nothing generated
+        assert writes_to(server, "secrets", "team-keys") == []  # the user's Secret is only read
+
+
+async def test_someone_elses_secret_under_a_generated_name_is_never_overwritten(server):
+    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    theirs = {"metadata": {"name": "tiered-full-kvpool-keys", "labels": {"team": "a"}},
+              "data": {"note": "bm90IGEga2V5"}}
+    async with running_operator(server, settings):
+        await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", theirs)
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="conflict")
+        assert "Secret 'tiered-full-kvpool-keys' exists but is not labelled" in cond["message"]
+        assert child(server, "apps/v1/deployments", "tiered-full") is None  # nothing half-applied
+        assert child(server, "v1/secrets", "tiered-full-kvpool-keys")["data"] == theirs["data"]
+        assert writes_to(server, "secrets", "tiered-full-kvpool-keys") == []
+        # its owner removes it: the operator creates its own on the next retry
+        async with server.request("delete", f"/api/v1/namespaces/{NS}/secrets/tiered-full-kvpool-keys") as resp:
+            assert resp.status < 300
+        await eventually(lambda: "poolKey" in (child(server, "v1/secrets", "tiered-full-kvpool-keys") or {}).get(
+            "data", {}), message="generated keys")
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid")

@@ -82,6 +82,8 @@ def test_tiered_full_connector_contract(settings):
                 "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": True,
             },
         ],
+        "security": {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS", "encrypt": False},
+        "require_cache_salt": False,
     }
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
     assert mounts["/etc/kvpool"] == "kvpool-config" and mounts["/var/lib/kvpool/disk"] == "kv-disk"
@@ -90,7 +92,7 @@ def test_tiered_full_connector_contract(settings):
     assert volumes["kvpool-config"]["configMap"]["name"] == "tiered-full-kvpool"
     kinds = sorted((x["kind"], x["metadata"]["name"]) for x in m)
     assert kinds == sorted([
-        ("Secret", "tiered-full-redis"), ("Secret", "tiered-full-minio"), ("ConfigMap", "tiered-full-kvpool"),
+        ("Secret", "tiered-full-kvpool-keys"), ("Secret", "tiered-full-redis"), ("Secret", "tiered-full-minio"), ("ConfigMap", "tiered-full-kvpool"),
         ("StatefulSet", "tiered-full-redis"), ("Service", "tiered-full-redis"),
         ("StatefulSet", "tiered-full-minio"), ("Service", "tiered-full-minio"),
         ("NetworkPolicy", "tiered-full-backends"), ("Deployment", "tiered-full"), ("Service", "tiered-full"),
@@ -116,6 +118,9 @@ def test_external_backends_use_the_users_secrets(settings):
     m = rendered("tiered-external", settings)
     refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in engine(m)["env"] if "valueFrom" in v}
     assert refs == {
+        "PYTHONHASHSEED": {"name": "tiered-external-kvpool-keys", "key": "hashSeed"},
+        "KVPOOL_POOL_KEY": {"name": "tiered-external-kvpool-keys", "key": "poolKey"},
+        "KVPOOL_POOL_KEY_PREVIOUS": {"name": "tiered-external-kvpool-keys", "key": "previousPoolKey", "optional": True},
         "KVPOOL_REDIS_PASSWORD": {"name": "redis", "key": "password"},
         "KVPOOL_S3_ACCESS_KEY": {"name": "s3-creds", "key": "accessKey"},
         "KVPOOL_S3_SECRET_KEY": {"name": "s3-creds", "key": "secretKey"},
@@ -125,7 +130,8 @@ def test_external_backends_use_the_users_secrets(settings):
     assert tiers["s3"]["bucket"] == "kv-cache-prod" and tiers["s3"]["create_bucket"] is False
     # TP=4: the per-pod CPU tier is split across ranks so the pod never pins more than asked for
     assert tiers["cpu"]["size"] == str(128 * 2**30 // 4)
-    assert not [x for x in m if x["kind"] in ("StatefulSet", "Secret")]
+    assert not [x for x in m if x["kind"] == "StatefulSet"]
+    assert [x["metadata"]["name"] for x in m if x["kind"] == "Secret"] == ["tiered-external-kvpool-keys"]
     assert "initContainers" not in by_kind(m, "Deployment")["spec"]["template"]["spec"]
     assert engine(m)["resources"]["limits"]["nvidia.com/gpu"] == 4
 
@@ -191,7 +197,10 @@ def test_common_engine_properties(settings):
         m = rendered(name, settings)
         dep = by_kind(m, "Deployment")
         c = engine(m)
-        assert {"name": "PYTHONHASHSEED", "value": "0"} in c["env"]
+        # one random seed per pool, shared by its replicas (vLLM's prefix hashes), from its keys Secret
+        assert {"name": "PYTHONHASHSEED",
+                "valueFrom": {"secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "hashSeed"}}} in c["env"]
+        assert not [e for e in c["env"] if e["name"] == "PYTHONHASHSEED" and "value" in e]
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             assert c[probe]["httpGet"]["path"] == "/health"
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -241,3 +250,37 @@ def test_invalid_pool_names_the_field(settings):
     pool["spec"]["tiers"]["cpu"]["sise"] = "1Gi"
     with pytest.raises(InvalidPool, match=r"spec\.tiers\.cpu\.sise: Extra inputs are not permitted"):
         render(pool, settings)
+
+
+@pytest.mark.parametrize("name", example_ids())
+def test_every_shared_store_is_keyed_by_the_pool_key(name, settings):
+    """Wherever a kvpool store runs (tiered mode, native's kvpool tier) it gets the pool key by env."""
+    m = rendered(name, settings)
+    data = by_kind(m, "ConfigMap")["data"]
+    env = {e["name"]: e for e in engine(m)["env"]}
+    if "connector.yaml" not in data:
+        assert "KVPOOL_POOL_KEY" not in env
+        return
+    assert store_config(m)["security"] == {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS",
+                                           "encrypt": False}
+    assert env["KVPOOL_POOL_KEY"]["valueFrom"] == {"secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "poolKey"}}
+    assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"] == {
+        "secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "previousPoolKey", "optional": True}}
+    keys = by_kind(m, "Secret", f"{name}-kvpool-keys")
+    assert keys["metadata"]["annotations"]["kvpool.dev/generate-keys"] == "poolKey,hashSeed"
+
+
+def test_security_options_and_a_users_keys_secret(settings):
+    pool = load_example("tiered-full")
+    pool["spec"]["security"] = {"keysSecretRef": {"name": "team-keys"}, "encryption": True, "requireCacheSalt": True}
+    m = render(pool, settings, "kvpool")
+    cfg = store_config(m)
+    assert cfg["security"]["encrypt"] is True and cfg["require_cache_salt"] is True
+    assert not [x for x in m if x["kind"] == "Secret" and x["metadata"]["name"].endswith("-kvpool-keys")]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in engine(m)["env"] if "valueFrom" in e}
+    assert refs["PYTHONHASHSEED"] == {"name": "team-keys", "key": "hashSeed"}
+    assert refs["KVPOOL_POOL_KEY"] == {"name": "team-keys", "key": "poolKey"}
+    native = load_example("native-shared")
+    native["spec"]["security"] = {"encryption": True}
+    cfg = store_config(render(native, settings, "kvpool"))
+    assert cfg["security"]["encrypt"] is True and "require_cache_salt" not in cfg  # a KVPoolConnector key

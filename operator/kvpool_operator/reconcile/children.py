@@ -8,6 +8,7 @@ they carry an ownerReference to this very pool (same uid).
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from kvpool_operator.kube import Kube
 from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
-from kvpool_operator.render.connector import redis_url, referenced_secrets, s3_endpoint
+from kvpool_operator.render.connector import redis_url, s3_endpoint
+from kvpool_operator.render.secretrefs import referenced_secrets
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import Observation, compute_status
@@ -157,15 +159,34 @@ def list_children(kube: Kube, namespace: str, pool_name: str,
     return live
 
 
+def secret_value(secret: dict[str, Any], key: str) -> str | None:
+    """A key's value as text (kept in memory only, never logged or reported)."""
+    if key in (secret.get("stringData") or {}):
+        return secret["stringData"][key]
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        return None
+    try:
+        return base64.b64decode(raw).decode()
+    except (ValueError, UnicodeDecodeError):
+        return ""
+
+
 def check_secrets(kube: Kube, pool: Pool) -> str | None:
-    """User-provided Secrets must exist with their keys, else engines would crash-loop."""
+    """User-provided Secrets must exist with well-formed keys, else engines would crash-loop."""
     problems = []
-    for field_path, name, key in referenced_secrets(pool):
-        secret = kube.get("v1", "Secret", pool.namespace, name)
+    secrets: dict[str, dict[str, Any] | None] = {}
+    for ref in referenced_secrets(pool):
+        if ref.name not in secrets:
+            secrets[ref.name] = kube.get("v1", "Secret", pool.namespace, ref.name)
+        secret = secrets[ref.name]
+        value = None if secret is None else secret_value(secret, ref.key)
         if secret is None:
-            problems.append(f"{field_path}: Secret {name!r} not found in namespace {pool.namespace!r}")
-        elif key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
-            problems.append(f"{field_path}: Secret {name!r} has no key {key!r}")
+            problems.append(f"{ref.field}: Secret {ref.name!r} not found in namespace {pool.namespace!r}")
+        elif value is None:
+            problems.append(f"{ref.field}: Secret {ref.name!r} has no key {ref.key!r}")
+        elif ref.check is not None and (problem := ref.check(value)):
+            problems.append(f"{ref.field}: Secret {ref.name!r} key {ref.key!r} {problem}")
     return "; ".join(dict.fromkeys(problems)) or None
 
 

@@ -28,6 +28,13 @@ REDIS_PASSWORD_ENV = "KVPOOL_REDIS_PASSWORD"
 S3_ACCESS_KEY_ENV = "KVPOOL_S3_ACCESS_KEY"
 S3_SECRET_KEY_ENV = "KVPOOL_S3_SECRET_KEY"
 
+# The pool's keys Secret (generated `<name>-kvpool-keys`, or the user's spec.security.keysSecretRef).
+POOL_KEY = "poolKey"  # MACs (and optionally encrypts) every object in the shared tiers
+PREVIOUS_POOL_KEY = "previousPoolKey"  # only during a rotation: objects under it stay readable
+HASH_SEED = "hashSeed"  # PYTHONHASHSEED: vLLM's prefix hashes, identical on every replica
+POOL_KEY_ENV = "KVPOOL_POOL_KEY"
+PREVIOUS_POOL_KEY_ENV = "KVPOOL_POOL_KEY_PREVIOUS"
+
 
 def child_name(pool_name: str, component: str) -> str:
     """`<pool>-<component>`: the names of a pool's children (also known without parsing its spec)."""
@@ -63,6 +70,12 @@ class Pool:
     @property
     def network_policy(self) -> str:
         return child_name(self.name, "backends")
+
+    @property
+    def keys_secret(self) -> str:
+        """Where the pool key and hash seed live: the user's Secret, else the generated one."""
+        ref = self.spec.security.keys_secret_ref
+        return ref.name if ref is not None else child_name(self.name, "kvpool-keys")
 
     def svc_host(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc"
@@ -116,5 +129,9 @@ def checksum(*parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
-    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+def secret_env(env: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:
+    """An env var filled from a Secret by the kubelet: the value never appears in a manifest."""
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": env, "valueFrom": {"secretKeyRef": ref}}

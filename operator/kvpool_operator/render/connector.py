@@ -4,7 +4,8 @@ tiered: kvpool's KVPoolConnector reads every tier from /etc/kvpool/connector.yam
 native: vLLM's OffloadingConnector (`cpu_bytes_to_use`, `eviction_policy`, `block_size`); a disk
 tier becomes TieringOffloadingSpec's `fs` secondary tier, Redis/S3 become kvpool's secondary tier
 (`kvpool_connector.vllm_tiers`) which reads the same store config file.
-Secrets never appear here: the store config names environment variables instead.
+Secrets never appear here: the store config names environment variables instead. Every shared
+tier is keyed: `security.key_env` names the pool key (and the previous one during a rotation).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from kvpool_operator.render.common import (
     DISK_PATH,
     MINIO_BUCKET,
     MINIO_PORT,
+    POOL_KEY,
+    POOL_KEY_ENV,
+    PREVIOUS_POOL_KEY,
+    PREVIOUS_POOL_KEY_ENV,
     REDIS_PASSWORD_ENV,
     REDIS_PORT,
     S3_ACCESS_KEY_ENV,
@@ -120,7 +125,13 @@ def store_config(pool: Pool) -> dict[str, Any] | None:
         out.append(_s3_tier(pool))
     if not out:
         return None
-    return {"namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out}
+    security = {"key_env": POOL_KEY_ENV, "previous_key_env": PREVIOUS_POOL_KEY_ENV,
+                "encrypt": pool.spec.security.encryption}
+    config = {"namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out,
+              "security": security}
+    if pool.spec.connector == "tiered":  # a KVPoolConnector key: the native tier has no request to refuse
+        config["require_cache_salt"] = pool.spec.security.require_cache_salt
+    return config
 
 
 def kv_transfer_config(pool: Pool) -> dict[str, Any]:
@@ -156,9 +167,12 @@ def kv_transfer_config(pool: Pool) -> dict[str, Any]:
 
 
 def secret_envs(pool: Pool) -> list[dict[str, Any]]:
-    """Credentials reach the engine only as env valueFrom.secretKeyRef."""
+    """Keys and credentials reach the engine only as env valueFrom.secretKeyRef."""
     tiers = pool.spec.tiers
     env: list[dict[str, Any]] = []
+    if store_config(pool) is not None:  # the store keys every object; the previous key is optional
+        env.append(secret_env(POOL_KEY_ENV, pool.keys_secret, POOL_KEY))
+        env.append(secret_env(PREVIOUS_POOL_KEY_ENV, pool.keys_secret, PREVIOUS_POOL_KEY, optional=True))
     if tiers.redis and tiers.redis.managed:
         env.append(secret_env(REDIS_PASSWORD_ENV, pool.redis, "password"))
     elif tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
@@ -172,17 +186,3 @@ def secret_envs(pool: Pool) -> list[dict[str, Any]]:
         env.append(secret_env(S3_ACCESS_KEY_ENV, ref.name, ref.access_key_key))
         env.append(secret_env(S3_SECRET_KEY_ENV, ref.name, ref.secret_key_key))
     return env
-
-
-def referenced_secrets(pool: Pool) -> list[tuple[str, str, str]]:
-    """(field, secret name, key) of user-provided Secrets the engines need: checked before applying."""
-    tiers = pool.spec.tiers
-    refs = []
-    if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
-        ref = tiers.redis.external.password_secret_ref
-        refs.append(("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))
-    if tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
-        ref = tiers.s3.external.credentials_secret_ref
-        field = "spec.tiers.s3.external.credentialsSecretRef"
-        refs += [(field, ref.name, ref.access_key_key), (field, ref.name, ref.secret_key_key)]
-    return refs

@@ -1,8 +1,10 @@
 """Deployment `<name>`: the vLLM engines with the KV connector.
 
 The pod template carries a checksum of the rendered connector config, so any config change rolls
-the pods; PYTHONHASHSEED is the same on every replica; service links are off (Kubernetes would
-otherwise inject variables such as VLLM_PORT that vLLM reads as its own settings).
+the pods; PYTHONHASHSEED comes from the pool's keys Secret, the same random seed on every replica
+of the pool (so their prefix hashes agree) and a different one in every other pool; service links
+are off (Kubernetes would otherwise inject variables such as VLLM_PORT that vLLM reads as its own
+settings).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
     CONFIG_DIR,
     DISK_PATH,
+    HASH_SEED,
     HTTP_PORT,
     MINIO_PORT,
     REDIS_PORT,
     Pool,
     checksum,
+    secret_env,
 )
 from kvpool_operator.render.configmap import config_data
 from kvpool_operator.render.connector import kv_transfer_config, secret_envs
@@ -129,7 +133,7 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "--kv-transfer-config", compact_json(kv_transfer_config(pool)),
         *model.extra_args,
     ]
-    env = [{"name": "PYTHONHASHSEED", "value": pool.settings.python_hash_seed}, *secret_envs(pool), *model.env]
+    env = [secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED), *secret_envs(pool), *model.env]
     mounts = [
         {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},

@@ -1,4 +1,4 @@
-"""Generated Secrets of managed backends: Redis `requirepass`, MinIO root credentials.
+"""Generated Secrets: the pool's keys (pool key, hash seed), Redis `requirepass`, MinIO root credentials.
 
 Rendering stays pure: the manifest carries no data, only the annotation
 `kvpool.dev/generate-keys` naming the keys. The reconciler (reconcile/secrets.py) fills random
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool_operator.render.common import GENERATE_ANNOTATION, Pool, child_name
+from kvpool_operator.render.common import GENERATE_ANNOTATION, HASH_SEED, POOL_KEY, Pool, child_name
 
 # Components whose Secret the operator may generate: all the names it ever reads Secrets under.
-GENERATED_COMPONENTS = ("redis", "minio")
+GENERATED_COMPONENTS = ("kvpool-keys", "redis", "minio")
 
 
 def _secret(pool: Pool, name: str, component: str, keys: list[str]) -> dict[str, Any]:
@@ -27,6 +27,8 @@ def _secret(pool: Pool, name: str, component: str, keys: list[str]) -> dict[str,
 
 def render_secrets(pool: Pool) -> list[dict[str, Any]]:
     out = []
+    if pool.spec.security.keys_secret_ref is None:  # previousPoolKey is only ever added by a rotation
+        out.append(_secret(pool, pool.keys_secret, "engine", [POOL_KEY, HASH_SEED]))
     if pool.managed_redis:
         out.append(_secret(pool, pool.redis, "redis", ["password"]))
     if pool.managed_s3:

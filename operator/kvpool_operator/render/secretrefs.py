@@ -1,0 +1,52 @@
+"""User-provided Secrets a pool references, and what their values must look like.
+
+The reconciler checks these before applying anything (a missing Secret or a malformed key would
+otherwise crash-loop the engines); messages name the field and the key, never the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool_operator.render.common import HASH_SEED, POOL_KEY, Pool
+
+MIN_POOL_KEY = 32  # the connector refuses shorter keys
+MAX_HASH_SEED = 2**32 - 1  # Python refuses any other PYTHONHASHSEED
+
+
+def _pool_key(value: str) -> str | None:
+    return None if len(value) >= MIN_POOL_KEY else f"must hold at least {MIN_POOL_KEY} characters"
+
+
+def _hash_seed(value: str) -> str | None:
+    if value.isascii() and value.isdigit() and int(value) <= MAX_HASH_SEED:
+        return None
+    return f"must be a decimal integer in [0, {MAX_HASH_SEED}] (PYTHONHASHSEED)"
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    field: str  # spec path, for messages
+    name: str
+    key: str
+    check: Callable[[str], str | None] | None = None  # problem with the decoded value, or None
+
+
+def referenced_secrets(pool: Pool) -> list[SecretRef]:
+    """Every user-provided Secret key the pool's children need."""
+    spec = pool.spec
+    tiers = spec.tiers
+    refs = []
+    keys = spec.security.keys_secret_ref
+    if keys is not None:
+        field = "spec.security.keysSecretRef"
+        refs += [SecretRef(field, keys.name, POOL_KEY, _pool_key), SecretRef(field, keys.name, HASH_SEED, _hash_seed)]
+    if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
+        ref = tiers.redis.external.password_secret_ref
+        refs.append(SecretRef("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))
+    if tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
+        ref = tiers.s3.external.credentials_secret_ref
+        field = "spec.tiers.s3.external.credentialsSecretRef"
+        refs += [SecretRef(field, ref.name, ref.access_key_key), SecretRef(field, ref.name, ref.secret_key_key)]
+    return refs
