@@ -47,6 +47,32 @@ Size = Annotated[
 ]
 
 
+# A URL in a spec is copied into ConfigMaps, pod specs and status: it must never carry a secret.
+# Userinfo (`user:password@`, even `user@`) and the query keys redis-py reads as credentials are
+# refused; credentials come from Secret references instead.
+URL_RULES = (
+    ("!self.matches('^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@')",
+     "must not contain credentials (user:password@ or user@): use a Secret reference"),
+    ("!self.matches('(?i)[?&](password|username)=')",
+     "must not carry password= or username= in its query: use a Secret reference"),
+)
+
+
+def _secret_free_url(value: str) -> str:
+    for rule, message in URL_RULES:
+        pattern = rule.removeprefix("!self.matches('").removesuffix("')")
+        if re.search(pattern, value):
+            raise ValueError(message)
+    return value
+
+
+SecretFreeUrl = Annotated[
+    str,
+    AfterValidator(_secret_free_url),
+    Field(json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in URL_RULES]}),
+]
+
+
 def size_bytes(value: str) -> int:
     """Bytes of a Kubernetes quantity (64Gi -> 68719476736)."""
     return int(parse_quantity(value))
@@ -198,11 +224,14 @@ class ManagedRedis(_Model):
 
 
 class ExternalRedis(_Model):
-    url: str = Field(
+    url: SecretFreeUrl = Field(
         min_length=1,
         max_length=2048,
         pattern=r"^rediss?://",
-        description="redis:// or rediss:// URL without a password.",
+        description="redis:// or rediss:// (TLS) URL, without credentials.",
+    )
+    username: str = Field(
+        "", max_length=256, description="Redis ACL user the engines log in as (empty: the default user)."
     )
     password_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding the Redis password (reaches the engine only as env)."
@@ -243,8 +272,8 @@ class S3CredentialsRef(_Model):
 
 
 class ExternalS3(_Model):
-    endpoint: str = Field(
-        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL."
+    endpoint: SecretFreeUrl = Field(
+        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL, without credentials."
     )
     bucket: str = Field(min_length=3, max_length=63, description="Bucket for KV objects.")
     region: str = Field("us-east-1", description="S3 region.")
@@ -407,8 +436,8 @@ class Condition(_Model):
 
 class Endpoints(_Model):
     openai: str = Field("", description="In-cluster URL of the OpenAI-compatible API.")
-    redis: str = Field("", description="Redis URL used by the engines (no password).")
-    s3: str = Field("", description="S3 endpoint used by the engines.")
+    redis: str = Field("", description="Redis URL used by the engines (no credentials, no query).")
+    s3: str = Field("", description="S3 endpoint used by the engines (no credentials, no query).")
 
 
 class KVCachePoolStatus(_Model):

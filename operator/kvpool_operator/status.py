@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady", "Reconciling", "Stalled")
 
@@ -26,6 +27,15 @@ class Observation:
     backends: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # component -> StatefulSet
     endpoints: dict[str, str] = field(default_factory=dict)
     previous: dict[str, Any] = field(default_factory=dict)  # the current .status
+
+
+def public_url(url: str) -> str:
+    """scheme://host[:port]/path of a URL: status is readable by anyone who may read the pool, so
+    userinfo, query and fragment (where credentials could hide) never reach it."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def _condition(prev: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -111,7 +121,7 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         "readyReplicas": ready,
         "selector": obs.selector,
         "conditions": conditions,
-        "endpoints": dict(obs.endpoints),
+        "endpoints": {name: public_url(url) for name, url in obs.endpoints.items()},
     }
     if obs.generation is not None:
         status["observedGeneration"] = obs.generation

@@ -99,6 +99,11 @@ INVALID = [
     ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
     ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
     ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
+    ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
+    ("tiered-external", "spec.tiers.redis.external.url", "rediss://kv@r:6380/0", "must not contain credentials"),
+    ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "password= or username="),
+    ("tiered-external", "spec.tiers.s3.external.endpoint", "https://ak:sk@s3.example", "must not contain credentials"),
+    ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example?username=u", "password= or username="),
 ]
 
 
@@ -123,6 +128,9 @@ def test_valid_variations_pass_both():
     variations = [
         ("native-nvme", "spec.tiers.disk.volume", {"emptyDir": {"medium": "Memory"}}),
         ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r.example:6380/1"}}),
+        ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r:6380/1?ssl_cert_reqs=required",
+                                                          "username": "kvpool-engine"}}),
+        ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example/path@v2"),
         ("tiered-full", "spec.model.gpus", 0),
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
         ("tiered-full", "spec.replicas", 0),

@@ -1,16 +1,24 @@
 """Property tests: the pydantic model and the CRD (OpenAPI + CEL) agree on every random spec;
-accepted specs always render to manifests valid for Kubernetes; rejected ones name the field."""
+accepted specs always render to manifests valid for Kubernetes; rejected ones name the field; a
+secret written into a spec (a URL with credentials) never reaches a rendered object or status."""
 
 from __future__ import annotations
+
+import json
 
 import kubernetes_validate
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.reconcile.secrets import generated_values
+from kvpool_operator.render import InvalidPool, load_pool, render
+from kvpool_operator.render.secrets import generate_keys, generated_secret_names
+from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.settings import Settings
+from kvpool_operator.status import Observation, compute_status
 from tests.operator.conftest import K8S_VERSION
 from tests.operator.schema_check import api_server_errors
 
+SENTINEL = "s3cr3t-Sentinel"  # a secret someone wrote into a spec; it must be refused or stay out
 SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
 VOLUMES = st.fixed_dictionaries({}, optional={
     "hostPath": st.just({"path": "/mnt/nvme0"}),
@@ -21,13 +29,21 @@ VOLUMES = st.fixed_dictionaries({}, optional={
 REDIS = st.fixed_dictionaries({}, optional={
     "managed": st.builds(lambda m: {"memory": m}, SIZES),
     "external": st.sampled_from([{"url": "redis://r:6379/0"},
-                                 {"url": "rediss://r:6380/0", "passwordSecretRef": {"name": "r", "key": "p"}}]),
+                                 {"url": "rediss://r:6380/0", "passwordSecretRef": {"name": "r", "key": "p"}},
+                                 {"url": "rediss://r:6380/0?ssl_cert_reqs=required", "username": "kv"},
+                                 {"url": f"redis://:{SENTINEL}@r:6379/0"},
+                                 {"url": f"rediss://kv:{SENTINEL}@r:6380/0"},
+                                 {"url": "redis://kv@r:6379/0"},
+                                 {"url": f"redis://r:6379/0?Password={SENTINEL}"},
+                                 {"url": f"redis://r:6379/0?db=1&username={SENTINEL}"}]),
 })
 S3 = st.fixed_dictionaries({}, optional={
     "managed": st.builds(lambda s: {"storage": s, "storageClassName": "fast"}, SIZES),
     "external": st.sampled_from([{"endpoint": "https://s3.example", "bucket": "kvb"},
                                  {"endpoint": "http://minio:9000", "bucket": "kvb", "pathStyle": True,
-                                  "credentialsSecretRef": {"name": "c"}}]),
+                                  "credentialsSecretRef": {"name": "c"}},
+                                 {"endpoint": f"https://AKIA:{SENTINEL}@s3.example", "bucket": "kvb"},
+                                 {"endpoint": f"https://s3.example/?password={SENTINEL}", "bucket": "kvb"}]),
 })
 TIERS = st.fixed_dictionaries({}, optional={
     "cpu": st.builds(lambda s, e: {"size": s, "evictionPolicy": e}, SIZES, st.sampled_from(["lru", "arc"])),
@@ -78,3 +94,21 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
     assert kinds.count("Deployment") == 1 and kinds.count("Service") >= 1
     for manifest in manifests:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+    assert_no_secret_values(obj, manifests)
+
+
+def assert_no_secret_values(obj, manifests):
+    """No secret reaches a rendered object or the status: neither one written into the spec, nor a
+    generated credential (values exist only in the Secret the reconciler creates)."""
+    pool = load_pool(obj, Settings())
+    status = compute_status(Observation(generation=1, desired_replicas=pool.spec.replicas, selector="s",
+                                        endpoints=pool_endpoints(pool)), "2026-01-01T00:00:00Z")
+    generated = []
+    for manifest in manifests:
+        if manifest["kind"] == "Secret":
+            assert "data" not in manifest and "stringData" not in manifest
+            assert manifest["metadata"]["name"] in generated_secret_names(obj["metadata"]["name"])
+            generated += generated_values(generate_keys(manifest)).values()
+    blob = json.dumps([manifests, status])
+    assert SENTINEL not in blob
+    assert not [value for value in generated if value in blob]

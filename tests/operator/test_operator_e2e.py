@@ -575,3 +575,28 @@ async def test_someone_elses_secret_under_a_generated_name_is_never_overwritten(
         await eventually(lambda: "poolKey" in (child(server, "v1/secrets", "tiered-full-kvpool-keys") or {}).get(
             "data", {}), message="generated keys")
         await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid")
+
+
+async def test_no_secret_value_leaves_its_secret(server, caplog):
+    """Generated and user-provided credentials appear in no other object (children, the pool and
+    its status, Events) and in no operator log line, even at debug level."""
+    caplog.set_level(logging.DEBUG)
+    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    user = {"redis": {"password": "user-redis-password-0123456789"},
+            "s3-creds": {"accessKey": "AKIAUSERACCESSKEY", "secretKey": "user-s3-secret-key-0123456789"}}
+    async with running_operator(server, settings):
+        for name, values in user.items():
+            await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {"metadata": {"name": name}, "stringData": values})
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await send(server, "post", POOLS_URL, load_example("tiered-external"))
+        for name in ("tiered-full", "tiered-external"):
+            await eventually(lambda: (live(server, POOLS, NS, name) or {}).get("status", {}).get("observedGeneration"),
+                             message=f"{name} reconciled")
+    values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
+              for v in secret_data(obj.raw).values()]
+    assert len(values) == 3 + 2 * 2 + 1 + 2  # the user's, both pools' keys, Redis, MinIO credentials
+    values = [v for v in values if len(v) >= 8]  # a short hash seed would match some digits by chance
+    others = json.dumps([obj.raw for (res, _, _), obj in server.objects.items() if res.plural != "secrets"])
+    logs = "\n".join(record.getMessage() for record in caplog.records)
+    assert [v for v in values if v in others] == []
+    assert [v for v in values if v in logs] == []

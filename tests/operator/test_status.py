@@ -89,3 +89,12 @@ def test_transition_time_kept_while_status_unchanged():
 def test_zero_replicas_is_ready():
     s = compute_status(obs(desired_replicas=0, deployment=dep(0, 0)), T0)
     assert s["phase"] == "Ready"
+
+
+def test_endpoints_in_status_never_carry_credentials_or_queries():
+    from kvpool_operator.status import public_url
+
+    s = compute_status(obs(endpoints={"redis": "rediss://u:pw@r.example:6380/1?password=pw#x", "s3": "", "openai":
+                                      "http://p.ns.svc:8000"}), T0)
+    assert s["endpoints"] == {"redis": "rediss://r.example:6380/1", "s3": "", "openai": "http://p.ns.svc:8000"}
+    assert public_url("https://AKIA:secret@[::1]:9000/b?X-Amz-Signature=s") == "https://[::1]:9000/b"

@@ -22,7 +22,7 @@ from kvpool_operator.kube import Kube
 from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
-from kvpool_operator.render.connector import redis_url, s3_endpoint
+from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.render.secretrefs import referenced_secrets
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.settings import Settings
@@ -201,11 +201,7 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
         for component, managed in (("redis", pool.managed_redis), ("minio", pool.managed_s3)):
             if managed is not None:
                 backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
-        endpoints = {
-            "openai": f"http://{pool.svc_host(pool.name)}:{pool.spec.service.port}",
-            "redis": redis_url(pool),
-            "s3": s3_endpoint(pool),
-        }
+        endpoints = pool_endpoints(pool)
     return Observation(
         generation=meta.get("generation"),
         desired_replicas=desired,

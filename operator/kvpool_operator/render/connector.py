@@ -76,6 +76,8 @@ def _redis_tier(pool: Pool) -> dict[str, Any]:
     redis = pool.spec.tiers.redis
     assert redis is not None
     tier: dict[str, Any] = {"type": "redis", "url": redis_url(pool)}
+    if redis.external is not None and redis.external.username:
+        tier["username"] = redis.external.username
     if redis.managed is not None or (redis.external and redis.external.password_secret_ref):
         tier["password_env"] = REDIS_PASSWORD_ENV
     return tier
