@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,10 +61,11 @@ def test_validate_reads_a_whole_kv_transfer_config(tmp_path, capsys):
 def test_render_is_the_operator_renderer():
     example = str(REPO / "examples" / "tiered-full.yaml")
     bindir = Path(sys.executable).parent
+    env = {**os.environ, "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt"}  # the operator setting its hostPath needs
     ours = subprocess.run([bindir / "kvpool", "render", "-f", example],
-                          capture_output=True, text=True, check=True).stdout
+                          capture_output=True, text=True, check=True, env=env).stdout
     theirs = subprocess.run([bindir / "kvpool-operator", "render", "-f", example],
-                            capture_output=True, text=True, check=True).stdout
+                            capture_output=True, text=True, check=True, env=env).stdout
     assert ours == theirs
     kinds = {d["kind"] for d in yaml.safe_load_all(ours) if d}
     assert {"Deployment", "Service", "StatefulSet", "ConfigMap"} <= kinds

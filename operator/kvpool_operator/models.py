@@ -73,9 +73,30 @@ SecretFreeUrl = Annotated[
 ]
 
 
+# Empty (the operator's default) or an image by tag or digest (`repo:tag@sha256:<64 hex>`).
+OPTIONAL_IMAGE_PATTERN = r"^([^\s@]+(@sha256:[a-f0-9]{64})?)?$"
+
+NORMAL_PATH_RULE = ("!self.matches('(^|/)[.]{1,2}(/|$)|//')",
+                    "must be a normal absolute path (no '.', '..' or empty segments)")
+
+
+def _normal_path(value: str) -> str:
+    if re.search(NORMAL_PATH_RULE[0].removeprefix("!self.matches('").removesuffix("')"), value):
+        raise ValueError(NORMAL_PATH_RULE[1])
+    return value
+
+
 def size_bytes(value: str) -> int:
     """Bytes of a Kubernetes quantity (64Gi -> 68719476736)."""
     return int(parse_quantity(value))
+
+
+def format_size(n: int) -> str:
+    """A byte count as a quantity in the largest binary unit that divides it (79456894976 -> 74Gi)."""
+    for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
 
 
 def _rules(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
@@ -116,8 +137,10 @@ class ModelSpec(_Model):
     )
     image: str = Field(
         "",
-        description="Engine image (vLLM with kvpool_connector installed). Empty: the operator's default "
-        "connector image.",
+        max_length=1024,
+        pattern=OPTIONAL_IMAGE_PATTERN,
+        description="Engine image (vLLM with kvpool_connector installed), by tag or pinned by digest "
+        "(repo@sha256:...). Empty: the operator's default connector image.",
     )
     gpus: int = Field(1, ge=0, le=64, description="GPUs per replica (nvidia.com/gpu). 0 runs vLLM on CPU.")
     tensor_parallel_size: int = Field(
@@ -131,7 +154,13 @@ class ModelSpec(_Model):
     )
     resources: K8sObject = Field(
         default_factory=dict,
-        description="core/v1 ResourceRequirements merged over the operator's (GPU limit, tier requests).",
+        description="core/v1 ResourceRequirements merged over the operator's (GPU limit, memory, tier requests).",
+    )
+    shm_size: Size = Field("2Gi", description="sizeLimit of the engine's /dev/shm (memory-backed; counts as memory).")
+    memory_overhead: Size = Field(
+        "8Gi",
+        description="Host memory beyond the CPU tier and /dev/shm: vLLM's process, the connector's write "
+        "queues and staging buffers. Memory request = limit = CPU tier + shmSize + this.",
     )
 
     model_config = ConfigDict(
@@ -157,7 +186,14 @@ class CpuTier(_Model):
 
 
 class HostPathVolume(_Model):
-    path: str = Field(min_length=1, pattern=r"^/", description="Node directory (for example an NVMe mount).")
+    path: Annotated[str, AfterValidator(_normal_path)] = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        description="Node directory (for example an NVMe mount); it must exist (hostPath type Directory) and "
+        "lie under one of the operator's allowedHostPathPrefixes. Each pool mounts only its own subdirectory.",
+        json_schema_extra={"x-kubernetes-validations": [{"rule": NORMAL_PATH_RULE[0], "message": NORMAL_PATH_RULE[1]}]},
+    )
 
 
 class EmptyDirVolume(_Model):
@@ -220,7 +256,8 @@ class DiskTier(_Model):
 
 class ManagedRedis(_Model):
     memory: Size = Field(description="Redis memory; maxmemory is 85% of it with allkeys-lru eviction.")
-    image: str = Field("", description="Redis image (empty: the operator's default).")
+    image: str = Field("", max_length=1024, pattern=OPTIONAL_IMAGE_PATTERN,
+                       description="Redis image, by tag or digest (empty: the operator's default).")
 
 
 class ExternalRedis(_Model):
@@ -262,7 +299,8 @@ class RedisTier(_Backend):
 class ManagedS3(_Model):
     storage: Size = Field(description="Size of MinIO's persistent volume.")
     storage_class_name: str = Field("", description="StorageClass of MinIO's volume (empty: cluster default).")
-    image: str = Field("", description="MinIO image (empty: the operator's default).")
+    image: str = Field("", max_length=1024, pattern=OPTIONAL_IMAGE_PATTERN,
+                       description="MinIO image, by tag or digest (empty: the operator's default).")
 
 
 class S3CredentialsRef(_Model):

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvpool_operator import __version__
 
 ENV_PREFIX = "KVPOOL_"
+
+# An image by tag or pinned by digest (`repo:tag@sha256:<64 hex>`); the digest wins where both are given.
+IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
+Image = Annotated[str, Field(pattern=IMAGE_PATTERN)]
+
+
+def _node_dirs(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    for prefix in prefixes:
+        if not prefix.startswith("/") or re.search(r"(^|/)[.]{1,2}(/|$)|//", prefix):
+            raise ValueError(f"{prefix!r} is not a normal absolute path")
+    return tuple(p.rstrip("/") or "/" for p in prefixes)
 
 
 class Settings(BaseModel):
@@ -18,11 +30,11 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    connector_image: str = Field(
+    connector_image: Image = Field(
         f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector)."
     )
-    redis_image: str = Field("redis:7.4-alpine", description="Default image of managed Redis.")
-    minio_image: str = Field(
+    redis_image: Image = Field("redis:7.4-alpine", description="Default image of managed Redis.")
+    minio_image: Image = Field(
         "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z", description="Default image of managed MinIO."
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
@@ -33,16 +45,31 @@ class Settings(BaseModel):
     backend_wait_seconds: int = Field(
         120, ge=0, description="How long an engine pod waits for its managed backends before starting anyway."
     )
+    # What pool creators may ask for (policy.py): these hold whatever RBAC lets them write into a pool.
+    allowed_host_path_prefixes: Annotated[tuple[str, ...], AfterValidator(_node_dirs)] = Field(
+        (), description="Node directories a hostPath disk tier may live under; empty: hostPath is refused."
+    )
+    allowed_image_prefixes: tuple[str, ...] = Field(
+        (), description="Prefixes of the images a pool may name (model, managed backends); empty: any image."
+    )
+    allow_external_backends: bool = Field(
+        True, description="Whether pools may name an external Redis or S3 (engines connect wherever it points)."
+    )
+    # The vLLM image runs as root by default; engines run as this non-root user instead.
+    engine_run_as_user: int = Field(1000, ge=1, description="uid of the engine containers (runAsNonRoot).")
+    engine_run_as_group: int = Field(1000, ge=1, description="gid of the engine containers.")
+    engine_fs_group: int = Field(1000, ge=1, description="fsGroup of engine pods (group of their volumes).")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """`KVPOOL_<FIELD>` for every field (KVPOOL_CONNECTOR_IMAGE, KVPOOL_NAMESPACES as a comma
-        list, KVPOOL_RETRY_DELAY, ...); unset or empty variables keep the defaults."""
+        """`KVPOOL_<FIELD>` for every field (KVPOOL_CONNECTOR_IMAGE, KVPOOL_RETRY_DELAY, ...; lists
+        such as KVPOOL_NAMESPACES comma-separated); unset or empty variables keep the defaults."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}
-        for name in cls.model_fields:
+        for name, info in cls.model_fields.items():
             raw = env.get(ENV_PREFIX + name.upper())
             if raw is None or raw == "":
                 continue
-            values[name] = tuple(n.strip() for n in raw.split(",") if n.strip()) if name == "namespaces" else raw
+            is_list = get_origin(info.annotation) is tuple
+            values[name] = tuple(n.strip() for n in raw.split(",") if n.strip()) if is_list else raw
         return cls.model_validate(values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +18,20 @@ from tests.operator.conftest import GOLDEN_DIR
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str, **kw) -> subprocess.CompletedProcess:
+ALLOW_MNT = {"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt"}  # the examples' hostPath tiers live there
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvpool_operator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, **kw)
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_render_prints_multi_document_yaml():
-    out = cli("render", "-f", "examples/tiered-full.yaml", "--namespace", "team-a")
+    out = cli("render", "-f", "examples/tiered-full.yaml", "--namespace", "team-a", env=ALLOW_MNT)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     pool = yaml.safe_load((REPO / "examples" / "tiered-full.yaml").read_text())
-    assert docs == render(pool, Settings(), "team-a")  # exactly the operator's render function
+    assert docs == render(pool, Settings.from_env(ALLOW_MNT), "team-a")  # the operator's render function
     assert len(docs) >= 11 and {d["metadata"]["namespace"] for d in docs} == {"team-a"}
 
 
@@ -62,3 +66,12 @@ def test_peering_priority_is_distinct_per_pod_and_stable():
     b = peering_priority(None, "kvpool-operator-7d9f-fghij")
     assert a1 == a2 and a1 != b  # equal priorities would make every replica active
     assert peering_priority(42, "anything") == 42
+
+
+def test_render_refuses_host_path_unless_the_operator_allows_it():
+    """The CLI renders with the operator's settings from the environment, as the operator would."""
+    out = cli("render", "-f", "examples/tiered-full.yaml", env={"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": ""})
+    assert out.returncode == 2
+    assert "spec.tiers.disk.volume.hostPath: refused by this operator" in out.stderr
+    out = cli("render", "-f", "examples/tiered-full.yaml", env={"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/data"})
+    assert out.returncode == 2 and "/mnt/nvme0 is not under an allowed prefix" in out.stderr

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvpool_operator import crd, models
+from kvpool_operator.golden import GOLDEN_SETTINGS
 from tests.operator.conftest import K8S_VERSION, example_ids, load_example
 from tests.operator.schema_check import api_server_errors, pool_schema
 
@@ -99,6 +100,9 @@ INVALID = [
     ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
     ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
     ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
+    ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt/nvme0/../../etc", "must be a normal absolute path"),
+    ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt//nvme0", "must be a normal absolute path"),
+    ("tiered-full", "spec.model.image", "vllm@latest", "match"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "rediss://kv@r:6380/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "password= or username="),
@@ -110,20 +114,18 @@ INVALID = [
 @pytest.mark.parametrize("example,path,value,message", INVALID, ids=lambda v: str(v)[:30])
 def test_invalid_pools_are_rejected_by_api_server_and_models_alike(example, path, value, message):
     from kvpool_operator.render import InvalidPool, load_pool
-    from kvpool_operator.settings import Settings
 
     pool = _mutate(load_example(example), path, value)
     errors = api_server_errors(pool)
     assert errors, f"the CRD accepts {path}={value!r}"
     assert any(message.lower() in e.lower() for e in errors) or path == "spec.connector", errors
     with pytest.raises(InvalidPool) as exc:
-        load_pool(pool, Settings())
+        load_pool(pool, GOLDEN_SETTINGS)
     assert message.lower() in str(exc.value).lower() or path in ("spec.connector", "spec.tiers.cpu.size")
 
 
 def test_valid_variations_pass_both():
     from kvpool_operator.render import load_pool
-    from kvpool_operator.settings import Settings
 
     variations = [
         ("native-nvme", "spec.tiers.disk.volume", {"emptyDir": {"medium": "Memory"}}),
@@ -138,7 +140,7 @@ def test_valid_variations_pass_both():
     for example, path, value in variations:
         pool = _mutate(load_example(example), path, value)
         assert api_server_errors(pool) == [], (path, value)
-        load_pool(pool, Settings())
+        load_pool(pool, GOLDEN_SETTINGS)
 
 
 def test_status_schema_accepts_computed_status():

@@ -21,7 +21,7 @@ import yaml
 
 from kvpool_operator import models
 from kvpool_operator.render import render as render_pool
-from kvpool_operator.settings import Settings
+from kvpool_operator.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, helm, load_sync_module, values_schema
 
 GITOPS = REPO / "examples" / "gitops"
@@ -183,5 +183,5 @@ def test_gitops_pool_is_accepted_by_model_crd_and_renderer():
     for pool in pools:
         models.KVCachePoolSpec.model_validate(pool["spec"])
         jsonschema.validate(pool, schema)
-        children = render_pool(pool, Settings(), None)
+        children = render_pool(pool, GOLDEN_SETTINGS, None)
         assert any(c["kind"] == "Deployment" for c in children)

@@ -53,6 +53,12 @@ SCENARIOS: dict[str, dict] = {
             "reconcileInterval": 120,
             "retryDelay": 15.5,
             "backendWaitSeconds": 0,
+            "allowedHostPathPrefixes": ["/mnt/nvme0", "/mnt/nvme1"],
+            "allowedImagePrefixes": ["registry.example/", "redis:"],
+            "allowExternalBackends": False,
+            "engineRunAsUser": 2000,
+            "engineRunAsGroup": 2001,
+            "engineFsGroup": 2002,
         },
         "operator.extraEnv": [{"name": "EXTRA", "value": "1"}],
         "operator.extraArgs": ["--debug"],
@@ -244,6 +250,10 @@ def test_settings_reach_the_operator_as_it_reads_them():
     assert settings.reconcile_interval == 120
     assert settings.retry_delay == 15.5
     assert settings.backend_wait_seconds == 0
+    assert settings.allowed_host_path_prefixes == ("/mnt/nvme0", "/mnt/nvme1")
+    assert settings.allowed_image_prefixes == ("registry.example/", "redis:")
+    assert settings.allow_external_backends is False
+    assert (settings.engine_run_as_user, settings.engine_run_as_group, settings.engine_fs_group) == (2000, 2001, 2002)
     assert settings.namespaces == ("team-a", "kvpool-system")
     assert settings.log_format == "json"
 
@@ -297,6 +307,12 @@ def test_values_yaml_matches_its_schema():
         ({"image.digest": "latest"}, "/image/digest", "latest"),
         ({"operator.settings.reconcileInterval": 0}, "/operator/settings/reconcileInterval", "exclusiveMinimum"),
         ({"operator.settings.connectorImage": "has space"}, "/operator/settings/connectorImage", "has space"),
+        ({"operator.settings.connectorImage": "r/vllm@sha256:abc"}, "/operator/settings/connectorImage", "sha256:abc"),
+        ({"operator.settings.allowedHostPathPrefixes": ["/mnt/../etc"]}, "/operator/settings/allowedHostPathPrefixes/0",
+         "'not' failed"),
+        ({"operator.settings.allowedHostPathPrefixes": ["relative"]}, "/operator/settings/allowedHostPathPrefixes/0",
+         "relative"),
+        ({"operator.settings.engineRunAsUser": 0}, "/operator/settings/engineRunAsUser", "minimum"),
         ({"operator.settings.bogus": 1}, "/operator/settings", "bogus"),
         ({"metrics.interval": "30 seconds"}, "/metrics/interval", "30 seconds"),
         ({"crds.install": "yes"}, "/crds/install", "boolean"),
@@ -389,7 +405,11 @@ def test_values_comments_state_the_operator_defaults():
         stated = said.group(1).strip('"').replace("<version>", kvpool_operator.__version__)
         field = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
         actual = getattr(defaults, field)
-        if isinstance(actual, (int, float)):
+        if isinstance(actual, tuple):
+            assert stated == json.dumps(list(actual)), key
+        elif isinstance(actual, bool):
+            assert stated == str(actual).lower(), key
+        elif isinstance(actual, (int, float)):
             assert float(stated) == float(actual), key
         else:
             assert stated == str(actual), key

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvpool_operator.render import render as render_pool
-from kvpool_operator.settings import Settings
+from kvpool_operator.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, one, render
 
 EXAMPLE = REPO / "examples" / "tiered-full.yaml"
@@ -26,7 +26,7 @@ DASHBOARD = json.loads((CHART / "dashboards" / "kvpool-connector.json").read_tex
 @pytest.fixture(scope="module")
 def engine_children() -> tuple[dict, dict]:
     pool = yaml.safe_load(EXAMPLE.read_text())
-    children = render_pool(pool, Settings(), "llm")
+    children = render_pool(pool, GOLDEN_SETTINGS, "llm")
     deployments = [c for c in children if c["kind"] == "Deployment"]
     assert len(deployments) == 1
     service = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == pool["metadata"]["name"])
@@ -53,7 +53,7 @@ def test_service_monitor_selects_the_engine_service_only(engine_children):
     monitor = one(render({"metrics.serviceMonitor.enabled": True}), "ServiceMonitor")["spec"]
     assert _matches(monitor["selector"]["matchLabels"], service["metadata"]["labels"])
     assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
-    others = [c for c in render_pool(yaml.safe_load(EXAMPLE.read_text()), Settings(), "llm")
+    others = [c for c in render_pool(yaml.safe_load(EXAMPLE.read_text()), GOLDEN_SETTINGS, "llm")
               if c["kind"] == "Service" and c is not service and c["metadata"]["name"] != service["metadata"]["name"]]
     assert others, "the example has backend Services (Redis, MinIO) that must not be scraped as engines"
     for other in others:

@@ -14,7 +14,7 @@ import yaml
 
 from kvpool_operator import rbac
 from kvpool_operator.render import render as render_pool
-from kvpool_operator.settings import Settings
+from kvpool_operator.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, by_kind, load_sync_module, one, render
 
 WATCHED = ["team-a", "team-b"]
@@ -90,7 +90,7 @@ def test_watched_namespace_role_covers_every_child_the_operator_renders(example:
     for pool in yaml.safe_load_all(example.read_text()):
         if not pool:
             continue
-        for child in render_pool(pool, Settings(), "team-a"):
+        for child in render_pool(pool, GOLDEN_SETTINGS, "team-a"):
             group = child["apiVersion"].rpartition("/")[0]
             read = "get" if child["kind"] == "Secret" else "list"  # Secrets by name, the rest by label
             for verb in (read, "create", "patch", "delete"):

@@ -18,6 +18,7 @@ from kvpool_operator.status import Observation, compute_status
 from tests.operator.conftest import K8S_VERSION
 from tests.operator.schema_check import api_server_errors
 
+SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",))  # the hostPath below is allowed
 SENTINEL = "s3cr3t-Sentinel"  # a secret someone wrote into a spec; it must be refused or stay out
 SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
 VOLUMES = st.fixed_dictionaries({}, optional={
@@ -83,7 +84,7 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
     obj = pool(spec)
     server_errors = api_server_errors(obj)
     try:
-        manifests = render(obj, Settings())
+        manifests = render(obj, SETTINGS)
     except InvalidPool as exc:
         message = str(exc)
         assert message.startswith(("spec.", "spec:", "metadata.")), message  # names the field
@@ -100,7 +101,7 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
 def assert_no_secret_values(obj, manifests):
     """No secret reaches a rendered object or the status: neither one written into the spec, nor a
     generated credential (values exist only in the Secret the reconciler creates)."""
-    pool = load_pool(obj, Settings())
+    pool = load_pool(obj, SETTINGS)
     status = compute_status(Observation(generation=1, desired_replicas=pool.spec.replicas, selector="s",
                                         endpoints=pool_endpoints(pool)), "2026-01-01T00:00:00Z")
     generated = []

@@ -95,7 +95,7 @@ def operator_log():
 
 @pytest.fixture
 def op_settings() -> Settings:
-    return Settings(connector_image="kvpool-vllm:test", reconcile_interval=300)
+    return Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=300)
 
 
 def pool_obj(server) -> dict[str, Any] | None:
@@ -265,7 +265,7 @@ async def test_restart_converges_without_rewriting_unchanged_children(server, op
 
 
 async def test_drift_is_corrected_by_the_timer(server):
-    settings = Settings(connector_image="kvpool-vllm:test", reconcile_interval=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"))
@@ -280,7 +280,7 @@ async def test_drift_is_corrected_by_the_timer(server):
 
 
 async def test_missing_secret_is_reported_then_picked_up(server):
-    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, {**load_example("tiered-external"), "metadata": {"name": "tiered-full"}})
         cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
@@ -332,7 +332,8 @@ async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPOOL_CONNECTOR_IMAGE": "kvpool-vllm:cli"}
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPOOL_CONNECTOR_IMAGE": "kvpool-vllm:cli",
+           "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt"}
     proc = await asyncio.create_subprocess_exec(
         # --all-namespaces: kmock 0.8 cannot parse GET /api/v1/namespaces, which kopf lists when
         # given --namespace (to match patterns); a real cluster serves both modes.
@@ -374,7 +375,7 @@ async def test_api_error_on_one_child_is_reported_and_retried(server):
                                            message="spec: Forbidden: updates to statefulset spec are forbidden")] * 2)
     server["patch", kmock.resource("apps/v1/statefulsets"), kmock.name("tiered-full-minio")] << (
         lambda: next(failures))  # StopIteration afterwards: the emulator answers normally
-    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         await eventually(lambda: ("Warning", "ApplyFailed") in event_reasons(server, with_type=True))
@@ -497,7 +498,7 @@ def writes_to(server, resource: str, name: str, by_operator: bool = True) -> lis
 
 async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
     """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set."""
-    settings = Settings(connector_image="kvpool-vllm:test", reconcile_interval=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
     kubeconfig = write_kubeconfig(server, tmp_path)
     rotate, drop = doc_bash_blocks("## Pool keys and their rotation")
     async with running_operator(server, settings):
@@ -532,7 +533,7 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
 
 
 async def test_a_users_keys_secret_is_checked_and_used(server):
-    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
     pool = load_example("tiered-full")
     pool["spec"]["security"] = {"keysSecretRef": {"name": "team-keys"}}
     short = "too-short-a-key"
@@ -557,7 +558,7 @@ async def test_a_users_keys_secret_is_checked_and_used(server):
 
 
 async def test_someone_elses_secret_under_a_generated_name_is_never_overwritten(server):
-    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
     theirs = {"metadata": {"name": "tiered-full-kvpool-keys", "labels": {"team": "a"}},
               "data": {"note": "bm90IGEga2V5"}}
     async with running_operator(server, settings):
@@ -581,7 +582,7 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
     """Generated and user-provided credentials appear in no other object (children, the pool and
     its status, Events) and in no operator log line, even at debug level."""
     caplog.set_level(logging.DEBUG)
-    settings = Settings(connector_image="kvpool-vllm:test", retry_delay=0.5)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
     user = {"redis": {"password": "user-redis-password-0123456789"},
             "s3-creds": {"accessKey": "AKIAUSERACCESSKEY", "secretKey": "user-s3-secret-key-0123456789"}}
     async with running_operator(server, settings):
@@ -600,3 +601,14 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
     logs = "\n".join(record.getMessage() for record in caplog.records)
     assert [v for v in values if v in others] == []
     assert [v for v in values if v in logs] == []
+
+
+async def test_host_path_refused_by_default_names_the_field(server):
+    """The operator's default settings allow no hostPath: the pool is invalid, nothing is created."""
+    async with running_operator(server, Settings(connector_image="kvpool-vllm:test")):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="refused")
+        assert cond["message"].startswith("spec.tiers.disk.volume.hostPath: refused by this operator")
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+        assert child_writes(server) == []

@@ -88,7 +88,7 @@ def test_tiered_full_connector_contract(settings):
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
     assert mounts["/etc/kvpool"] == "kvpool-config" and mounts["/var/lib/kvpool/disk"] == "kv-disk"
     volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["kv-disk"]["hostPath"]["path"] == "/mnt/nvme0"
+    assert volumes["kv-disk"]["hostPath"] == {"path": "/mnt/nvme0", "type": "Directory"}
     assert volumes["kvpool-config"]["configMap"]["name"] == "tiered-full-kvpool"
     kinds = sorted((x["kind"], x["metadata"]["name"]) for x in m)
     assert kinds == sorted([
@@ -209,6 +209,50 @@ def test_common_engine_properties(settings):
             assert f"app.kubernetes.io/{key}" in labels
         assert len(dep["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]) == 64
         assert dep["spec"]["template"]["spec"]["enableServiceLinks"] is False
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                          "fsGroupChangePolicy": "OnRootMismatch",
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+        assert {"name": "HOME", "value": "/home/kvpool"} in c["env"]
+        assert {"name": "home", "mountPath": "/home/kvpool"} in c["volumeMounts"]
+        assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+
+
+def test_engines_run_as_the_configured_non_root_user(settings):
+    custom = settings.model_copy(update={"engine_run_as_user": 4242, "engine_run_as_group": 4343, "engine_fs_group": 4444})
+    pod = by_kind(rendered("tiered-emptydir", custom), "Deployment")["spec"]["template"]["spec"]
+    sc = pod["securityContext"]
+    assert (sc["runAsNonRoot"], sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (True, 4242, 4343, 4444)
+    for container in pod["containers"] + pod.get("initContainers", []):
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
+    m = rendered("tiered-emptydir", settings)  # cpu 16Gi, defaults shm 2Gi + overhead 8Gi
+    assert engine(m)["resources"]["requests"]["memory"] == engine(m)["resources"]["limits"]["memory"] == "26Gi"
+    pool = load_example("tiered-emptydir")
+    pool["spec"]["model"] |= {"shmSize": "512Mi", "memoryOverhead": "1536Mi"}
+    pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier: shm + overhead
+    resources = engine(render(pool, settings, "kvpool"))["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "2Gi"
+    volumes = {v["name"]: v for v in by_kind(render(pool, settings, "kvpool"), "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "512Mi"
+    # the user's resources still win (tiered-full raises the limit to 96Gi)
+    full = engine(rendered("tiered-full", settings))["resources"]
+    assert full["requests"]["memory"] == "74Gi" and full["limits"]["memory"] == "96Gi"
+
+
+@pytest.mark.parametrize(("name", "shared"), [("tiered-full", True), ("native-nvme", True), ("tiered-cpu-only", True),
+                                              ("tiered-emptydir", False), ("native-shared", False)])
+def test_shared_disk_volumes_show_each_pool_only_its_directory(name, shared, settings):
+    mounts = {v["name"]: v for v in engine(rendered(name, settings))["volumeMounts"]}
+    if shared:  # hostPath, PVC: other pools use the same directory tree
+        assert mounts["kv-disk"]["subPath"] == f"kvpool.{name}"
+    else:  # per-pod volumes
+        assert "subPath" not in mounts["kv-disk"]
 
 
 def test_config_change_changes_checksum_and_nothing_random(settings):

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_operator import models
+from kvpool_operator import models, policy
 from kvpool_operator.settings import Settings
 
 MANAGER = "kvpool-operator"
@@ -106,7 +106,7 @@ class Pool:
 
 
 def load_pool(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> Pool:
-    """Validate a KVCachePool object (as from the API or a YAML file)."""
+    """Validate a KVCachePool object (as from the API or a YAML file) and the operator's policy."""
     if pool.get("kind") not in (None, models.KIND) or pool.get("apiVersion") not in (None, models.API_VERSION):
         raise InvalidPool(f"expected apiVersion {models.API_VERSION} kind {models.KIND}")
     meta = pool.get("metadata") or {}
@@ -120,6 +120,9 @@ def load_pool(pool: dict[str, Any], settings: Settings, namespace: str | None = 
         spec = models.parse_spec(pool.get("spec") or {})
     except ValueError as exc:
         raise InvalidPool(models.format_error(exc)) from exc
+    refused = policy.refusals(spec, settings)
+    if refused:
+        raise InvalidPool("; ".join(refused))
     return Pool(name=name, namespace=ns, spec=spec, settings=settings)
 
 

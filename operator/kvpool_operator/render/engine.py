@@ -13,6 +13,7 @@ import copy
 import json
 from typing import Any
 
+from kvpool_operator import models
 from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
     CONFIG_DIR,
@@ -26,7 +27,7 @@ from kvpool_operator.render.common import (
     secret_env,
 )
 from kvpool_operator.render.configmap import config_data
-from kvpool_operator.render.connector import kv_transfer_config, secret_envs
+from kvpool_operator.render.connector import kv_transfer_config, secret_envs, store_namespace
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
 # yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
@@ -47,6 +48,8 @@ for target in sys.argv[2:]:
 """
 
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# The vLLM image's HOME (/root) is not the engine user's: caches (Hugging Face, vLLM, Triton) go here.
+HOME = "/home/kvpool"
 
 
 def compact_json(value: Any) -> str:
@@ -63,14 +66,22 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def memory(pool: Pool) -> str:
+    """The CPU tier (pinned host memory), /dev/shm (tmpfs pages count as the pod's memory) and the
+    rest of the process (vLLM, the connector's write queues and staging buffers)."""
+    spec = pool.spec
+    parts = [spec.model.shm_size, spec.model.memory_overhead, *([spec.tiers.cpu.size] if spec.tiers.cpu else [])]
+    return models.format_size(sum(models.size_bytes(p) for p in parts))
+
+
 def _resources(pool: Pool) -> dict[str, Any]:
     spec = pool.spec
-    requests: dict[str, Any] = {}
-    limits: dict[str, Any] = {}
+    # request = limit: the scheduler reserves what the tiers pin, and a leak is OOM-killed in the
+    # pod instead of pressuring the node (and its other pools' engines)
+    requests: dict[str, Any] = {"memory": memory(pool)}
+    limits: dict[str, Any] = {"memory": memory(pool)}
     if spec.model.gpus:
         limits["nvidia.com/gpu"] = spec.model.gpus
-    if spec.tiers.cpu:
-        requests["memory"] = spec.tiers.cpu.size  # the CPU tier is pinned host memory
     disk = spec.tiers.disk
     if disk and disk.volume.empty_dir is not None and disk.volume.empty_dir.medium == "":
         requests["ephemeral-storage"] = disk.size  # reserve node disk so the kubelet never evicts us
@@ -84,7 +95,9 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
         return None
     vol = disk.volume
     if vol.host_path is not None:
-        return {"name": "kv-disk", "hostPath": {"path": vol.host_path.path, "type": "DirectoryOrCreate"}}
+        # Directory, not DirectoryOrCreate: a missing NVMe mount fails the pod instead of filling the
+        # node's root disk through a directory the kubelet would create in its place
+        return {"name": "kv-disk", "hostPath": {"path": vol.host_path.path, "type": "Directory"}}
     if vol.empty_dir is not None:
         empty: dict[str, Any] = {"sizeLimit": disk.size}
         if vol.empty_dir.medium:
@@ -133,19 +146,29 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "--kv-transfer-config", compact_json(kv_transfer_config(pool)),
         *model.extra_args,
     ]
-    env = [secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED), *secret_envs(pool), *model.env]
+    env = [
+        secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED),
+        {"name": "HOME", "value": HOME},
+        *secret_envs(pool),
+        *model.env,
+    ]
     mounts = [
         {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "home", "mountPath": HOME},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "kvpool-config", "configMap": {"name": pool.config_map}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": model.shm_size}},
+        {"name": "home", "emptyDir": {}},
     ]
     disk = _disk_volume(pool)
     if disk is not None:
         volumes.append(disk)
-        mounts.append({"name": "kv-disk", "mountPath": DISK_PATH})
+        mount = {"name": "kv-disk", "mountPath": DISK_PATH}
+        if "hostPath" in disk or "persistentVolumeClaim" in disk:
+            mount["subPath"] = store_namespace(pool)  # shared beyond this pool: it sees only its own directory
+        mounts.append(mount)
 
     def probe(period: int, failures: int) -> dict[str, Any]:
         return {
@@ -177,7 +200,14 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": pool.settings.engine_run_as_user,
+            "runAsGroup": pool.settings.engine_run_as_group,
+            "fsGroup": pool.settings.engine_fs_group,
+            "fsGroupChangePolicy": "OnRootMismatch",  # a large disk tier is not re-chowned at every start
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
     }

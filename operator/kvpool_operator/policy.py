@@ -1,0 +1,47 @@
+"""What this operator admits beyond the CRD's rules: decided by its settings, not by pool creators.
+
+The CRD (models.py) checks that a spec is well formed; anyone RBAC lets create a KVCachePool can
+still ask for a node directory, an image or an external address. These rules come from the
+operator's settings (chart `operator.settings`), so a pool gets no more than the operator's
+installer allowed. Pure: a spec and settings in, problems naming the field out (ConfigValid=False).
+"""
+
+from __future__ import annotations
+
+from kvpool_operator import models
+from kvpool_operator.settings import Settings
+
+
+def under(path: str, prefix: str) -> bool:
+    """Whole path components: /mnt/nvme0/kv is under /mnt/nvme0, /mnt/nvme0evil is not."""
+    return prefix == "/" or path == prefix or path.startswith(prefix + "/")
+
+
+def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
+    out = []
+    disk = spec.tiers.disk
+    if disk is not None and disk.volume.host_path is not None:
+        path = disk.volume.host_path.path.rstrip("/") or "/"
+        allowed = settings.allowed_host_path_prefixes
+        if not allowed:
+            out.append("spec.tiers.disk.volume.hostPath: refused by this operator (its setting "
+                       "allowedHostPathPrefixes is empty); use emptyDir, ephemeral or persistentVolumeClaim")
+        elif not any(under(path, prefix) for prefix in allowed):
+            out.append(f"spec.tiers.disk.volume.hostPath.path: {path} is not under an allowed prefix "
+                       f"(operator setting allowedHostPathPrefixes: {', '.join(allowed)})")
+    images = [("spec.model.image", spec.model.image)]
+    if spec.tiers.redis and spec.tiers.redis.managed:
+        images.append(("spec.tiers.redis.managed.image", spec.tiers.redis.managed.image))
+    if spec.tiers.s3 and spec.tiers.s3.managed:
+        images.append(("spec.tiers.s3.managed.image", spec.tiers.s3.managed.image))
+    prefixes = settings.allowed_image_prefixes
+    for field, image in images:
+        if image and prefixes and not image.startswith(prefixes):
+            out.append(f"{field}: {image} does not start with an allowed prefix "
+                       f"(operator setting allowedImagePrefixes: {', '.join(prefixes)})")
+    if not settings.allow_external_backends:
+        for tier in ("redis", "s3"):
+            if getattr(getattr(spec.tiers, tier), "external", None) is not None:
+                out.append(f"spec.tiers.{tier}.external: refused by this operator (its setting "
+                           "allowExternalBackends is false); use managed")
+    return out
