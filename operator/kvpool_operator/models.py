@@ -130,6 +130,14 @@ class SecretKeyRef(_Model):
     key: str = Field(min_length=1, max_length=253, description="Key inside the Secret.")
 
 
+# vLLM flags whose value is a secret: in extraArgs it would sit in the pod spec for anyone to read.
+SECRET_ARGS = ("--api-key", "--hf-token")
+_SECRET_ARGS_RULE = ("!has(self.extraArgs) || !self.extraArgs.exists(a, "
+                     + " || ".join(f"a.startsWith('{f}')" for f in SECRET_ARGS) + ")")
+_SECRET_ARGS_MESSAGE = ("extraArgs must not pass --api-key or --hf-token (the value would sit in the pod spec): "
+                        "use service.apiKeySecretRef, or model.env with valueFrom.secretKeyRef")
+
+
 class ModelSpec(_Model):
     name: str = Field(
         min_length=1,
@@ -146,8 +154,10 @@ class ModelSpec(_Model):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="vLLM --tensor-parallel-size; must not exceed gpus when gpus > 0."
     )
-    extra_args: list[str] = Field(
-        default_factory=list, description="Extra `vllm serve` arguments, appended after the operator's."
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=256,
+        description="Extra `vllm serve` arguments, appended after the operator's (no secrets: they sit in "
+        "the pod spec).",
     )
     env: list[K8sObject] = Field(
         default_factory=list, description="core/v1 EnvVar list passed to the engine container unchanged."
@@ -169,7 +179,8 @@ class ModelSpec(_Model):
                 "self.gpus == 0 || self.tensorParallelSize <= self.gpus",
                 "tensorParallelSize must not exceed gpus",
                 ".tensorParallelSize",
-            )
+            ),
+            (_SECRET_ARGS_RULE, _SECRET_ARGS_MESSAGE, ".extraArgs"),
         )
     )
 
@@ -177,6 +188,8 @@ class ModelSpec(_Model):
     def _tp_fits(self) -> ModelSpec:
         if self.gpus and self.tensor_parallel_size > self.gpus:
             raise ValueError("tensorParallelSize must not exceed gpus")
+        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
+            raise ValueError(_SECRET_ARGS_MESSAGE)
         return self
 
 
@@ -363,6 +376,22 @@ class Scheduling(_Model):
 class ServiceSpec(_Model):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
     port: int = Field(8000, ge=1, le=65535, description="Service port of the OpenAI-compatible API.")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        None,
+        description="Secret key holding the API key clients must send (Authorization: Bearer); reaches vLLM "
+        "as VLLM_API_KEY by secretKeyRef. Empty: the API is open to whoever reaches the port.",
+    )
+
+
+class ApiIngress(_Model):
+    enabled: bool = Field(
+        False, description="Create the NetworkPolicy <name>-engines: only `from` reaches the engines' OpenAI "
+        "port (which also serves /metrics)."
+    )
+    from_: list[K8sObject] = Field(
+        default_factory=list, alias="from",
+        description="core/v1 NetworkPolicyPeer list allowed in; empty: pods of the pool's namespace.",
+    )
 
 
 class KeysSecretRef(_Model):
@@ -393,7 +422,10 @@ class SecuritySpec(_Model):
 
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
-        False, description="Create a NetworkPolicy so only this pool's engine pods reach its managed Redis/MinIO."
+        True, description="Create a NetworkPolicy so only this pool's engine pods reach its managed Redis/MinIO."
+    )
+    api_ingress: ApiIngress = Field(
+        default_factory=ApiIngress, description="Who may reach the engines' OpenAI port (off by default)."
     )
 
 

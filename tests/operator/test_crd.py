@@ -103,6 +103,8 @@ INVALID = [
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt/nvme0/../../etc", "must be a normal absolute path"),
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt//nvme0", "must be a normal absolute path"),
     ("tiered-full", "spec.model.image", "vllm@latest", "match"),
+    ("tiered-full", "spec.model.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
+    ("tiered-full", "spec.model.extraArgs", ["--hf-token", "hf_x"], "must not pass --api-key or --hf-token"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "rediss://kv@r:6380/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "password= or username="),

@@ -56,7 +56,8 @@ SPECS = st.fixed_dictionaries(
     {
         "model": st.builds(
             lambda g, tp, args: {"name": "org/model", "gpus": g, "tensorParallelSize": tp, "extraArgs": args},
-            st.integers(0, 8), st.integers(1, 8), st.lists(st.sampled_from(["--enforce-eager", "--seed=1"]), max_size=2),
+            st.integers(0, 8), st.integers(1, 8),
+            st.lists(st.sampled_from(["--enforce-eager", "--seed=1", f"--api-key={SENTINEL}", "--hf-token"]), max_size=2),
         ),
         "tiers": TIERS,
     },
@@ -65,8 +66,12 @@ SPECS = st.fixed_dictionaries(
         "connector": st.sampled_from(["tiered", "native"]),
         "chunkTokens": st.sampled_from([16, 256, 100, 4096]),
         "native": st.builds(lambda b: {"kvpoolSecondaryTier": b}, st.booleans()),
-        "networkPolicy": st.builds(lambda b: {"enabled": b}, st.booleans()),
-        "service": st.sampled_from([{}, {"type": "LoadBalancer", "port": 80}]),
+        "networkPolicy": st.builds(
+            lambda b, api: {"enabled": b, "apiIngress": api}, st.booleans(),
+            st.sampled_from([{}, {"enabled": True}, {"enabled": True, "from": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]}])),
+        "service": st.sampled_from([{}, {"type": "LoadBalancer", "port": 80},
+                                    {"apiKeySecretRef": {"name": "api", "key": "key"}}]),
         "scheduling": st.just({"nodeSelector": {"gpu": "h100"},
                                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
     },

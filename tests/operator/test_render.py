@@ -328,3 +328,44 @@ def test_security_options_and_a_users_keys_secret(settings):
     native["spec"]["security"] = {"encryption": True}
     cfg = store_config(render(native, settings, "kvpool"))
     assert cfg["security"]["encrypt"] is True and "require_cache_salt" not in cfg  # a KVPoolConnector key
+
+
+def test_backends_network_policy_is_on_by_default(settings):
+    pool = load_example("native-shared")  # managed Redis, no networkPolicy in its spec
+    assert "networkPolicy" not in pool["spec"]
+    policy = by_kind(rendered("native-shared", settings), "NetworkPolicy", "native-shared-backends")
+    assert policy["spec"]["podSelector"]["matchExpressions"][0]["values"] == ["redis"]
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/instance": "native-shared", "app.kubernetes.io/component": "engine",
+        "kvpool.dev/pool": "native-shared"}}}]
+    pool["spec"]["networkPolicy"] = {"enabled": False}
+    assert not [m for m in render(pool, settings, "kvpool") if m["kind"] == "NetworkPolicy"]
+
+
+def test_engine_ingress_policy_admits_only_the_listed_peers_to_the_api_port(settings):
+    pool = load_example("tiered-emptydir")
+    assert not [m for m in render(pool, settings, "kvpool") if m["kind"] == "NetworkPolicy"]  # opt-in
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    pool["spec"]["networkPolicy"] = {"apiIngress": {"enabled": True, "from": [gateway]}}
+    policy = by_kind(render(pool, settings, "kvpool"), "NetworkPolicy", "tiered-emptydir-engines")
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/instance": "tiered-emptydir",
+                                        "app.kubernetes.io/component": "engine", "kvpool.dev/pool": "tiered-emptydir"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [gateway], "ports": [{"protocol": "TCP", "port": 8000}]}],
+    }
+    pool["spec"]["networkPolicy"] = {"apiIngress": {"enabled": True}}
+    policy = by_kind(render(pool, settings, "kvpool"), "NetworkPolicy", "tiered-emptydir-engines")
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {}}]  # the pool's own namespace
+
+
+def test_api_key_reaches_vllm_only_by_secret_key_ref(settings):
+    from kvpool_operator.render import load_pool
+    from kvpool_operator.render.secretrefs import referenced_secrets
+
+    pool = load_example("tiered-emptydir")
+    pool["spec"]["service"] = {"apiKeySecretRef": {"name": "llm-api", "key": "token"}}
+    env = engine(render(pool, settings, "kvpool"))["env"]
+    assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api", "key": "token"}}} in env
+    refs = [(r.field, r.name, r.key) for r in referenced_secrets(load_pool(pool, settings))]
+    assert ("spec.service.apiKeySecretRef", "llm-api", "token") in refs  # checked before anything is applied

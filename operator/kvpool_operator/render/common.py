@@ -72,6 +72,10 @@ class Pool:
         return child_name(self.name, "backends")
 
     @property
+    def engine_network_policy(self) -> str:
+        return child_name(self.name, "engines")
+
+    @property
     def keys_secret(self) -> str:
         """Where the pool key and hash seed live: the user's Secret, else the generated one."""
         ref = self.spec.security.keys_secret_ref

@@ -146,9 +146,11 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "--kv-transfer-config", compact_json(kv_transfer_config(pool)),
         *model.extra_args,
     ]
+    api_key = spec.service.api_key_secret_ref
     env = [
         secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED),
         {"name": "HOME", "value": HOME},
+        *([secret_env("VLLM_API_KEY", api_key.name, api_key.key)] if api_key else []),  # vLLM's --api-key
         *secret_envs(pool),
         *model.env,
     ]

@@ -42,6 +42,9 @@ def referenced_secrets(pool: Pool) -> list[SecretRef]:
     if keys is not None:
         field = "spec.security.keysSecretRef"
         refs += [SecretRef(field, keys.name, POOL_KEY, _pool_key), SecretRef(field, keys.name, HASH_SEED, _hash_seed)]
+    if spec.service.api_key_secret_ref is not None:
+        ref = spec.service.api_key_secret_ref
+        refs.append(SecretRef("spec.service.apiKeySecretRef", ref.name, ref.key))
     if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
         ref = tiers.redis.external.password_secret_ref
         refs.append(SecretRef("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))
