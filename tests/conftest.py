@@ -16,6 +16,55 @@ from kvpool_connector.testbed.localmodel import ensure_model
 from kvpool_connector.testbed.servers import RedisServer, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
+POOL_KEY_ENV = "KVPOOL_TEST_POOL_KEY"
+SECURITY = {"key_env": POOL_KEY_ENV}  # the `security` block of every test store with shared tiers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pool_key():
+    """A random pool key for the session, in the environment (engines inherit it)."""
+    import secrets
+
+    os.environ[POOL_KEY_ENV] = secrets.token_urlsafe(32)
+    yield os.environ[POOL_KEY_ENV]
+    os.environ.pop(POOL_KEY_ENV, None)
+
+
+def skip_or_fail(reason: str) -> None:
+    """A capability this machine lacks (a mount, a privilege): a skip on a developer's
+    machine, a failure in CI (`CI=true`), where a skip would hide an untested feature."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason} (CI=true: this must run in CI, not be skipped)")
+    pytest.skip(reason)
+
+
+def self_signed_cert(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(cert.pem, key.pem) of a one-day self-signed certificate for `host` (an IP)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.TraditionalOpenSSL,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
 
 
 @pytest.fixture(scope="session")

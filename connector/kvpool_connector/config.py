@@ -67,6 +67,8 @@ class _TierBase(_Strict):
                                                "(with a suffix when a type repeats)")
     queue_size: int | None = Field(None, ge=1, description="bounded write queue of a lower tier; "
                                                            "defaults to the store's queue_size")
+    queue_bytes: PositiveSize | None = Field(None, description="bytes that queue may hold; "
+                                             "defaults to the store's queue_bytes")
     workers: int = Field(2, ge=1, le=64, description="writer threads serving the queue")
     timeout_seconds: float | None = Field(None, gt=0, le=60,
                                           description="per-call bound; defaults to the store's")
@@ -129,8 +131,11 @@ class S3TierConfig(_TierBase):
     bucket: str = Field(min_length=3, max_length=63)
     prefix: str = ""
     region: str = "us-east-1"
-    access_key_env: str | None = "AWS_ACCESS_KEY_ID"
-    secret_key_env: str | None = "AWS_SECRET_ACCESS_KEY"
+    access_key_env: str | None = Field(None, description="environment variable with the access "
+                                       "key id; none: boto3's default chain (AWS_* variables, "
+                                       "instance roles, IRSA)")
+    secret_key_env: str | None = Field(None, description="environment variable with the secret "
+                                       "access key")
     path_style: bool | None = Field(None, description="path-style addressing (MinIO); default: "
                                                       "on when an endpoint is set")
     create_bucket: bool = False
@@ -195,6 +200,12 @@ class StoreConfig(_Strict):
     backoff_initial_seconds: float = Field(0.25, gt=0)
     backoff_max_seconds: float = Field(10.0, gt=0)
     promote: bool = Field(True, description="copy lower-tier hits into the faster tiers")
+    queue_bytes: PositiveSize = Field(parse_size("1Gi"), description="bytes a lower tier's write "
+                                      "queue may hold (beyond: dropped and counted), so a slow "
+                                      "backend cannot grow host memory")
+    max_object_size: PositiveSize = Field(parse_size("256Mi"), description="largest object a "
+                                          "read accepts when the caller gives no buffer; larger "
+                                          "ones are refused without being read whole")
     metrics: bool = Field(True, description="export Prometheus metrics")
     security: SecurityConfig = Field(default_factory=SecurityConfig,
                                      description="pool key (object MACs, names) and encryption")

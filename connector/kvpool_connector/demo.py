@@ -122,10 +122,14 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
     sums: dict[str, float] = {}
     per_tier: dict[str, dict[str, float]] = {}
+    by_source: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if name.startswith("kvpool_tier_") and name.endswith("_total") and "tier" in sample.labels:
+            if name == "vllm:prompt_tokens_cached_by_source_total":
+                src = sample.labels.get("source", "")
+                by_source[src] = by_source.get(src, 0.0) + sample.value
+            elif name.startswith("kvpool_tier_") and name.endswith("_total") and "tier" in sample.labels:
                 kind = name[len("kvpool_tier_"):-len("_total")]
                 tier = per_tier.setdefault(sample.labels["tier"], {})
                 tier[kind] = tier.get(kind, 0.0) + sample.value
@@ -141,6 +145,10 @@ def parse_metrics(text: str) -> dict[str, Any]:
         "external_hit_rate": ratio("vllm:external_prefix_cache_hits_total",
                                    "vllm:external_prefix_cache_queries_total"),
         "prompt_tokens": sums.get("vllm:prompt_tokens_total"),
+        "external_hit_tokens": sums.get("vllm:external_prefix_cache_hits_total", 0.0),
+        "cached_tokens_by_source": by_source,
+        "connector": {k: sums.get(f"kvpool_{k}_total", 0.0) for k in
+                      ("saved_chunks", "loaded_chunks", "load_error_chunks", "lookups")},
         "tiers": {name: {"hit_chunks": v.get("hit_chunks", 0.0),
                          "miss_chunks": v.get("miss_chunks", 0.0),
                          "hit_rate": (v.get("hit_chunks", 0.0)
@@ -164,6 +172,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "requests_per_s": len(run.turns) / run.wall_s if run.wall_s else None,
         "output_tokens_per_s": (sum(t.completion_tokens for t in run.turns) / run.wall_s
                                 if run.wall_s else None),
+        "cached_tokens": sum(t.cached_tokens for t in run.turns),
         "cached_token_share": sum(t.cached_tokens for t in run.turns) / prompt if prompt else None,
         "wall_s": run.wall_s,
         "metrics": run.metrics,
@@ -381,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
     tiers = [kv_configs.cpu_tier("2Gi"), kv_configs.disk_tier(str(work / "disk"), "4Gi")]
-    env: dict[str, str] = {}
+    env: dict[str, str] = kv_configs.pool_key_env()
     redis = redis_from_env(os.environ.get("REDIS_URL"))
     if redis is not None:
         tiers.append(redis[0])

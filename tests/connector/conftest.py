@@ -9,6 +9,8 @@ import uuid
 
 import pytest
 
+from tests.conftest import skip_or_fail
+
 REDIS_PASSWORD_ENV = "KVPOOL_TEST_REDIS_PASSWORD"
 
 
@@ -61,7 +63,7 @@ def small_fs(tmp_path):
     path = tmp_path / "small"
     path.mkdir()
     if not _mount_tmpfs(path, "4m"):
-        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+        skip_or_fail("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
     yield path
     subprocess.run(["umount", "-l", str(path)], check=False)
 
@@ -78,7 +80,7 @@ def make_readonly(tmp_path):
         if _mount_tmpfs(path, "16m"):
             mounts.append(path)
         elif os.geteuid() == 0:
-            pytest.skip("root ignores file modes and mounting a tmpfs is not allowed here")
+            skip_or_fail("root ignores file modes and mounting a tmpfs is not allowed here")
         return path
 
     def freeze(path):

@@ -12,8 +12,9 @@ from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
 from kvpool_connector.connector.keys import KeySpace, chunk_keys
 
-SPACE = KeySpace(namespace="pool", model="/models/m", dtype="torch.bfloat16/auto",
-                 layout="spec-fp", tp_rank=0, tp_size=1, hash_algo="sha256", chunk_tokens=256)
+SPACE = KeySpace(namespace="pool", model="/models/m", model_hash="h1", vllm_version="0.32.0",
+                 dtype="torch.bfloat16/auto", layout="spec-fp", tp_rank=0, tp_size=1,
+                 hash_algo="sha256", chunk_tokens=256)
 
 
 def _block_hashes(tokens: list[int], block_size: int = 128) -> list[bytes]:
@@ -49,15 +50,31 @@ def test_key_space_separates_models_layouts_dtypes_and_ranks():
     variants = [dataclasses.replace(SPACE, **{f: v}) for f, v in [
         ("model", "/models/other"), ("layout", "other-fp"), ("dtype", "torch.float16/auto"),
         ("tp_rank", 1), ("tp_size", 2), ("namespace", "other"), ("hash_algo", "xxhash"),
-        ("chunk_tokens", 512)]]
+        ("chunk_tokens", 512), ("model_hash", "h2"), ("vllm_version", "0.33.0")]]
     prefixes = {v.prefix() for v in variants} | {SPACE.prefix()}
     assert len(prefixes) == len(variants) + 1
 
 
 def test_keys_are_equal_across_processes_with_different_hash_seeds():
     code = ("from kvpool_connector.connector.keys import KeySpace;"
-            "print(KeySpace('pool','/m','bf16','fp',0,1,'sha256',256).prefix().hex())")
+            "print(KeySpace('pool','/m','h','v','bf16','fp',0,1,'sha256',256).prefix().hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()
             for seed in ("0", "12345")}
-    assert outs == {KeySpace('pool', '/m', 'bf16', 'fp', 0, 1, 'sha256', 256).prefix().hex()}
+    assert outs == {KeySpace('pool', '/m', 'h', 'v', 'bf16', 'fp', 0, 1, 'sha256', 256)
+                    .prefix().hex()}
+
+
+def test_revision_quantization_or_overrides_give_a_new_key_space(tiny_model):
+    """A rolling update that changes the model's revision, quantization or hf_overrides must
+    never load KV computed before it: the model hash (vLLM's real ModelConfig) changes."""
+    from vllm.config import ModelConfig
+
+    from kvpool_connector.connector.keys import model_config_hash
+
+    path = str(tiny_model)
+    base = model_config_hash(ModelConfig(model=path))
+    assert model_config_hash(ModelConfig(model=path)) == base  # stable
+    changed = {model_config_hash(ModelConfig(model=path, **kw)) for kw in (
+        {"revision": "v2"}, {"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 5000.0}})}
+    assert len(changed) == 3 and base not in changed

@@ -18,16 +18,17 @@ from kvpool_connector.connector.keys import KeySpace, chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
 
 BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
-PREFIX = KeySpace("t", "m", "bf16", "fp", 0, 1, "sha256", 256).prefix()
+PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 0, 1, "sha256", 256).prefix()
 
 
-def _request(rid: str, n: int, seed: int = 0) -> Request:
+def _request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None) -> Request:
     init_none_hash(sha256)
     rng = random.Random(seed)
     return Request(rid, [rng.randrange(3, 2000) for _ in range(n)],
-                   SamplingParams(max_tokens=4), None,
+                   SamplingParams(max_tokens=4), None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
@@ -41,7 +42,7 @@ def _output(sched: dict[str, int], preempted=()) -> SchedulerOutput:
 
 @pytest.fixture
 def side(tmp_path):
-    cfg = load_connector_config({"namespace": "t", "tiers": [
+    cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
     lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
     s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
@@ -142,13 +143,43 @@ def test_kv_role_producer_never_loads_and_consumer_never_saves(side):
     assert side.build_meta(_output({"r2": 1000})).saves == []
 
 
+def test_cache_salt_isolates_tenants_and_can_be_required(side):
+    """vLLM mixes cache_salt into the first block hash: two tenants' identical prompts share
+    no chunk. With require_cache_salt an unsalted request is neither looked up nor saved."""
+    a = _request("a", 1000, seed=3, cache_salt="tenant-a")
+    b = _request("b", 1000, seed=3, cache_salt="tenant-b")
+    plain = _request("p", 1000, seed=3)
+    ka, kb, kp = (chunk_keys(PREFIX, r.block_hashes, BPC) for r in (a, b, plain))
+    assert not set(ka) & set(kb) and not set(ka) & set(kp)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=ka))
+    assert side.num_matched(a, 0)[0] > 0 and side.num_matched(b, 0) == (0, False)
+
+    strict = SchedulerSide(side.cfg.model_copy(update={"require_cache_salt": True}), PREFIX, BS,
+                           BPC, chunk_bytes=1 << 20, world_size=1, lower_store=side.lower,
+                           is_async=True)
+    strict._block_ids = side._block_ids
+    strict.on_worker_meta(KVPoolWorkerMetadata(stored_keys=ka + kp))
+    assert strict.num_matched(plain, 0) == (0, False)  # stored, but never looked up
+    strict.num_matched(a, 0)
+    assert strict.reqs["a"].hit_chunks == 3
+    fresh = _request("f", 1000, seed=4)
+    strict.num_matched(fresh, 0)
+    _alloc(side, fresh, 0)
+    strict.test_blocks = side.test_blocks
+    assert strict.build_meta(_output({"f": 1000})).saves == []  # and never saved
+    salted = _request("s", 1000, seed=4, cache_salt="tenant-a")
+    strict.num_matched(salted, 0)
+    _alloc(side, salted, 0)
+    assert strict.build_meta(_output({"s": 1000})).saves
+
+
 def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
     """With Redis below the cpu tier, a lookup answers None ("ask again next step") while
     the Redis round trip runs on a thread, then the hit count once it is back."""
     import threading
 
     monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
-    cfg = load_connector_config({"namespace": "async-lookup", "tiers": [
+    cfg = load_connector_config({"namespace": "async-lookup", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"},
         {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
     lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
 from kvpool_connector.store.eviction import ARC, LRU
 
 SLOT = 64 * 1024
@@ -99,7 +100,7 @@ def test_cpu_multi_slot_objects_and_oversize_rejected():
 
 
 def test_disk_capacity_bound_evicts_oldest(tmp_path):
-    s = open_store({"namespace": "ev", "metrics": False, "tiers": [
+    s = open_store({"namespace": "ev", "metrics": False, "security": SECURITY, "tiers": [
         {"type": "disk", "path": str(tmp_path), "size": 5 * SLOT, "rescan_seconds": 0}]})
     names = [f"o{i}" for i in range(8)]
     for n in names:

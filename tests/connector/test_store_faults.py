@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.conftest import SECURITY
 from kvpool_connector.store import open_store
 from kvpool_connector.testbed.servers import free_port
 
@@ -22,6 +23,7 @@ BOUND = 4 * TIMEOUT + 1.0
 
 def build(namespace, *tiers):
     return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": TIMEOUT,
+                       "security": SECURITY,
                        "backoff_initial_seconds": 0.1, "backoff_max_seconds": 0.5}, layout=b"L")
 
 

@@ -1,54 +1,114 @@
-"""Object format: round trip, every kind of damage detected, random bytes never crash."""
+"""Object format v2: round trip (MAC'd and encrypted), every kind of damage or forgery
+detected, random bytes never crash, v1 objects are misses."""
 
 from __future__ import annotations
 
 import os
+import struct
 
+import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_connector.store.format import (FIXED_SIZE, Record, Status, layout_digest, parse,
+from kvpool_connector.store.format import (FIXED_SIZE, Record, Status, layout_digest, open_blob,
                                            to_view)
+from kvpool_connector.store.sealing import PoolKey
 
-KEY = bytes(range(32))
+NAME = bytes(range(32))
 LAY = layout_digest(b"model|bf16|layout-A")
+KEY = PoolKey(b"k" * 43)
+MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes-gcm"])
 
 
-def blob(payload: bytes, key: bytes = KEY, layout: bytes = LAY) -> bytes:
-    return bytes(Record(key, layout, memoryview(payload)).freeze().blob)
+def blob(payload: bytes, name: bytes = NAME, layout: bytes = LAY, key: PoolKey = KEY,
+         encrypt: bool = False) -> bytes:
+    return bytes(Record(name, layout, memoryview(payload), key=key, encrypt=encrypt).freeze().blob)
 
 
-def test_round_trip_and_header_size():
+def status(b, name=NAME, layout=LAY, key=KEY, out=None) -> Status:
+    return open_blob(b, name, layout, key, out)[0]
+
+
+@MODES
+def test_round_trip_and_sizes(encrypt):
     payload = os.urandom(10_000)
-    b = blob(payload)
-    assert len(b) == FIXED_SIZE + len(KEY) + len(payload)
-    status, rec = parse(b, KEY, LAY)
-    assert status is Status.OK and bytes(rec.payload) == payload
-    assert parse(blob(b""), KEY, LAY)[0] is Status.OK
+    b = blob(payload, encrypt=encrypt)
+    assert len(b) == FIXED_SIZE + len(NAME) + len(payload) + 16
+    st_, rec = open_blob(b, NAME, LAY, KEY)
+    assert st_ is Status.OK and bytes(rec.payload) == payload
+    out = bytearray(len(payload) + 5)
+    st_, rec = open_blob(b, NAME, LAY, KEY, memoryview(out))
+    assert st_ is Status.OK and out[:len(payload)] == payload
+    assert status(blob(b"", encrypt=encrypt)) is Status.OK
+    assert (payload in b) is not encrypt  # encrypted: the plaintext is nowhere in the object
 
 
-def test_other_key_is_corrupt():
-    assert parse(blob(b"x" * 100), KEY, LAY)[0] is Status.OK
-    assert parse(blob(b"x" * 100), bytes(32), LAY)[0] is Status.CORRUPT
+def test_parts_send_the_payload_without_a_copy():
+    payload = bytearray(os.urandom(1000))
+    rec = Record(NAME, LAY, memoryview(payload), key=KEY)
+    hdr, body, tag = rec.parts()
+    assert body.obj is payload and len(tag) == 16
+    assert status(bytes(hdr) + bytes(body) + tag) is Status.OK
+
+
+@MODES
+def test_other_name_or_other_pool_key_fails(encrypt):
+    b = blob(b"x" * 100, encrypt=encrypt)
+    assert status(b, name=bytes(32)) is Status.CORRUPT
+    assert status(b, key=PoolKey(b"another pool key, also 32 chars+")) is Status.CORRUPT
+
+
+def test_forged_header_and_tag_without_the_key_fail():
+    """An attacker who can write the tier but lacks the key: a well-formed object with a tag
+    from another key, with no tag, or with the encryption flag flipped, is never served."""
+    good = bytearray(blob(b"secret KV" * 100))
+    forged = blob(b"attacker KV" * 100, key=PoolKey(b"attacker-chosen key of 32+ chars!"))
+    assert status(forged) is Status.CORRUPT
+    assert status(bytes(good[:-16]) + bytes(16)) is Status.CORRUPT  # zero tag
+    flipped = bytearray(good)
+    flipped[5] |= 1  # claim it is encrypted
+    assert status(bytes(flipped)) is Status.CORRUPT
+
+
+def test_v1_objects_with_a_valid_xxh3_checksum_are_misses():
+    """The unkeyed v1 format: anyone could recompute its checksum, so it is never read."""
+    payload = b"v1 payload" * 10
+    csum = xxhash.xxh3_64(NAME + LAY + payload).intdigest()
+    v1 = struct.pack("<4sBBHQ16sQ", b"KVP\x01", 1, 0, len(NAME), len(payload), LAY, csum)
+    assert status(v1 + NAME + payload) is Status.CORRUPT
 
 
 def test_other_layout_is_foreign():
     other = layout_digest(b"model|fp8|layout-B")
-    assert parse(blob(b"x" * 100, layout=other), KEY, LAY) == (Status.FOREIGN_LAYOUT, None)
+    assert open_blob(blob(b"x" * 100, layout=other), NAME, LAY, KEY) == (Status.FOREIGN_LAYOUT,
+                                                                        None)
 
 
-def test_truncated_and_extended_are_corrupt():
-    b = blob(os.urandom(5000))
+@MODES
+def test_truncated_and_extended_are_corrupt(encrypt):
+    b = blob(os.urandom(5000), encrypt=encrypt)
     for bad in (b[:-1], b[:FIXED_SIZE], b[:3], b"", b + b"\0"):
-        assert parse(bad, KEY, LAY)[0] is Status.CORRUPT
+        assert status(bad) is Status.CORRUPT
 
 
-def test_every_single_byte_flip_is_detected():
-    b = bytearray(blob(os.urandom(300)))
+@MODES
+def test_every_single_byte_flip_is_detected(encrypt):
+    b = bytearray(blob(os.urandom(300), encrypt=encrypt))
     for i in range(len(b)):
         b[i] ^= 0x40
-        assert parse(bytes(b), KEY, LAY)[0] is not Status.OK, f"flip at {i} went unnoticed"
+        assert status(bytes(b)) is not Status.OK, f"flip at {i} went unnoticed"
         b[i] ^= 0x40
+
+
+@MODES
+def test_a_failed_read_leaves_no_byte_in_the_callers_buffer(encrypt):
+    payload = os.urandom(4096)
+    b = bytearray(blob(payload, encrypt=encrypt))
+    b[FIXED_SIZE + len(NAME) + 2000] ^= 1
+    out = bytearray(4096)
+    assert status(bytes(b), out=memoryview(out)) is Status.CORRUPT
+    assert out == bytes(4096)
 
 
 def test_payload_types_viewed_without_copy():
@@ -64,24 +124,32 @@ def test_payload_types_viewed_without_copy():
     assert to_view(torch.ones(4, dtype=torch.bfloat16)).nbytes == 8
 
 
+def test_names_depend_on_the_pool_key():
+    a, b = PoolKey(b"a" * 32), PoolKey(b"b" * 32)
+    assert a.object_name(NAME) != b.object_name(NAME) != NAME
+    assert a.object_name(NAME) == PoolKey(b"a" * 32).object_name(NAME)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=2048), st.binary(min_size=1, max_size=64))
-def test_random_bytes_never_crash(data, key):
-    status, rec = parse(data, key, LAY)
-    assert status is not Status.OK or rec is not None
+def test_random_bytes_never_crash(data, name):
+    st_, rec = open_blob(data, name, LAY, KEY)
+    assert st_ is not Status.OK
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=512), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
-def test_mutated_objects_never_parse_as_ok(payload, pos, xor):
-    b = bytearray(blob(payload))
+@given(st.binary(max_size=512), st.integers(min_value=0), st.integers(min_value=1, max_value=255),
+       st.booleans())
+def test_mutated_objects_never_parse_as_ok(payload, pos, xor, encrypt):
+    b = bytearray(blob(payload, encrypt=encrypt))
     b[pos % len(b)] ^= xor
-    assert parse(bytes(b), KEY, LAY)[0] is not Status.OK
+    assert status(bytes(b)) is not Status.OK
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=512), st.binary(min_size=1, max_size=64), st.binary(max_size=64))
-def test_valid_objects_round_trip(payload, key, layout):
+@given(st.binary(max_size=512), st.binary(min_size=1, max_size=64), st.binary(max_size=64),
+       st.booleans())
+def test_valid_objects_round_trip(payload, name, layout, encrypt):
     lay = layout_digest(layout)
-    status, rec = parse(blob(payload, key, lay), key, lay)
-    assert status is Status.OK and bytes(rec.payload) == payload
+    st_, rec = open_blob(blob(payload, name, lay, encrypt=encrypt), name, lay, KEY)
+    assert st_ is Status.OK and bytes(rec.payload) == payload

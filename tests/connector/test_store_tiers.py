@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool_connector.store import BufferTooSmall, open_store
+from tests.conftest import SECURITY
+from kvpool_connector.store import open_store
 
 SIZES = [1, 4095, 4096, 70_001, 1 << 20, (2 << 20) + 3]
 LAYOUT = b"test-model|bf16|L2xH4xD64|blk16"
@@ -29,7 +30,7 @@ def payloads_of(sizes) -> list[bytes]:
 def build(namespace, *tiers, **extra):
     # a generous bound: these tests check function, and moto on 2 busy cores can be slow
     return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": 5,
-                       **extra}, layout=LAYOUT)
+                       "security": SECURITY, **extra}, layout=LAYOUT)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "s3"])
@@ -44,10 +45,11 @@ def test_round_trip_single_tier(kind, tier_cfgs, namespace):
     outs = [bytearray(len(v) + 7) for v in vals]
     assert s.get_many_into(keys, outs) == [len(v) for v in vals]
     assert all(o[:len(v)] == v for o, v in zip(outs, vals))
-    with pytest.raises(BufferTooSmall):
-        s.get_into(keys[-1], bytearray(10))
+    assert s.get_into(keys[-1], bytearray(10)) is None  # cannot be the caller's layout
     st = s.stats()["tiers"][kind]
-    assert st["hits"] == 2 * len(SIZES) and st["misses"] == 2 and st["errors"] == 0
+    assert st["rejected"] == 1 and st["errors"] == 0
+    assert st["hits"] == 2 * len(SIZES) and st["misses"] == 3
+    assert bytes(s.get(keys[-1])) == vals[-1]  # refused, not removed
     assert st["bytes_in"] == sum(SIZES)
     s.close()
 
@@ -98,6 +100,26 @@ def test_promotion_through_get_into_and_into_middle_tiers(tier_cfgs, namespace):
     assert s.flush(10)
     st = s.stats()["tiers"]
     assert st["cpu"]["objects"] == 2 and st["disk"]["objects"] == 2
+    s.close()
+
+
+def test_promotion_into_a_remote_first_tier(tier_cfgs, namespace):
+    """Redis first, S3 below: an S3 hit is served and copied up into Redis (queued)."""
+    keys, vals = rand_keys(2), payloads_of([70_000, 1 << 20])
+    w = build(namespace, tier_cfgs["s3"])
+    w.put_many(keys, vals)
+    w.close()
+    s = build(namespace, tier_cfgs["redis"], tier_cfgs["s3"])
+    outs = [bytearray(len(v)) for v in vals]
+    assert s.get_many_into(keys, outs) == [len(v) for v in vals] and outs == vals
+    assert s.flush(10)
+    st = s.stats()["tiers"]
+    assert st["s3"]["promotions"] == 2 and st["redis"]["errors"] == 0
+    assert [bytes(g) for g in s.get_many(keys)] == vals
+    assert s.stats()["tiers"]["redis"]["hits"] == 2
+    only_redis = build(namespace, tier_cfgs["redis"])
+    assert [bytes(g) for g in only_redis.get_many(keys)] == vals
+    only_redis.close()
     s.close()
 
 
@@ -155,15 +177,15 @@ def test_contains_prefix_unions_tiers(tier_cfgs, namespace):
     r.put_many([keys[0]], [b"zero"])
     r.close()
     s = build(namespace, tier_cfgs["cpu"], tier_cfgs["redis"], promote=False)
-    s.runners[0].tier.put_many([_rec(keys[1], b"one", s.layout)])
+    s.runners[0].tier.put_many([_rec(s.object_names([keys[1]])[0], b"one", s.layout)])
     assert s.contains_prefix(keys) == 2
     s.close()
 
 
-def _rec(key, payload, layout):
+def _rec(name, payload, layout):
     from kvpool_connector.store.format import Record
 
-    return Record(key, layout, memoryview(payload))
+    return Record(name, layout, memoryview(payload))
 
 
 @pytest.mark.parametrize("kind", ["disk", "redis", "s3"])
@@ -189,7 +211,9 @@ def test_s3_objects_live_under_prefix_and_namespace(tier_cfgs, namespace, s3_ser
     s.close()
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket,
                                                 Prefix=f"kv/{namespace}/")
-    assert [o["Key"] for o in listed["Contents"]] == [f"kv/{namespace}/{key.hex()}"]
+    name = s.object_names([key])[0].hex()
+    assert [o["Key"] for o in listed["Contents"]] == [f"kv/{namespace}/{name}"]
+    assert key.hex() not in name  # the key (a prompt's hash) cannot be read off the bucket
 
 
 def test_s3_creates_its_bucket(tier_cfgs, namespace, s3_server):
@@ -209,7 +233,7 @@ def test_redis_ttl(tier_cfgs, namespace, redis_server):
     s.put_many([key], [b"v"])
     s.close()
     r = redis.Redis.from_url(redis_server.url, password=redis_server.password)
-    assert 0 < r.ttl(f"kvpool:{namespace}:{key.hex()}") <= 3600
+    assert 0 < r.ttl(f"kvpool:{namespace}:{s.object_names([key])[0].hex()}") <= 3600
 
 
 def test_disk_restart_finds_objects(tmp_path, namespace):
@@ -229,7 +253,8 @@ _WRITER = """
 import os, sys
 from kvpool_connector.store import open_store
 s = open_store({"namespace": sys.argv[2], "metrics": False, "tiers": [{"type": "disk",
-    "path": sys.argv[1], "size": "64Mi", "rescan_seconds": 0}]}, layout=b"L")
+    "path": sys.argv[1], "size": "64Mi", "rescan_seconds": 0}],
+    "security": {"key_env": "KVPOOL_TEST_POOL_KEY"}}, layout=b"L")
 for r in range(30):
     for i in range(20):
         s.put_many([bytes([i]) * 32], [bytes([i, r % 5]) * (50_000 + i)])
@@ -242,7 +267,7 @@ def test_processes_share_a_directory(tmp_path, namespace):
     either a miss or the whole right object; afterwards this process sees all of them."""
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), namespace])
              for _ in range(2)]
-    reader = open_store({"namespace": namespace, "tiers": [
+    reader = open_store({"namespace": namespace, "security": SECURITY, "tiers": [
         {"type": "disk", "path": str(tmp_path), "size": "64Mi", "rescan_seconds": 0.2}]},
         layout=b"L")
     keys = [bytes([i]) * 32 for i in range(20)]
@@ -334,7 +359,8 @@ def test_disk_direct_io(tmp_path, namespace):
     s.put_many(keys, vals)
     tier = s.runners[0].tier  # O_DIRECT where the filesystem takes it, else buffered writes
     assert [bytes(g) for g in s.get_many(keys)] == vals
-    assert [os.path.getsize(tier.path(k)) for k in keys] == [len(v) + 72 for v in vals]
+    assert [os.path.getsize(tier.path(n)) for n in s.object_names(keys)] == \
+        [len(v) + 48 + 32 + 16 for v in vals]  # header, name, tag
     s.close()
 
 
@@ -383,16 +409,10 @@ def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
 
 def test_redis_over_tls(tmp_path, namespace):
     """rediss:// against a real TLS redis-server, verified with its CA file (and insecure)."""
-    import shutil
-
     from kvpool_connector.testbed.servers import free_port, wait_port
+    from tests.conftest import self_signed_cert
 
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     port = free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
@@ -434,9 +454,15 @@ def test_s3_presence_cache_saves_requests(tier_cfgs, namespace, s3_server):
     assert asked >= 13
     assert other.contains_prefix(keys) == 12 and len(heads) == asked
     s3_server.client().delete_object(Bucket=s3_server.bucket,
-                                     Key=f"kv/{namespace}/{keys[0].hex()}")
+                                     Key=f"kv/{namespace}/{s.object_names(keys)[0].hex()}")
     assert other.contains_prefix(keys) == 12  # cached presence ...
     assert other.get_many(keys[:1]) == [None]  # ... costs a miss, and is corrected
     assert other.contains_prefix(keys) == 0
+    # a miss is remembered too, until someone reports the key stored (the connector's
+    # scheduler does, for chunks its workers just saved)
+    s.put_many(keys[:1], [b"v"])
+    assert other.contains_prefix(keys) == 0
+    other.forget_absent(keys[:1])
+    assert other.contains_prefix(keys) == 12
     s.close()
     other.close()

@@ -14,25 +14,23 @@ import time
 import uuid
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvpool_connector import vllm_tiers  # noqa: E402
+from kvpool_connector import vllm_tiers
+from tests.conftest import SECURITY
 
 BLOCK_BYTES = 8192       # one worker's KV bytes per vLLM block
 BLOCKS_PER_CHUNK = 4     # a chunk (one object) = 32 KiB
@@ -155,14 +153,15 @@ def payloads(n: int) -> list[bytes]:
 # `namespace`, `redis_tier` and `s3_tier` come from tests/connector/conftest.py.
 @pytest.fixture
 def redis_options(redis_tier, namespace) -> dict:
-    return {"namespace": namespace, "tiers": [redis_tier]}
+    return {"namespace": namespace, "security": SECURITY, "tiers": [redis_tier]}
 
 
 @pytest.fixture
 def s3_options(s3_tier, namespace) -> dict:
     # These tests check the tier's plumbing, not latency: a generous bound keeps a busy
     # machine (moto answers slowly under load) from turning writes into drops.
-    return {"namespace": namespace, "timeout_seconds": 5.0, "tiers": [s3_tier]}
+    return {"namespace": namespace, "security": SECURITY, "timeout_seconds": 5.0,
+            "tiers": [s3_tier]}
 
 
 @pytest.mark.parametrize("backend", ["redis", "s3"])

@@ -1,8 +1,14 @@
 """Shared pieces of the KVPoolConnector end-to-end tests.
 
-Every test compares greedy outputs with a recompute baseline: one plain engine (no
-connector) computes all prompts of the suite once per session (`baseline`), so the connector
-engines never run next to it.
+Two oracles (see kvpool_connector.testbed.oracle):
+- the KV itself, exactly: every connector engine runs with the KV audit on
+  (`KVPOOL_KV_AUDIT_DIR`), and after every test each block a load wrote into a paged cache
+  must equal, bit for bit, a block saved under the same chunk key and position;
+- outputs against recompute, the way vLLM's own tests compare them: one plain engine (no
+  connector) computes every prompt of the suite once (`baseline`), and a connector engine's
+  output must be logprob-close to it (its batch schedule and prefill chunking differ).
+  Exact token equality is asserted only between runs with the same schedule by
+  construction (two hits of the same prompts, alone in the batch).
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_connector.connector.audit import AUDIT_ENV, check_audit
 from kvpool_connector.testbed.engine import OfflineEngine
+from kvpool_connector.testbed.oracle import check_logprobs_close
+from tests.conftest import SECURITY
 
 MAX_TOKENS = 16  # OfflineEngine.generate default
 MAX_MODEL_LEN = 20000
@@ -33,7 +42,7 @@ PROMPTS: dict[str, list[int]] = {
     "a4k": token_prompt(4000, 1),
     "b4k": token_prompt(4100, 2),
     "y3k": token_prompt(3000, 3),
-    **{f"fault{i}": token_prompt(4000, 10 + i) for i in range(4)},
+    **{f"fault{i}": token_prompt(3000, 10 + i) for i in range(5)},
     **{f"conc{i}": SYSTEM + token_prompt(120, 100 + i) for i in range(64)},
     "long16k": token_prompt(16000, 30),
 }
@@ -44,23 +53,36 @@ def full_chunk_tokens(prompt: list[int], chunk: int = CHUNK) -> int:
     return (len(prompt) - 1) // chunk * chunk
 
 
+def chunks_of(name: str) -> int:
+    return len(PROMPTS[name]) // CHUNK
+
+
 def kv_config(tiers: list[dict], namespace: str, **extra) -> dict:
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"namespace": namespace, "chunk_tokens": CHUNK,
-                                          "tiers": tiers, **extra}}
+                                          "tiers": tiers, "security": SECURITY,
+                                          # moto and Redis on 2 busy cores: no drops or
+                                          # misses from a 0.5 s bound meant for production
+                                          "timeout_seconds": 5.0, **extra}}
 
 
 def connector_engine(model: Path, tiers: list[dict], namespace: str, env: dict | None = None,
-                     **kwargs) -> OfflineEngine:
+                     audit_dir: Path | None = None, **kwargs) -> OfflineEngine:
+    """An engine with KVPoolConnector; with `audit_dir`, its workers record the KV audit."""
     extra = kwargs.pop("extra", {})
     kwargs.setdefault("enable_prefix_caching", False)  # every hit must come from the pool
     kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    env = dict(env or {})
+    if audit_dir is not None:
+        env[AUDIT_ENV] = str(audit_dir)
     return OfflineEngine(model, kv_transfer_config=kv_config(tiers, namespace, **extra),
                          env=env, **kwargs)
 
 
 def wait_until(pred, timeout: float = 60.0, what: str = "condition"):
+    """Poll `pred` until it returns something truthy (bounded): lower tiers are written
+    behind the forward pass, so their contents are waited for, never read once."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -72,12 +94,42 @@ def wait_until(pred, timeout: float = 60.0, what: str = "condition"):
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model) -> dict[str, list[int]]:
-    """Greedy outputs of every prompt in PROMPTS from an engine without any connector."""
+def baseline(tiny_model) -> dict[str, dict]:
+    """Outputs (tokens and top-k logprobs) of every prompt in PROMPTS from an engine without
+    any connector."""
     names = list(PROMPTS)
     with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as eng:
         outs = eng.generate([PROMPTS[n] for n in names], max_tokens=MAX_TOKENS)
-    return {n: o["token_ids"] for n, o in zip(names, outs)}
+    return dict(zip(names, outs))
+
+
+def assert_close_to_baseline(outs: list[dict], names: list[str], baseline: dict[str, dict],
+                             label: str = "") -> None:
+    check_logprobs_close(outs, [baseline[n] for n in names], names=names, label=label)
+
+
+@pytest.fixture(scope="session")
+def audit_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kv-audit")
+
+
+class Audit:
+    """The KV audit of every connector engine of the session (see the module docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def check(self) -> int:
+        """Blocks loaded so far; fails if any of them differs from what was saved."""
+        n, problems = check_audit(self.directory)
+        assert not problems, f"{len(problems)} loaded KV blocks differ from the saved ones:\n  " \
+                             + "\n  ".join(problems[:20])
+        return n
+
+
+@pytest.fixture(scope="session")
+def audit(audit_dir) -> Audit:
+    return Audit(audit_dir)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +151,14 @@ def s3_tier(s3_server) -> dict:
             "region": s3_server.region, "timeout_seconds": 5.0}
 
 
-def redis_keys(redis_server, namespace: str) -> list[bytes]:
+def redis_client(redis_server):
     import redis
 
-    r = redis.Redis.from_url(redis_server.url, password=redis_server.password)
+    return redis.Redis.from_url(redis_server.url, password=redis_server.password)
+
+
+def redis_keys(redis_server, namespace: str) -> list[bytes]:
+    r = redis_client(redis_server)
     try:
         return list(r.scan_iter(match=f"*{namespace}:*", count=1000))
     finally:

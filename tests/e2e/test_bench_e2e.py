@@ -1,7 +1,7 @@
 """Smoke test of `kvpool bench e2e --quick --json`: real engines, numbers present and sane.
 
 No timing thresholds: the benchmark prints ratios; this only checks that every measurement
-exists, hits cover the prompt and greedy outputs match the baseline.
+exists, hits cover the prompt and outputs are logprob-close to the baseline.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_bench_e2e_quick_json(repo_root, tiny_model):
         assert set(row["configs"]) == {"kvpool-cold", "cpu", "disk", "example-cold", "example"}
         for name, entry in row["configs"].items():
             assert 0 < entry["ttft_s"] < 120 and math.isfinite(entry["x_recompute"]), name
-            assert entry["tokens_match"] is True, name
+            assert entry["outputs_close"] is True, name
             cold = name.endswith("cold")
             # a hit covers every whole vLLM block but the one holding the last prompt token
             if cold:
@@ -69,8 +69,9 @@ def test_plan_starts_one_engine_per_fresh_tier():
 def _m(config, tokens, ttft, tokens_out=(1, 2)):
     from kvpool_connector.bench.e2e_bench import Measurement
 
+    top = [[[t, -0.1], [t + 100, -2.0]] for t in tokens_out]  # each token first, one runner-up
     return Measurement(config, tokens, ttft, 0 if config == "recompute" else tokens - 128,
-                       list(tokens_out), config)
+                       list(tokens_out), config, logprobs=top)
 
 
 def test_summary_ratios_goals_and_table():
@@ -83,7 +84,11 @@ def test_summary_ratios_goals_and_table():
     assert summary["baseline"] == "recompute"
     assert row["cpu"]["x_recompute"] == pytest.approx(0.04)
     assert row["cpu"]["speedup_vs_example"] == pytest.approx(10.0)
-    assert row["redis"]["tokens_match"] is False and row["disk"]["tokens_match"] is True
+    assert row["redis"]["outputs_close"] is False and row["disk"]["outputs_close"] is True
+    # a swap at a near tie (each token in the other's top-k) is close, not a mismatch
+    tie = _m("example", 8192, 4.0, tokens_out=(101, 5))
+    tie.logprobs[0] = [[101, -0.1], [1, -0.11]]
+    assert summarize([results[0], tie], [8192])["rows"][0]["configs"]["example"]["outputs_close"]
     sched = {"kvpool-seed": {"steps": 10, "us_per_step": 50.0, "share": 0.002}}
     goals = {g["goal"].split()[0] + (" ex" if "Example" in g["goal"] else ""): g["met"]
              for g in evaluate_goals(summary, sched)}

@@ -44,6 +44,14 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     assert with_["metrics"]["external_hit_rate"] > 0.3
     assert with_["cached_token_share"] > without["cached_token_share"]
     assert with_["metrics"]["tiers"]["cpu"]["hit_chunks"] > 0
+    # the server's /metrics: tokens from kvpool, split by vLLM's hit sources, and the
+    # connector's own counters
+    m = with_["metrics"]
+    assert m["external_hit_tokens"] > 0 and with_["cached_tokens"] > 0
+    assert m["cached_tokens_by_source"].get("host", 0) > 0  # vLLM's split: the cpu tier
+    c = m["connector"]
+    assert c["saved_chunks"] > 0 and c["loaded_chunks"] > 0 and c["lookups"] >= n
+    assert c["load_error_chunks"] == 0
 
 
 # -- the pure parts (no engine) --------------------------------------------------------------
@@ -57,6 +65,11 @@ vllm:prefix_cache_hits_total{engine="0",model_name="local"} 250.0
 vllm:external_prefix_cache_queries_total{engine="0",model_name="local"} 750.0
 # TYPE vllm:external_prefix_cache_hits counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="local"} 600.0
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="local",source="host"} 512.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="local",source="disk"} 88.0
+# TYPE kvpool_loaded_chunks counter
+kvpool_loaded_chunks_total{engine="0",model_name="local"} 10.0
 # TYPE kvpool_tier_hit_chunks counter
 kvpool_tier_hit_chunks_total{engine="0",model_name="local",tier="cpu"} 9.0
 kvpool_tier_hit_chunks_total{engine="0",model_name="local",tier="disk"} 1.0
@@ -72,6 +85,10 @@ def test_parse_metrics_hit_rates_per_tier():
     assert m["local_hit_rate"] == 0.25 and m["external_hit_rate"] == 0.8
     assert m["tiers"]["cpu"] == {"hit_chunks": 9.0, "miss_chunks": 1.0, "hit_rate": 0.9}
     assert m["tiers"]["disk"]["hit_rate"] == 1.0
+    assert m["external_hit_tokens"] == 600.0
+    assert m["cached_tokens_by_source"] == {"host": 512.0, "disk": 88.0}
+    assert m["connector"] == {"saved_chunks": 0.0, "loaded_chunks": 10.0,
+                              "load_error_chunks": 0.0, "lookups": 0.0}
     assert parse_metrics("")["external_hit_rate"] is None
 
 

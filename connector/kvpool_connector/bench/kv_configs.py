@@ -11,6 +11,14 @@ from typing import Any
 
 KVPOOL_MODULE = "kvpool_connector.vllm"
 TIMED_MODULE = "kvpool_connector.bench.timed_connector"
+POOL_KEY_ENV = "KVPOOL_POOL_KEY"  # the engines' pool key (object names, MACs, encryption)
+
+
+def pool_key_env() -> dict[str, str]:
+    """Environment giving engines a fresh random pool key (one per benchmark or demo run)."""
+    import secrets
+
+    return {POOL_KEY_ENV: secrets.token_urlsafe(32)}
 
 
 def kvpool_connector_available() -> bool:
@@ -23,14 +31,16 @@ def kvpool_connector_available() -> bool:
 
 def kvpool_config(tiers: list[dict[str, Any]], namespace: str, chunk_tokens: int = 256,
                   timed: bool = False, **connector_keys: Any) -> dict[str, Any]:
-    """The kvpool connector with the given store tiers (the connector contract of issue 4)."""
+    """The kvpool connector with the given store tiers; the pool key comes from
+    POOL_KEY_ENV (see pool_key_env)."""
     return {
         "kv_connector": "TimedKVPoolConnector" if timed else "KVPoolConnector",
         "kv_connector_module_path": TIMED_MODULE if timed else KVPOOL_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"namespace": namespace, "tiers": list(tiers),
-                                      "chunk_tokens": chunk_tokens, **connector_keys},
+                                      "chunk_tokens": chunk_tokens,
+                                      "security": {"key_env": POOL_KEY_ENV}, **connector_keys},
     }
 
 

@@ -1,18 +1,23 @@
-"""`kvpool bench store`: each tier of the store against the raw baseline for the same bytes.
+"""`kvpool bench store`: each tier of the store against the raw baseline for the same bytes,
+with the cost of authenticating (MAC) and encrypting objects, side by side in one run.
 
 For every tier it writes and reads N chunks (default 64 x 2 MiB: 256 tokens of an 8B-class
 model's KV for one rank) through the store, and in the same run moves the same bytes the
 plain way: memcpy into / out of a preallocated buffer (cpu), one file per chunk written and
 read in the same directory (disk), pipelined SET / GET with redis-py (redis), put_object /
-get_object with boto3 at the same concurrency (s3). Baseline and store alternate batch by
-batch (who goes first alternates too), each round writes new keys (as a serving engine does;
-the cpu tier evicts from round 2 on) and reads them back; the 80th percentile of the batch
-rates of each side is reported, which keeps the noise of a shared machine out of the ratio. It also times
+get_object with boto3 at the same concurrency (s3). For the shared tiers three stores run
+next to the baseline: `xxh3` (objects checksummed but not authenticated, what kvpool did
+before keyed MACs; insecure, here only to price the MAC), `mac` (the default: BLAKE3 keyed
+MAC) and `aes` (`security.encrypt`: AES-256-GCM). The sides alternate batch by batch (who
+goes first rotates), each round writes new keys (as a serving engine does; the cpu tier
+evicts from round 2 on) and reads them back; the 80th percentile of the batch rates of each
+side is reported, which keeps the noise of a shared machine out of the ratios. It also times
 `contains_prefix` on 128 keys and the disk tier's index rebuild at start.
 
 Without --redis-url / --s3-endpoint it starts a private redis-server / moto S3 server
-(kvpool_connector.testbed.servers). Goal: ratio >= 0.8 both ways, contains_prefix on 128
-keys under 100 us for cpu and disk.
+(kvpool_connector.testbed.servers). Goals: mac / raw >= 0.8 both ways; mac / xxh3 >= 0.9
+(the MAC costs at most 10%), aes / xxh3 >= 0.75 (encryption at most 25%); contains_prefix
+on 128 keys under 100 us for cpu and disk.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -33,9 +39,35 @@ import numpy as np
 
 from ..config import parse_size
 from ..store import open_store
+from ..store.sealing import Keyring, PoolKey
 
-RATIO_GOAL = 0.8
+
+class ChecksumOnlyKey(PoolKey):
+    """An unkeyed xxh3 "MAC": objects as kvpool checksummed them before keyed MACs. Anyone
+    could forge these; the benchmark uses them only to price the real MAC."""
+
+    class _Xxh3:
+        def __init__(self) -> None:
+            import xxhash
+
+            self._h = xxhash.xxh3_128()
+
+        def update(self, data) -> None:
+            self._h.update(data)
+
+        def digest(self) -> bytes:
+            return self._h.digest() * 2  # the MAC field is 32 bytes
+
+    def mac(self):
+        return self._Xxh3()
+
+RATIO_GOAL = 0.8        # mac / raw
+MAC_COST_GOAL = 0.9     # mac / xxh3
+AES_COST_GOAL = 0.75    # aes / xxh3
 CONTAINS_GOAL_US = 100.0
+POOL_KEY_ENV = "KVPOOL_BENCH_POOL_KEY"
+VARIANTS = {"xxh3": {"key_env": POOL_KEY_ENV}, "mac": {"key_env": POOL_KEY_ENV},
+            "aes": {"key_env": POOL_KEY_ENV, "encrypt": True}}
 TIERS = ("cpu", "disk", "redis", "s3")
 
 
@@ -202,66 +234,91 @@ class Bench:
                 "region": self.args.s3_region}
 
     # -- one tier -------------------------------------------------------------------------
+    def open_variant(self, tier: dict, variant: str):
+        store = open_store({"namespace": f"bench-{uuid.uuid4().hex[:8]}", "tiers": [tier],
+                            # a long timeout: the benchmark measures throughput, not faults
+                            "timeout_seconds": 30, "security": VARIANTS[variant]},
+                           layout=b"bench")
+        if variant == "xxh3":
+            store.keyring = Keyring(ChecksumOnlyKey(os.urandom(32)))
+        return store
+
     def run_tier(self, kind: str) -> tuple[list[dict], float | None]:
         n = self.args.s3_chunks if kind == "s3" else self.args.chunks
         vals = self.chunks(n)
         bsz = self.args.batch
         spans = [range(i, min(i + bsz, n)) for i in range(0, n, bsz)]
         raw, tier = self.baseline(kind, vals)
-        # a long timeout: the benchmark measures throughput, not the fault path
-        store = open_store({"namespace": f"bench-{uuid.uuid4().hex[:8]}", "tiers": [tier],
-                            "timeout_seconds": 30}, layout=b"bench")
+        # the cpu tier lives in-process and seals nothing: one store is all there is
+        variants = ["mac"] if kind == "cpu" else list(VARIANTS)
+        stores = {v: self.open_variant(tier, v) for v in variants}
         outs = [memoryview(bytearray(self.size)) for _ in range(n)]
         native = kind in ("cpu", "disk")
-        keys: list[bytes] = []
-        written: list[bytes] = []
+        keys: dict[str, list[bytes]] = {v: [] for v in variants}
+        written: dict[str, list[bytes]] = {v: [] for v in variants}
 
-        def s_write(sp: range) -> None:
-            store.put_many(keys[sp.start:sp.stop], vals[sp.start:sp.stop])
+        def writer(v):
+            def write(sp: range) -> None:
+                stores[v].put_many(keys[v][sp.start:sp.stop], vals[sp.start:sp.stop])
+            return write
 
-        def s_read(sp: range) -> None:
-            if native:
-                got = store.get_many_into(keys[sp.start:sp.stop], outs[sp.start:sp.stop])
-            else:
-                got = store.get_many(keys[sp.start:sp.stop])
-            if any(g is None for g in got):
-                raise RuntimeError(f"{kind}: store missed objects it just wrote")
+        def reader(v):
+            def read(sp: range) -> None:
+                ks = keys[v][sp.start:sp.stop]
+                got = (stores[v].get_many_into(ks, outs[sp.start:sp.stop]) if native
+                       else stores[v].get_many(ks))
+                if any(g is None for g in got):
+                    raise RuntimeError(f"{kind}/{v}: store missed objects it just wrote")
+            return read
 
-        samples: dict[str, list[float]] = {k: [] for k in
-                                           ("raw_write", "store_write", "raw_read", "store_read")}
+        sides = ["raw"] + variants
+        fns = {"write": {"raw": raw.write, **{v: writer(v) for v in variants}},
+               "read": {"raw": raw.read, **{v: reader(v) for v in variants}}}
+        samples = {(who, op): [] for who in sides for op in ("write", "read")}
         settle = os.sync if kind == "disk" else (lambda: None)  # no dirty pages carried over
         for rnd in range(self.args.rounds):
-            keys[:] = [os.urandom(32) for _ in range(n)]
-            written.extend(keys)
+            for v in variants:
+                keys[v] = [os.urandom(32) for _ in range(n)]
+                written[v].extend(keys[v])
             raw.new_round()
-            for op, fns in (("write", {"raw": raw.write, "store": s_write}),
-                            ("read", {"raw": raw.read, "store": s_read})):
+            for op in ("write", "read"):
                 settle()
-                for b, sp in enumerate(spans):  # interleaved batches, alternating who is first
-                    for who in (("raw", "store") if (b + rnd) % 2 == 0 else ("store", "raw")):
+                for b, sp in enumerate(spans):  # interleaved batches, rotating who is first
+                    k = (b + rnd) % len(sides)
+                    for who in sides[k:] + sides[:k]:
                         t0 = time.perf_counter()
-                        fns[who](sp)
-                        samples[f"{who}_{op}"].append(len(sp) * self.size /
-                                                      (time.perf_counter() - t0))
+                        fns[op][who](sp)
+                        samples[(who, op)].append(len(sp) * self.size /
+                                                  (time.perf_counter() - t0))
         if native:
             assert all(o == v for o, v in zip(outs, vals)), "read back wrong bytes"
-        st = store.stats()["tiers"][kind]
-        if st["errors"] or st["drops"] or st["timeouts"]:
-            raise RuntimeError(f"{kind}: store reported errors during the benchmark: {st}")
-        contains_us = self.time_contains(store, keys)
-        store.delete_many(written)
-        store.close()
+        for v, store in stores.items():
+            st = store.stats()["tiers"][kind]
+            if st["errors"] or st["drops"] or st["timeouts"] or st["corrupt"]:
+                raise RuntimeError(f"{kind}/{v}: store reported errors during the benchmark: {st}")
+        contains_us = self.time_contains(stores["mac"], keys["mac"])
+        for v, store in stores.items():
+            store.delete_many(written[v])
+            store.close()
         raw.close()
         rows = []
         for op in ("write", "read"):
-            s_rate = upper_rate(samples[f"store_{op}"])
-            r_rate = upper_rate(samples[f"raw_{op}"])
-            rows.append({"tier": kind, "op": op, "chunks": n, "chunk_bytes": self.size,
-                         "samples": len(samples[f"store_{op}"]),
-                         "store_gbps": s_rate / 1e9, "raw_gbps": r_rate / 1e9,
-                         "ratio": s_rate / r_rate, "meets_goal": s_rate / r_rate >= RATIO_GOAL,
-                         "api": ("put_many" if op == "write" else
-                                 "get_many_into" if native else "get_many")})
+            rate = {who: upper_rate(samples[(who, op)]) for who in sides}
+            row = {"tier": kind, "op": op, "chunks": n, "chunk_bytes": self.size,
+                   "samples": len(samples[("mac", op)]),
+                   "raw_gbps": rate["raw"] / 1e9,
+                   **{f"{v}_gbps": rate[v] / 1e9 for v in variants},
+                   "ratio": rate["mac"] / rate["raw"],
+                   "api": ("put_many" if op == "write" else
+                           "get_many_into" if native else "get_many")}
+            row["meets_goal"] = row["ratio"] >= RATIO_GOAL
+            if kind != "cpu":
+                row["aes_ratio"] = rate["aes"] / rate["raw"]
+                row["mac_vs_xxh3"] = rate["mac"] / rate["xxh3"]
+                row["aes_vs_xxh3"] = rate["aes"] / rate["xxh3"]
+                row["meets_goal"] = (row["meets_goal"] and row["mac_vs_xxh3"] >= MAC_COST_GOAL
+                                     and row["aes_vs_xxh3"] >= AES_COST_GOAL)
+            rows.append(row)
         return rows, contains_us
 
     def time_contains(self, store, keys) -> float | None:
@@ -295,14 +352,17 @@ class Bench:
     def rebuild(self, count: int) -> dict:
         path = os.path.join(self.workdir, "rebuild")
         tier = {"type": "disk", "path": path, "size": "10Gi", "rescan_seconds": 0}
-        s = open_store({"namespace": "rebuild", "tiers": [tier], "metrics": False})
+        sec = VARIANTS["mac"]
+        s = open_store({"namespace": "rebuild", "tiers": [tier], "metrics": False,
+                        "security": sec})
         payload = b"x" * 256
         keys = [os.urandom(32) for _ in range(count)]
         for i in range(0, count, 1000):
             s.put_many(keys[i:i + 1000], [payload] * len(keys[i:i + 1000]))
         s.close()
         t0 = time.perf_counter()
-        s2 = open_store({"namespace": "rebuild", "tiers": [tier], "metrics": False})
+        s2 = open_store({"namespace": "rebuild", "tiers": [tier], "metrics": False,
+                         "security": sec})
         seconds = time.perf_counter() - t0
         found = s2.stats()["tiers"]["disk"]["objects"]
         s2.close()
@@ -312,14 +372,21 @@ class Bench:
 
 def format_table(result: dict) -> str:
     lines = [f"kvpool bench store: {result['chunk_bytes'] / 2**20:g} MiB chunks, batch "
-             f"{result['batch']}, {result['rounds']} rounds, p80 of batch rates "
-             f"(goal: ratio >= {RATIO_GOAL})",
-             "", f"{'tier':<6} {'op':<6} {'chunks':>6} {'store GB/s':>10} {'raw GB/s':>9} "
-             f"{'ratio':>6}  {'goal':<5} api", "-" * 66]
+             f"{result['batch']}, {result['rounds']} rounds, p80 of batch rates; goals: "
+             f"mac/raw >= {RATIO_GOAL}, mac/xxh3 >= {MAC_COST_GOAL}, aes/xxh3 >= {AES_COST_GOAL}",
+             "", f"{'tier':<6} {'op':<6} {'raw':>7} {'xxh3':>7} {'mac':>7} {'aes':>7}  "
+             f"{'mac/raw':>7} {'aes/raw':>7} {'mac/xxh3':>8} {'aes/xxh3':>8}  goal   (GB/s)",
+             "-" * 92]
+
+    def cell(r, key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
     for r in result["results"]:
-        lines.append(f"{r['tier']:<6} {r['op']:<6} {r['chunks']:>6} {r['store_gbps']:>10.3f} "
-                     f"{r['raw_gbps']:>9.3f} {r['ratio']:>6.2f}  "
-                     f"{'ok' if r['meets_goal'] else 'BELOW':<5} {r['api']}")
+        lines.append(
+            f"{r['tier']:<6} {r['op']:<6} {r['raw_gbps']:>7.3f} {cell(r, 'xxh3_gbps', '>7.3f'):>7} "
+            f"{r['mac_gbps']:>7.3f} {cell(r, 'aes_gbps', '>7.3f'):>7}  {r['ratio']:>7.2f} "
+            f"{cell(r, 'aes_ratio', '>7.2f'):>7} {cell(r, 'mac_vs_xxh3', '>8.2f'):>8} "
+            f"{cell(r, 'aes_vs_xxh3', '>8.2f'):>8}  {'ok' if r['meets_goal'] else 'BELOW'}")
     lines.append("")
     for tier, us in result["contains_prefix_us"].items():
         goal = ""
@@ -360,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--tiers: unknown tier(s) {bad}; choose from {list(TIERS)}", file=sys.stderr)
         return 2
+    os.environ.setdefault(POOL_KEY_ENV, secrets.token_urlsafe(32))
     workdir = tempfile.mkdtemp(prefix="kvpool-bench-", dir=args.disk_path)
     bench = Bench(args, workdir)
     result = {"chunk_bytes": bench.size, "batch": args.batch, "rounds": args.rounds,

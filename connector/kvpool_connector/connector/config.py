@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from ..config import StoreConfig
+from ..config import PositiveSize, StoreConfig, parse_size
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
-                  "require_cache_salt")
+                  "require_cache_salt", "staging_bytes")
 
 
 class ConnectorConfigError(ValueError):
@@ -40,6 +40,10 @@ class ConnectorConfig(StoreConfig):
                                                         "generated tokens, not only the prompt")
     require_cache_salt: bool = Field(False, description="requests without vLLM's cache_salt are "
                                      "neither looked up nor saved (tenant isolation)")
+    staging_bytes: PositiveSize = Field(parse_size("1Gi"), description="host memory for chunks "
+                                        "on their way between the paged KV cache and the store "
+                                        "(pinned on CUDA), per worker; saves beyond it are "
+                                        "dropped")
 
     def store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.
@@ -105,3 +109,27 @@ def check_block_size(cfg: ConnectorConfig, block_size: int) -> int:
             f"{EXTRA_CONFIG}.chunk_tokens: {cfg.chunk_tokens} is not a multiple of vLLM's "
             f"block size {block_size} (use e.g. {max(block_size, cfg.chunk_tokens // block_size * block_size)})")
     return cfg.chunk_tokens // block_size
+
+
+# Public seeds: vLLM derives its block hashes' root from PYTHONHASHSEED verbatim.
+_KNOWN_SEEDS = {"", "0", "random"}
+
+
+def check_hash_algo(algo: str, environ=None) -> None:
+    """Refuse a non-cryptographic prefix hash unless its seed is secret.
+
+    Chunk keys come from vLLM's block hashes. With xxhash, anyone who knows the seed can
+    craft a prompt whose blocks collide with another user's, and so read or poison that
+    user's chunks in a shared pool; sha256 (vLLM's default) has no such attack. vLLM seeds
+    xxhash from PYTHONHASHSEED, which every engine of a pool must share (the operator
+    generates a random one per pool and passes it from a Secret)."""
+    import os
+
+    if not algo.startswith("xxhash"):
+        return
+    seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED", "")
+    if seed.strip() in _KNOWN_SEEDS:
+        raise ConnectorConfigError(
+            f"prefix_caching_hash_algo {algo!r} is not collision resistant: a shared pool needs "
+            "a secret PYTHONHASHSEED shared by its engines (not unset, 0 or 'random'), or the "
+            "default sha256")

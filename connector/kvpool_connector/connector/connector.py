@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -17,8 +18,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..store import open_store
-from .config import ConnectorConfig, ConnectorConfigError, check_block_size, load_connector_config
-from .keys import KeySpace
+from .audit import KVAudit
+from .config import (
+    ConnectorConfig,
+    ConnectorConfigError,
+    check_block_size,
+    check_hash_algo,
+    load_connector_config,
+)
+from .keys import KeySpace, model_config_hash
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .scheduler import SchedulerSide
@@ -72,14 +80,15 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "so a chunk that cannot be loaded is recomputed instead of failing "
                         "the request", getattr(ktc, "kv_load_failure_policy", None))
         mc = vllm_config.model_config
+        hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        check_hash_algo(hash_algo)
         self.spec_fp = spec_fingerprint(kv_cache_config, str(mc.model))
         rank, size = _tp(vllm_config, role)
         self.keyspace = KeySpace(
-            namespace=self.cfg.namespace, model=str(mc.model),
+            namespace=self.cfg.namespace, model=str(mc.model), model_hash=model_config_hash(mc),
+            vllm_version=vllm.__version__,
             dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}", layout=self.spec_fp,
-            tp_rank=rank, tp_size=size,
-            hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-            chunk_tokens=self.cfg.chunk_tokens)
+            tp_rank=rank, tp_size=size, hash_algo=hash_algo, chunk_tokens=self.cfg.chunk_tokens)
         self.prefix = self.keyspace.prefix()
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -112,7 +121,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kcc.num_blocks, backend)
         full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
         store = open_store(self.cfg.store_config(), layout=full_fp)
-        self.worker = WorkerSide(store, self.bpc, self.cfg.layerwise)
+        self.worker = WorkerSide(store, self.bpc, self.cfg.layerwise, audit=KVAudit.from_env(),
+                                 staging_bytes=self.cfg.staging_bytes)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.bpc), self.cfg.chunk_tokens,

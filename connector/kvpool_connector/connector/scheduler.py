@@ -135,9 +135,13 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
+    def _isolated(self, request: "Request") -> bool:
+        """require_cache_salt: a request without a tenant salt neither reads nor writes."""
+        return self.cfg.require_cache_salt and not getattr(request, "cache_salt", None)
+
     def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if not self.load_enabled:
+        if not self.load_enabled or self._isolated(request):
             return 0, False
         hashes = request.block_hashes
         now = time.monotonic()
@@ -242,7 +246,7 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, st: _Req, n_sched: int) -> SaveJob | None:
-        if not self.save_enabled:
+        if not self.save_enabled or self._isolated(st.request):
             return None
         req = st.request
         done_tokens = req.num_computed_tokens + n_sched
@@ -285,6 +289,8 @@ class SchedulerSide:
             if self.track_stored:
                 self.index.add(k)
             self.inflight.discard(k)
+        if wm.stored_keys and self.lower is not None:
+            self.lower.forget_absent(wm.stored_keys)  # no stale "missing" for a new chunk
         for k in wm.dropped_keys:
             self.inflight.discard(k)
         for req_id, keys in wm.failed_loads.items():

@@ -1,17 +1,21 @@
 """Worker-side half: copies chunks between vLLM's paged KV cache and the tiered store.
 
 Saves: after the forward pass (`wait_for_save`), each newly completed chunk is gathered (all
-layers) into one contiguous buffer: a memcpy on CPU, an async copy into pinned host memory
-on a dedicated CUDA stream. A saver thread then hands the buffer to `store.put_many` (cpu
-tier synchronously, lower tiers through the store's queues), so the forward pass never
-waits on disk, Redis or S3. A full save queue drops the save (a future miss, counted).
+layers) into one pooled chunk buffer (buffers.py): a memcpy on CPU, an async copy into
+pinned host memory on a dedicated CUDA stream. A saver thread then hands the buffers to
+`store.put_many` (cpu tier synchronously, lower tiers through the store's bounded queues),
+so the forward pass never waits on disk, Redis or S3. A full save queue or an exhausted
+save pool drops the save (a future miss, counted): host memory stays within
+`staging_bytes`.
 
-Loads: `get_many` probes the tiers in order (a lower-tier hit is promoted into the cpu
-tier) and the chunk is scattered into its blocks. Async loads run on a loader thread while
-the request waits (`finished_recving` when done). Layerwise loads run inside the forward:
-the loader scatters layer by layer and `wait_for_layer_load(i)` waits only for layer i, so
-layer i+1 copies while layer i computes. A chunk that is missing, of the wrong size, or
-fails its checksum in the store is reported through `get_block_ids_with_load_errors`.
+Loads: `get_many_into` probes the tiers in order (a lower-tier hit is promoted into the cpu
+tier), verifying each object before a byte reaches a load buffer, in batches through a
+fixed set of load buffers; the chunks are then scattered into their blocks. Async loads run
+on a loader thread while the request waits (`finished_recving` when done). Layerwise loads
+run inside the forward: the loader scatters layer by layer and `wait_for_layer_load(i)`
+waits only for layer i, so layer i+1 copies while layer i computes. A chunk that is
+missing, of the wrong size, or fails its MAC in the store is reported through
+`get_block_ids_with_load_errors`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .audit import KVAudit
+from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import KVPoolConnectorStats, tier_deltas
@@ -41,13 +47,12 @@ LOAD_BATCH_CHUNKS = 8  # chunks per store read, each read with its own time boun
 @dataclass
 class _PendingSave:
     job: SaveJob
-    buf: torch.Tensor
+    bufs: list[torch.Tensor]  # one pooled buffer per chunk
     event: object | None  # CUDA event of the gather, None on CPU (copy already done)
     queued: bool = True   # False: the save queue was full, the save is dropped
 
     def chunks(self) -> list[torch.Tensor]:
-        size = self.buf.numel() // len(self.job.keys)
-        return [self.buf[i * size:(i + 1) * size] for i in range(len(self.job.keys))]
+        return self.bufs
 
 
 @dataclass
@@ -61,8 +66,13 @@ class _Load:
 
 
 class WorkerSide:
-    def __init__(self, store, blocks_per_chunk: int, layerwise: bool):
+    def __init__(self, store, blocks_per_chunk: int, layerwise: bool,
+                 audit: KVAudit | None = None, staging_bytes: int = 1 << 30):
         self.store = store
+        self.audit = audit
+        self.staging_bytes = staging_bytes
+        self._save_pool: BufferPool | None = None
+        self._load_pool: BufferPool | None = None
         self.bpc = blocks_per_chunk
         self.layerwise = layerwise
         self.layout: KVLayout | None = None
@@ -76,7 +86,8 @@ class WorkerSide:
         self._copied: dict[str, int] = defaultdict(int)          # to report to scheduler
         self._await: set[str] = set()                  # finished reqs awaiting copies
         self._stored: list[bytes] = []
-        self._pending: dict[bytes, torch.Tensor] = {}  # copied out, not yet in the store
+        # chunk key -> (its save, index): copied out of the paged cache, not yet in the store
+        self._pending: dict[bytes, tuple[_PendingSave, int]] = {}
         self._dropped: list[bytes] = []
         self._async_loads: dict[str, _Load] = {}
         self._sync_loads: list[_Load] = []
@@ -98,58 +109,84 @@ class WorkerSide:
         self.cuda = layout.device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
+        chunk = layout.chunk_nbytes(self.bpc)
+        # loads: one batch in flight (one loader thread); saves: the rest of the budget
+        self._load_pool = BufferPool(chunk, LOAD_BATCH_CHUNKS, self.cuda)
+        self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
+                                                - LOAD_BATCH_CHUNKS), self.cuda)
 
     # -- saves -------------------------------------------------------------------------
     def submit_saves(self, meta: KVPoolMetadata) -> None:
-        assert self.layout is not None
+        assert self.layout is not None and self._save_pool is not None
         lay = self.layout
         for job in meta.saves:
             n = len(job.keys)
-            nbytes = lay.chunk_nbytes(self.bpc)
-            buf = torch.empty(n * nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            with self._lock:
+                self._copies_by_req[job.req_id] += 1
+            bufs = self._save_pool.take(n)
+            if bufs is None:  # the staging budget is in use by saves still on their way
+                self._drop(job.keys)
+                self._mark_copied(_PendingSave(job, [], None, queued=False))
+                continue
             event = None
             if self.cuda:
                 # Order after this step's forward, copy on our own stream, never sync here.
                 self.copy_stream.wait_stream(torch.cuda.current_stream(lay.device))
                 with torch.cuda.stream(self.copy_stream):
-                    for i, ids in enumerate(job.block_ids):
-                        lay.gather(torch.tensor(ids, dtype=torch.long),
-                                   buf[i * nbytes:(i + 1) * nbytes])
+                    for buf, ids in zip(bufs, job.block_ids):
+                        lay.gather(torch.tensor(ids, dtype=torch.long), buf)
                     event = torch.cuda.Event()
                     event.record(self.copy_stream)
             else:
-                for i, ids in enumerate(job.block_ids):
-                    lay.gather(torch.tensor(ids, dtype=torch.long), buf[i * nbytes:(i + 1) * nbytes])
-            pending = _PendingSave(job, buf, event)
+                for buf, ids in zip(bufs, job.block_ids):
+                    lay.gather(torch.tensor(ids, dtype=torch.long), buf)
+            pending = _PendingSave(job, bufs, event)
+            # Loads find the chunk in its save buffer until the store holds it; registered
+            # before the saver can see the job, so it can never outlive the saver's put.
             with self._lock:
-                self._copies_by_req[job.req_id] += 1
+                for i, key in enumerate(job.keys):
+                    self._pending[key] = (pending, i)
             try:
                 self._save_q.put_nowait(pending)
             except queue.Full:
                 pending.queued = False
-                with self._lock:
-                    self._dropped.extend(job.keys)
-                self._inc("kvpool_save_dropped_chunks", n)
+                self._unregister(pending)
+                self._drop(job.keys)
             if event is None:
                 self._mark_copied(pending)
             else:
                 self._uncopied.append(pending)
 
+    def _unregister(self, p: _PendingSave) -> None:
+        """Forget p's save buffers as a source for loads (only entries that are still p's)."""
+        with self._lock:
+            for key in p.job.keys:
+                entry = self._pending.get(key)
+                if entry is not None and entry[0] is p:
+                    del self._pending[key]
+
+    def _drop(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._dropped.extend(keys)
+        self._inc("kvpool_save_dropped_chunks", len(keys))
+
     def _mark_copied(self, p: _PendingSave) -> None:
-        """The chunk left the paged KV cache: its blocks may be reused, and until the store
-        holds it, loads are served from this buffer (so it counts as stored right away)."""
+        """The chunk left the paged KV cache: its blocks may be reused, and (served from its
+        save buffer until the store holds it) it counts as stored right away."""
+        if self.audit is not None and p.queued:
+            self.audit.saved(self.layout, p.job.keys, p.chunks(), self.bpc)
         with self._lock:
             self._copies_by_req[p.job.req_id] -= 1
             if self._copies_by_req[p.job.req_id] <= 0:
                 del self._copies_by_req[p.job.req_id]
             self._copied[p.job.req_id] += 1
             if p.queued:
-                for key, chunk in zip(p.job.keys, p.chunks()):
-                    self._pending[key] = chunk
                 self._stored.extend(p.job.keys)
         if p.queued:
             self._inc("kvpool_saved_chunks", len(p.job.keys))
-            self._inc("kvpool_saved_bytes", p.buf.numel())
+            self._inc("kvpool_saved_bytes", sum(b.numel() for b in p.bufs))
+        elif p.bufs:  # copied, but not going anywhere
+            self._save_pool.give(p.bufs)
 
     def _poll_copies(self, wait: bool = False) -> None:
         still = []
@@ -177,9 +214,8 @@ class WorkerSide:
                     self._dropped.extend(p.job.keys)
                 self._inc("kvpool_save_dropped_chunks", len(p.job.keys))
             finally:
-                with self._lock:
-                    for key in p.job.keys:
-                        self._pending.pop(key, None)
+                self._unregister(p)  # loads copy from _pending under the lock: safe to reuse
+                self._save_pool.give(p.bufs)
 
     def preempted(self, req_ids: set[str]) -> None:
         """Blocks of preempted requests are reused next: finish their copies now."""
@@ -213,54 +249,85 @@ class WorkerSide:
                 ld.done.set()
 
     def _run_load(self, ld: _Load) -> None:
+        """Batches of LOAD_BATCH_CHUNKS chunks through the load buffers, each batch read
+        with the store's own time bound (a long prompt from a slow tier loads as long as it
+        makes progress) and scattered before the next is read; after a missing chunk vLLM
+        recomputes from there, so the rest is not read. Layerwise loads scatter the last
+        batch layer by layer, so its copies overlap the forward's first layers."""
         lay = self.layout
-        assert lay is not None
+        assert lay is not None and self._load_pool is not None
         chunks = ld.job.chunks
         if not chunks:
             return
         expect = lay.chunk_nbytes(self.bpc)
-        buf = torch.empty(len(chunks) * expect, dtype=torch.uint8, pin_memory=self.cuda)
-        views = [buf[i * expect:(i + 1) * expect] for i in range(len(chunks))]
-        got: list[int | None] = [None] * len(chunks)
-        with self._lock:  # chunks still on their way to the store: read the save buffer
-            pending = [self._pending.get(c.key) for c in chunks]
-        for i, src in enumerate(pending):  # a save buffer is never written after its gather
-            if src is not None and src.numel() == expect:
-                views[i].copy_(src)
-                got[i] = expect
+        bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
+        assert bufs is not None, "one loader thread owns the load buffers"
+        try:
+            for start in range(0, len(chunks), LOAD_BATCH_CHUNKS):
+                part = chunks[start:start + LOAD_BATCH_CHUNKS]
+                last = start + LOAD_BATCH_CHUNKS >= len(chunks)
+                good = self._read_batch(part, bufs, expect)
+                ld.nbytes += expect * len(good)
+                ld.chunks_ok += len(good)
+                layered = last and not ld.job.is_async and self.layerwise
+                self._scatter(good, ld if layered else None)
+                if self.audit is not None:
+                    self._audit_loads(good)
+                if len(good) < len(part):
+                    ok = {id(c) for c, _ in good}
+                    failed = [c for c in part if id(c) not in ok] + chunks[start + len(part):]
+                    ld.failed_blocks.update(b for c in failed for b in c.block_ids)
+                    break
+        finally:
+            self._load_pool.give(bufs)
+
+    def _read_batch(self, part: list, bufs: list[torch.Tensor], expect: int) -> list:
+        """(chunk, buffer) of the chunks of `part` that arrived whole and verified."""
+        got: list[int | None] = [None] * len(part)
+        with self._lock:  # chunks still on their way to the store: copy the save buffer
+            for i, c in enumerate(part):
+                entry = self._pending.get(c.key)
+                if entry is None:
+                    continue
+                p, j = entry
+                if p.event is not None:
+                    p.event.synchronize()  # its gather may still be on the copy stream
+                if p.bufs[j].numel() == expect:
+                    bufs[i].copy_(p.bufs[j])
+                    got[i] = expect
         rest = [i for i, n in enumerate(got) if n is None]
-        # Batches, each with the store's own time bound: a long prompt from a slow tier
-        # (S3) loads as long as it makes progress, instead of failing on one deadline for
-        # the whole prompt. After a missing chunk vLLM recomputes from there anyway.
-        for start in range(0, len(rest), LOAD_BATCH_CHUNKS):
-            part = rest[start:start + LOAD_BATCH_CHUNKS]
-            try:
-                fetched = self.store.get_many_into([chunks[i].key for i in part],
-                                                   [views[i] for i in part])
-            except ValueError:  # an object larger than a chunk of this layout: not ours
-                fetched = [None] * len(part)
-            for i, n in zip(part, fetched):
+        if rest:
+            fetched = self.store.get_many_into([part[i].key for i in rest],
+                                               [bufs[i] for i in rest])
+            for i, n in zip(rest, fetched):
                 got[i] = n
-            if any(n != expect for n in fetched):
-                break
-        good = []
-        for c, n, src in zip(chunks, got, views):
-            if n != expect:
-                ld.failed_blocks.update(c.block_ids)
-                continue
-            good.append((c, src))
-            ld.nbytes += expect
-        ld.chunks_ok = len(good)
-        layers = range(len(lay.layers)) if (not ld.job.is_async and self.layerwise) else [None]
+        return [(c, bufs[i]) for i, c in enumerate(part) if got[i] == expect]
+
+    def _scatter(self, good: list, layered: _Load | None) -> None:
+        """Copy verified chunks into their blocks: all layers at once, or layer by layer
+        setting `layered`'s per-layer events (layerwise loads inside the forward)."""
+        lay = self.layout
+        layers = range(len(lay.layers)) if layered is not None else [None]
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             for layer in layers:
                 for c, src in good:
                     lay.scatter(src, self.bpc, c.rows, c.block_ids, layer=layer)
                 if self.cuda:
-                    self.copy_stream.synchronize()  # loader thread only
+                    self.copy_stream.synchronize()  # loader thread only; frees the buffers
                 if layer is not None:
-                    ld.layer_done[layer].set()
+                    layered.layer_done[layer].set()
+
+    def _audit_loads(self, good: list) -> None:
+        """Read the loaded blocks back out of the paged cache for the KV audit."""
+        lay = self.layout
+        for c, _ in good:
+            back = torch.empty(lay.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
+                               pin_memory=self.cuda)
+            lay.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
+            if self.cuda:
+                self.copy_stream.synchronize()
+            self.audit.loaded(lay, c.key, c.rows, back)
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._sync_loads or self.layout is None:

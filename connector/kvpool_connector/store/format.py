@@ -1,40 +1,50 @@
-"""Stored object format: a small self-describing header, then the payload.
+"""Stored object format v2: header, payload (or its ciphertext), tag.
 
-    offset size field
-    0      4    magic b"KVP\\x01"
-    4      1    format version (1)
-    5      1    flags (0; any other value is unknown to this version)
-    6      2    key length K (little endian)
-    8      8    payload length N
-    16     16   layout digest (xxh3-128 of the caller's layout fingerprint)
-    32     8    checksum: xxh3-64 over key, layout digest and payload
-    40     K    key
-    40+K   N    payload
+    offset   size field
+    0        4    magic b"KVP\\x02"
+    4        1    format version (2)
+    5        1    flags: bit 0 = payload encrypted (AES-256-GCM); other bits unknown
+    6        2    name length K (little endian)
+    8        8    payload length N
+    16       16   layout digest (xxh3-128 of the caller's layout fingerprint)
+    32       16   salt: random per write; the object's AES key and nonce derive from it
+                  and the pool key
+    48       K    object name (derived from the caller's key with the pool key)
+    48+K     N    payload, or its ciphertext (same length)
+    48+K+N   16   tag: GMAC of header + payload, or, when encrypted, the GCM tag of the
+                  ciphertext with the header as associated data
 
-Every object carries its key and the layout it was written for, so a reader never returns
-bytes written for another key (a hash collision of object names, a renamed file) or another
-KV layout (a model or vLLM upgrade). `parse` never raises on garbage; it says why it failed.
+Every object carries its name and the layout it was written for, and the tag covers both,
+so a reader never returns bytes written for another name (a renamed file), another KV
+layout (a model or vLLM upgrade) or by anyone without the pool key (sealing.py). Version 1
+objects (unkeyed xxh3 checksum) are misses. `check_header` and `open_blob` never raise on
+garbage; they say why they failed.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import struct
 from dataclasses import dataclass, field
 
 import xxhash
+from cryptography.exceptions import InvalidTag
 
-MAGIC = b"KVP\x01"
-VERSION = 1
-_FIXED = struct.Struct("<4sBBHQ16sQ")
-FIXED_SIZE = _FIXED.size  # 40
-MAX_KEY = 1024
+from .sealing import SALT_SIZE, TAG_SIZE, PoolKey
+
+MAGIC = b"KVP\x02"
+VERSION = 2
+FLAG_ENCRYPTED = 1
+_FIXED = struct.Struct("<4sBBHQ16s16s")
+FIXED_SIZE = _FIXED.size  # 48
+MAX_NAME = 1024
 
 
 class Status(enum.Enum):
     OK = "ok"
-    CORRUPT = "corrupt"                 # bad magic/version/length/checksum, or another key
-    FOREIGN_LAYOUT = "foreign_layout"   # intact, but written for another KV layout
+    CORRUPT = "corrupt"                 # bad header or length, failed MAC/tag: never served
+    FOREIGN_LAYOUT = "foreign_layout"   # authentic, but written for another KV layout
 
 
 def layout_digest(layout: bytes | str | None) -> bytes:
@@ -46,28 +56,16 @@ def layout_digest(layout: bytes | str | None) -> bytes:
     return xxhash.xxh3_128_digest(layout)
 
 
-def header_size(key: bytes) -> int:
-    return FIXED_SIZE + len(key)
+def header_size(name: bytes) -> int:
+    return FIXED_SIZE + len(name)
 
 
-def hasher(key: bytes, layout: bytes) -> "xxhash.xxh3_64":
-    """A streaming checksum already fed with key and layout: update() it with the payload."""
-    h = xxhash.xxh3_64()
-    h.update(key)
-    h.update(layout)
-    return h
-
-
-def checksum(key: bytes, layout: bytes, payload) -> int:
-    h = hasher(key, layout)
-    h.update(payload)
-    return h.intdigest()
-
-
-def pack_header(key: bytes, layout: bytes, payload_len: int, csum: int) -> bytes:
-    if len(key) > MAX_KEY:
-        raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY}")
-    return _FIXED.pack(MAGIC, VERSION, 0, len(key), payload_len, layout, csum) + key
+def pack_header(name: bytes, layout: bytes, payload_len: int, encrypted: bool,
+                salt: bytes) -> bytes:
+    if len(name) > MAX_NAME:
+        raise ValueError(f"name of {len(name)} bytes exceeds {MAX_NAME}")
+    return _FIXED.pack(MAGIC, VERSION, FLAG_ENCRYPTED if encrypted else 0, len(name),
+                       payload_len, layout, salt) + name
 
 
 def to_view(payload) -> memoryview:
@@ -98,82 +96,154 @@ def _torch_view(t) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
+@dataclass(frozen=True)
+class Header:
+    """The parsed fixed fields of an object, checked against what the reader expects."""
+
+    status: Status
+    payload_len: int = 0
+    encrypted: bool = False
+    salt: bytes = b""
+    raw: bytes = b""  # the header's bytes: authenticated with the payload
+
+    @property
+    def size(self) -> int:
+        return len(self.raw)
+
+
+_BAD = Header(Status.CORRUPT)
+
+
+def check_header(hdr, name: bytes, layout: bytes, total_len: int) -> Header:
+    """Validate a header (the first header_size(name) bytes) against an object of total_len
+    bytes. FOREIGN_LAYOUT is tentative until the tag confirms the object is authentic."""
+    if len(hdr) < FIXED_SIZE + len(name):
+        return _BAD
+    magic, version, flags, nlen, n, lay, salt = _FIXED.unpack_from(hdr, 0)
+    if magic != MAGIC or version != VERSION or flags & ~FLAG_ENCRYPTED or nlen != len(name):
+        return _BAD
+    encrypted = bool(flags & FLAG_ENCRYPTED)
+    if FIXED_SIZE + nlen + n + TAG_SIZE != total_len:
+        return _BAD
+    if bytes(hdr[FIXED_SIZE:FIXED_SIZE + nlen]) != name:
+        return _BAD
+    return Header(Status.OK if lay == layout else Status.FOREIGN_LAYOUT, n, encrypted, salt,
+                  bytes(hdr[:FIXED_SIZE + nlen]))
+
+
 @dataclass
 class Record:
-    """One object on its way between tiers: payload plus (lazily) its header.
+    """One object on its way between tiers: the plaintext payload and, for the shared tiers,
+    its sealed form (header, body = payload or ciphertext, tag) under `key`.
 
-    `blob` is a contiguous header+payload buffer owned by the store once `freeze()` ran (or
-    when the record was read from a tier); it is shared, read-only, by every lower tier.
+    `seal()` makes the sealed form once; `freeze()` makes it one contiguous buffer owned by
+    the store (the caller may then reuse its memory), shared read-only by every lower tier.
+    A record read from a tier already holds its sealed form (`blob`).
     """
 
-    key: bytes
+    name: bytes
     layout: bytes
     payload: memoryview
-    csum: int | None = None
+    key: PoolKey | None = None
+    encrypt: bool = False
     blob: memoryview | None = None
-    _header: bytes | None = field(default=None, repr=False)
+    _parts: tuple[bytes, memoryview, bytes] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return len(self.payload)
 
-    def header(self) -> bytes:
-        if self._header is None:
-            if self.csum is None:
-                self.csum = checksum(self.key, self.layout, self.payload)
-            self._header = pack_header(self.key, self.layout, len(self.payload), self.csum)
-        return self._header
+    def parts(self) -> tuple[bytes, memoryview, bytes]:
+        """(header, body, tag) of the sealed object; body is the payload itself when only
+        MAC'd (no copy), the ciphertext when encrypted."""
+        if self._parts is None:
+            assert self.key is not None, "a record without a key cannot be sealed"
+            if self.encrypt:
+                self.freeze()
+            else:
+                salt = os.urandom(SALT_SIZE)
+                hdr = pack_header(self.name, self.layout, len(self.payload), False, salt)
+                self._parts = (hdr, self.payload, self.key.mac(salt, (hdr, self.payload)))
+        return self._parts
+
+    def sealed_size(self) -> int:
+        return header_size(self.name) + len(self.payload) + TAG_SIZE
 
     def freeze(self) -> "Record":
-        """Copy header+payload into one owned buffer (the caller may reuse its memory)."""
-        if self.blob is None:
-            hdr = self.header()
-            self.blob = memoryview(hdr + self.payload)  # bytes: clients take it as is
-            self.payload = self.blob[len(hdr):]
+        """One owned header + body + tag buffer (a single copy of the payload)."""
+        if self.blob is not None:
+            return self
+        n = len(self.payload)
+        if self.encrypt:
+            salt = os.urandom(SALT_SIZE)
+            hdr = pack_header(self.name, self.layout, n, True, salt)
+            buf = bytearray(len(hdr) + n + TAG_SIZE)
+            buf[:len(hdr)] = hdr
+            self.key.encrypt_into(salt, hdr, self.payload, memoryview(buf)[len(hdr):])
+        else:
+            hdr, body, tag = self.parts()
+            buf = bytearray(len(hdr) + n + len(tag))
+            mv = memoryview(buf)
+            mv[:len(hdr)] = hdr
+            mv[len(hdr):len(hdr) + n] = body
+            mv[len(hdr) + n:] = tag
+        self.blob = memoryview(buf).toreadonly()
+        h = len(hdr)
+        self._parts = (hdr, self.blob[h:h + n], bytes(self.blob[h + n:]))
+        if not self.encrypt:
+            self.payload = self._parts[1]  # the caller's memory is no longer referenced
         return self
 
-    def blob_bytes(self) -> bytes:
-        """The blob as `bytes` (no copy when it already is a view of a whole bytes object)."""
+    def blob_buffer(self) -> bytes | bytearray:
+        """The sealed object as bytes or bytearray (what clients like boto3 take), no copy
+        when the blob is a whole buffer of its own."""
         b = self.freeze().blob
-        if isinstance(b.obj, bytes) and len(b) == len(b.obj):
+        if isinstance(b.obj, (bytes, bytearray)) and len(b) == len(b.obj):
             return b.obj
         return bytes(b)
 
 
-def parse(blob, key: bytes, layout: bytes, *, verify: bool = True) -> tuple[Status, Record | None]:
-    """Check a stored object against the expected key and layout; never raises on junk."""
+def open_blob(blob, name: bytes, layout: bytes, key: PoolKey,
+              out: memoryview | None = None) -> tuple[Status, Record | None]:
+    """Check a stored object and return its plaintext (into `out` when given; a payload
+    larger than `out` is CORRUPT for this reader). Never raises on garbage; on any failure
+    `out` holds no byte of the object."""
     try:
         mv = to_view(blob)
     except (TypeError, ValueError):
         return Status.CORRUPT, None
-    st, n, csum, stored_layout = check_header(mv[:FIXED_SIZE + len(key)], key, layout, len(mv))
-    if st is Status.CORRUPT:
-        return st, None
-    payload = mv[FIXED_SIZE + len(key):]
-    if verify and checksum(key, stored_layout, payload) != csum:
+    h = check_header(mv[:header_size(name)], name, layout, len(mv))
+    if h.status is Status.CORRUPT:
         return Status.CORRUPT, None
-    if st is not Status.OK:
-        return st, None
-    return Status.OK, Record(key, layout, payload, csum=csum, blob=mv,
-                             _header=bytes(mv[:FIXED_SIZE + len(key)]))
-
-
-_BAD = (Status.CORRUPT, 0, 0, b"")
-
-
-def check_header(hdr, key: bytes, layout: bytes, total_len: int) -> tuple[Status, int, int, bytes]:
-    """Validate a header (the first header_size(key) bytes) against an object of total_len
-    bytes; returns (status, payload length, checksum, stored layout digest).
-
-    FOREIGN_LAYOUT is tentative until the checksum (computed with the stored layout) confirms
-    the object is intact; otherwise it is CORRUPT."""
-    if len(hdr) < FIXED_SIZE + len(key):
-        return _BAD
-    magic, version, flags, klen, n, lay, csum = _FIXED.unpack_from(hdr, 0)
-    if magic != MAGIC or version != VERSION or flags != 0 or klen != len(key):
-        return _BAD
-    if FIXED_SIZE + klen + n != total_len:
-        return _BAD
-    if bytes(hdr[FIXED_SIZE:FIXED_SIZE + klen]) != key:
-        return _BAD
-    return (Status.OK if lay == layout else Status.FOREIGN_LAYOUT), n, csum, lay
+    hs, n = h.size, h.payload_len
+    body, tag = mv[hs:hs + n], mv[hs + n:]
+    if out is not None and n > len(out):
+        return Status.CORRUPT, None
+    if h.encrypted:
+        target = out[:n] if out is not None else memoryview(bytearray(n))
+        try:
+            key.decrypt_into(h.salt, h.raw, mv[hs:], target)
+        except (InvalidTag, ValueError):
+            if out is not None:
+                out[:n] = bytes(n)
+            return Status.CORRUPT, None
+        payload = target
+    else:
+        auth = key.authenticator(h.salt, bytes(tag))
+        auth.authenticate_additional_data(h.raw)
+        auth.authenticate_additional_data(body)
+        try:
+            auth.finalize()
+        except InvalidTag:
+            return Status.CORRUPT, None
+        if out is not None:
+            out[:n] = body
+            payload = out[:n]
+        else:
+            payload = body
+    if h.status is not Status.OK:
+        if out is not None:
+            out[:n] = bytes(n)
+        return h.status, None
+    return Status.OK, Record(name, layout, payload, key=key, encrypt=h.encrypted, blob=mv,
+                             _parts=(h.raw, body, bytes(tag)))

@@ -4,9 +4,15 @@ queues served by writer threads, reads probing tiers in order and promoting hits
 Every call into a tier goes through its `TierRunner`, which owns the tier's health, kept
 apart for writes and reads (a full or read-only disk still serves what it holds): an error
 or a timeout marks that side unhealthy; it is skipped until its backoff expires, then one
-call probes it again (success makes it healthy). Remote tiers (redis, s3) run on a small
-pool so the caller waits at most the timeout even when a backend hangs. Nothing raises into
-the caller except misuse (wrong argument types, a too-small output buffer).
+call probes it again (success makes it healthy). Blocking tiers (disk, Redis, S3) run on a
+small pool so the caller waits at most the deadline even when a backend or a mount hangs;
+a call given up on may no longer write into the caller's buffers (`CallGuard`). Nothing
+raises into the caller except misuse (wrong argument types or lengths).
+
+Keys become object names with the pool key (sealing.py); lower-tier writes carry sealed
+objects. With a previous key configured (a rotation), a miss under the current key is
+looked up under the previous one, and what is found there is rewritten under the current
+key into every tier.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
 from ..config import StoreConfig, tier_names
-from .format import MAX_KEY, Record, layout_digest, to_view
+from .guard import CallGuard, run_guarded
+from .format import MAX_NAME, Record, layout_digest, to_view
 from .metrics import USAGE, TierStats
+from .sealing import Keyring, PoolKey
 from .tiers import Tier, tier_class
-from .tiers.base import BufferTooSmall
 
 log = logging.getLogger("kvpool.store")
 _STOP = object()
@@ -79,10 +86,13 @@ class TierRunner:
         self.read_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
         self.batch_max = cfg.batch_max
         self._pool = (ThreadPoolExecutor(4, thread_name_prefix=f"kvpool-{name}")
-                      if tier.remote else None)
+                      if tier.blocking else None)
         self.queue: queue.Queue | None = None
+        self.queue_limit = tcfg.queue_bytes or cfg.queue_bytes
+        self._queued = 0  # bytes of sealed objects waiting in the queue
+        self._qlock = threading.Lock()
         self._workers: list[threading.Thread] = []
-        if not first:
+        if not first or tier.remote:  # lower tiers, and promotions into a remote first tier
             self.queue = queue.Queue(maxsize=tcfg.queue_size or cfg.queue_size)
             for i in range(tcfg.workers):
                 t = threading.Thread(target=self._work, daemon=True,
@@ -117,16 +127,20 @@ class TierRunner:
         t0 = time.perf_counter()
         try:
             if self._pool is not None:
-                fut = self._pool.submit(fn, *args)
-                res = fut.result(timeout=self.timeout if timeout is None else max(timeout, 0.0))
+                guard = CallGuard()
+                fut = self._pool.submit(run_guarded, guard, fn, args)
+                try:
+                    res = fut.result(timeout=self.timeout if timeout is None
+                                     else max(timeout, 0.0))
+                except FutureTimeout:
+                    guard.cancel()  # from here on the call writes nothing the caller sees
+                    raise
             else:
                 res = fn(*args)
         except FutureTimeout:
             self.stats.inc("timeouts")
             self._set_health(op, False)
             return default
-        except BufferTooSmall:
-            raise  # the caller's mistake, not the backend's
         except Exception as e:
             return self._failed(op, e, default)
         self.stats.observe(op, time.perf_counter() - t0)
@@ -141,15 +155,24 @@ class TierRunner:
 
     # -- asynchronous writes --------------------------------------------------------------
     def enqueue(self, records: list[Record]) -> None:
-        """Queue frozen records; full queue or a backing-off tier drops (counted), never blocks."""
+        """Queue frozen records; a full queue (count or bytes) or a backing-off tier drops
+        (counted), never blocks."""
         q = self.queue
         if self.write_health.backing_off():
             self.stats.inc("drops", len(records))
             return
         for i, rec in enumerate(records):
+            size = rec.sealed_size()
+            with self._qlock:
+                if self._queued + size > self.queue_limit:
+                    self.stats.inc("drops", len(records) - i)
+                    return
+                self._queued += size
             try:
                 q.put_nowait(rec)
             except queue.Full:
+                with self._qlock:
+                    self._queued -= size
                 self.stats.inc("drops", len(records) - i)
                 return
 
@@ -171,6 +194,8 @@ class TierRunner:
                 if recs:
                     self._write(recs)
             finally:
+                with self._qlock:
+                    self._queued -= sum(r.sealed_size() for r in recs)
                 for _ in batch:
                     q.task_done()
             if stop:
@@ -189,6 +214,9 @@ class TierRunner:
             return
         self.stats.observe("put", time.perf_counter() - t0)
         self._set_health("put", True)
+
+    def queued_bytes(self) -> int:
+        return self._queued
 
     def wait_idle(self, deadline: float | None) -> bool:
         q = self.queue
@@ -210,6 +238,13 @@ class TierRunner:
                 t.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            deadline = time.monotonic() + 5
+            for t in list(getattr(self._pool, "_threads", ())):
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in getattr(self._pool, "_threads", ())):
+                log.warning("store tier %s: a call is still hanging at close; leaving the "
+                            "tier's resources to the process", self.name)
+                return
         try:
             self.tier.close()
         except Exception as e:
@@ -222,6 +257,7 @@ class TierRunner:
         d["writes_healthy"] = self.write_health.healthy
         d["reads_healthy"] = self.read_health.healthy
         d["queue_depth"] = self.queue.qsize() if self.queue is not None else 0
+        d["queue_bytes"] = self._queued
         try:
             d.update(self.tier.usage())
         except Exception:
@@ -236,15 +272,16 @@ class TieredStore:
         self.cfg = cfg
         self.namespace = cfg.namespace
         self.layout = layout_digest(layout)
+        shared = [t.type for t in cfg.tiers if t.type != "cpu"]
+        self.keyring = Keyring.from_config(cfg.security, needs_key=bool(shared))
         self._closed = False
         self.runners: list[TierRunner] = []
         try:
             for i, (name, tcfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
                 stats = TierStats(cfg.namespace, name, cfg.metrics)
-                cls = tier_class(tcfg.type)
-                timeout = tcfg.timeout_seconds or cfg.timeout_seconds
-                tier = (cls(tcfg, cfg.namespace, stats, timeout=timeout) if cls.remote
-                        else cls(tcfg, cfg.namespace, stats))
+                tier = tier_class(tcfg.type)(
+                    tcfg, cfg.namespace, stats, timeout=tcfg.timeout_seconds or cfg.timeout_seconds,
+                    max_object_size=cfg.max_object_size)
                 self.runners.append(TierRunner(name, tier, tcfg, cfg, stats, first=(i == 0)))
         except BaseException:
             self.close()
@@ -269,13 +306,17 @@ class TieredStore:
     def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
         keys = list(keys)
         for k in keys:
-            if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY:
-                raise TypeError(f"keys must be non-empty bytes of at most {MAX_KEY} bytes, "
+            if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_NAME:
+                raise TypeError(f"keys must be non-empty bytes of at most {MAX_NAME} bytes, "
                                 f"got {type(k).__name__}")
         return [bytes(k) for k in keys]
 
     def _remaining(self, deadline: float) -> float:
         return deadline - time.monotonic()
+
+    def _record(self, key: bytes, lay: bytes, payload, pool_key: PoolKey) -> Record:
+        return Record(pool_key.object_name(key), lay, payload, key=pool_key,
+                      encrypt=self.keyring.encrypt)
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
@@ -286,12 +327,17 @@ class TieredStore:
         if not keys or self._closed:
             return
         lay = self._layout(layout)
-        records = [Record(k, lay, to_view(p)) for k, p in zip(keys, payloads)]
+        cur = self.keyring.current
+        records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
+        self._write(records)
+
+    def _write(self, records: list[Record], skip_first: bool = False) -> None:
         first, lower = self.runners[0], self.runners[1:]
         if lower or first.tier.needs_blob:
-            for r in records:  # one owned copy, shared by every lower tier
+            for r in records:  # one owned sealed copy, shared by every lower tier
                 r.freeze()
-        first.call("put", first.tier.put_many, records)
+        if not skip_first:
+            first.call("put", first.tier.put_many, records)
         for runner in lower:
             runner.enqueue(records)
 
@@ -299,65 +345,83 @@ class TieredStore:
         self.put_many([key], [payload], layout)
 
     # -- reads ----------------------------------------------------------------------------
-    def _promote(self, hits: list[tuple[int, Record]]) -> None:
-        """Copy lower-tier hits into every faster tier (the first synchronously if local)."""
-        if not self.cfg.promote:
+    def _probe(self, keys: list[bytes], lay: bytes, outs: list[memoryview] | None
+               ) -> list[Record | None]:
+        """Every tier in order, under the current key then the previous one, within one
+        deadline; promotes what lower tiers (or the previous key) served."""
+        found: list[Record | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        promote: list[tuple[int, int, Record]] = []  # (tier, index, record)
+        for gen, pool_key in enumerate(self.keyring.generations()):
+            names = {i: pool_key.object_name(keys[i]) for i in pending}
+            for ti, runner in enumerate(self.runners):
+                if not pending or self._remaining(deadline) <= 0:
+                    break
+                if gen and runner.tier.type == "cpu":
+                    continue  # an in-process tier only ever held current-key objects
+                args: tuple = ([names[i] for i in pending], lay, pool_key)
+                if outs is None:
+                    fn = runner.tier.get_many
+                else:
+                    fn, args = runner.tier.get_many_into, args + ([outs[i] for i in pending],)
+                res = runner.call("get", fn, *args, timeout=self._remaining(deadline))
+                if res is None:  # the tier failed or is backing off: try the next one
+                    continue
+                still = []
+                for i, rec in zip(pending, res):
+                    if rec is None:
+                        still.append(i)
+                        continue
+                    found[i] = rec
+                    if ti or gen:
+                        promote.append((ti if not gen else len(self.runners), i, rec))
+                runner.stats.inc("hits", len(pending) - len(still))
+                runner.stats.inc("misses", len(still))
+                pending = still
+        self._promote(promote, keys, lay)
+        return found
+
+    def _promote(self, hits: list[tuple[int, int, Record]], keys: list[bytes],
+                 lay: bytes) -> None:
+        """Copy lower-tier hits into every faster tier (a local first tier synchronously);
+        hits under the previous key are rewritten under the current key into every tier."""
+        if not hits:
             return
-        for ti, rec in hits:
+        cur = self.keyring.current
+        for ti, i, rec in hits:
+            if ti == len(self.runners):  # found under the previous key: rotate it
+                fresh = self._record(keys[i], lay, rec.payload, cur).freeze()
+                self._write([fresh])
+                continue
+            if not self.cfg.promote:
+                continue
             for j in range(ti):
                 runner = self.runners[j]
-                if j == 0 and not runner.tier.remote:
+                if j == 0 and runner.queue is None:
                     runner.call("put", runner.tier.put_many, [rec])
                 else:
                     runner.enqueue([rec.freeze()])
             self.runners[ti].stats.inc("promotions")
-
-    def _records(self, keys: list[bytes], lay: bytes) -> list[Record | None]:
-        out: list[Record | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        deadline = time.monotonic() + self.cfg.timeout_seconds
-        promote: list[tuple[int, Record]] = []
-        for ti, runner in enumerate(self.runners):
-            if not pending:
-                break
-            left = self._remaining(deadline)
-            if left <= 0:
-                break
-            res = runner.call("get", runner.tier.get_many, [keys[i] for i in pending], lay,
-                              timeout=left)
-            if res is None:
-                continue
-            still = []
-            for i, rec in zip(pending, res):
-                if rec is None:
-                    still.append(i)
-                else:
-                    out[i] = rec
-                    if ti:
-                        promote.append((ti, rec))
-            runner.stats.inc("hits", len(pending) - len(still))
-            runner.stats.inc("misses", len(still))
-            pending = still
-        self._promote(promote)
-        return out
 
     def get_many(self, keys: Sequence[bytes], layout: bytes | str | None = None
                  ) -> list[memoryview | bytes | None]:
         keys = self._check_keys(keys)
         if not keys or self._closed:
             return [None] * len(keys)
-        return [None if r is None else r.payload for r in self._records(keys, self._layout(layout))]
+        return [None if r is None else r.payload
+                for r in self._probe(keys, self._layout(layout), None)]
 
     def get(self, key: bytes, layout: bytes | str | None = None) -> memoryview | bytes | None:
         return self.get_many([key], layout)[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any],
                       layout: bytes | str | None = None) -> list[int | None]:
-        """Read each object into the caller's buffer; bytes written per key, None = miss.
+        """Read each object into the caller's buffer; bytes written per key, None = miss
+        (also for an object larger than its buffer: it cannot be of the caller's layout).
 
-        cpu and disk tiers copy straight into `outs` (no intermediate buffer); remote tiers
-        read a batch, verify it and copy once. Raises BufferTooSmall (a ValueError) if an
-        object does not fit.
+        Every tier verifies before a byte lands in `outs`; a buffer whose read failed holds
+        no byte of the object. When this returns, no tier call writes into `outs` anymore.
         """
         keys = self._check_keys(keys)
         if len(keys) != len(outs):
@@ -365,57 +429,38 @@ class TieredStore:
         views = [to_view(o) for o in outs]
         if any(v.readonly for v in views):
             raise ValueError("output buffers must be writable")
-        result: list[int | None] = [None] * len(keys)
         if not keys or self._closed:
-            return result
-        lay = self._layout(layout)
-        pending = list(range(len(keys)))
-        deadline = time.monotonic() + self.cfg.timeout_seconds
-        for ti, runner in enumerate(self.runners):
-            if not pending or self._remaining(deadline) <= 0:
-                break
-            res = runner.call("get", runner.tier.get_many_into, [keys[i] for i in pending], lay,
-                              [views[i] for i in pending], timeout=self._remaining(deadline))
-            if res is None:  # the tier failed or is backing off: try the next one
-                continue
-            still, promote = [], []
-            for i, rec in zip(pending, res):
-                if rec is None:
-                    still.append(i)
-                else:
-                    result[i] = len(rec.payload)
-                    if ti:
-                        promote.append((ti, rec))
-            runner.stats.inc("hits", len(pending) - len(still))
-            runner.stats.inc("misses", len(still))
-            self._promote(promote)
-            pending = still
-        return result
+            return [None] * len(keys)
+        return [None if r is None else len(r.payload)
+                for r in self._probe(keys, self._layout(layout), views)]
 
     def get_into(self, key: bytes, out: Any, layout: bytes | str | None = None) -> int | None:
         return self.get_many_into([key], [out], layout)[0]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys some tier holds (presence only: the layout is checked on read)."""
+        """How many leading keys some tier holds (presence only: the MAC and layout are
+        checked on read)."""
         keys = self._check_keys(keys)
         if not keys or self._closed:
             return 0
         present = [False] * len(keys)
         prefix = 0
         deadline = time.monotonic() + self.cfg.timeout_seconds
-        for runner in self.runners:
-            if prefix == len(keys) or self._remaining(deadline) <= 0:
-                break
-            idx = [i for i in range(prefix, len(keys)) if not present[i]]
-            res = runner.call("contains", runner.tier.contains_many, [keys[i] for i in idx],
-                              timeout=self._remaining(deadline))
-            if res is None:
-                continue
-            for i, ok in zip(idx, res):
-                if ok:
-                    present[i] = True
-            while prefix < len(keys) and present[prefix]:
-                prefix += 1
+        for pool_key in self.keyring.generations():
+            for runner in self.runners:
+                if prefix == len(keys) or self._remaining(deadline) <= 0:
+                    break
+                idx = [i for i in range(prefix, len(keys)) if not present[i]]
+                res = runner.call("contains", runner.tier.contains_many,
+                                  [pool_key.object_name(keys[i]) for i in idx],
+                                  timeout=self._remaining(deadline))
+                if res is None:
+                    continue
+                for i, ok in zip(idx, res):
+                    if ok:
+                        present[i] = True
+                while prefix < len(keys) and present[prefix]:
+                    prefix += 1
         return prefix
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -426,8 +471,23 @@ class TieredStore:
 
     def delete_many(self, keys: Sequence[bytes]) -> None:
         keys = self._check_keys(keys)
-        for runner in self.runners:
-            runner.call("delete", runner.tier.delete_many, keys)
+        for pool_key in self.keyring.generations():
+            names = [pool_key.object_name(k) for k in keys]
+            for runner in self.runners:
+                runner.call("delete", runner.tier.delete_many, names)
+
+    def forget_absent(self, keys: Sequence[bytes]) -> None:
+        """Another process just stored these keys: drop cached "missing" answers for them,
+        so the next lookup asks the tier instead of repeating a stale miss."""
+        keys = self._check_keys(keys)
+        for pool_key in self.keyring.generations():
+            names = [pool_key.object_name(k) for k in keys]
+            for r in self.runners:
+                r.tier.forget_absent(names)
+
+    def object_names(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The names the tiers store these keys under (current pool key)."""
+        return [self.keyring.current.object_name(k) for k in self._check_keys(keys)]
 
     def stats(self) -> dict:
         return {"namespace": self.namespace, "layout": self.layout.hex(),

@@ -20,14 +20,15 @@ from typing import Any
 
 from .servers import free_port
 
+TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
 ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
 
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for an engine process: fixed hash seed, bounded CPU KV space, quiet logs."""
+    """Environment for an engine process: bounded CPU KV space, quiet logs. (vLLM's sha256
+    prefix hashes need no shared PYTHONHASHSEED to match across processes.)"""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of paged KV cache on the CPU platform
-    env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM logs to stdout by default, which the offline worker reserves for replies: keep
@@ -182,10 +183,14 @@ class OfflineEngine:
             elif self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = 900) -> list[dict]:
-        """Greedy-decode token prompts; returns [{"token_ids", "num_cached_tokens", "ttft_s"}]."""
+    def generate(self, prompts: list, max_tokens: int = 16, timeout: float = 900,
+                 logprobs: int = TOP_LOGPROBS) -> list[dict]:
+        """Greedy-decode prompts (token ids, or {"prompt_token_ids", "cache_salt"} dicts);
+        returns, per prompt, {"token_ids", "logprobs" (top `logprobs` [token, logprob] pairs
+        per position; see testbed.oracle), "num_cached_tokens", "ttft_s"}."""
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                          "logprobs": logprobs}) + "\n")
         self.proc.stdin.flush()
         return self._reply(timeout)["outputs"]
 

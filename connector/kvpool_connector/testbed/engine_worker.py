@@ -31,8 +31,10 @@ def main() -> None:
         try:
             req = json.loads(line)
             params = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0,
-                                    ignore_eos=True)
-            prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+                                    ignore_eos=True, logprobs=req.get("logprobs") or None)
+            # a prompt: token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
+            prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p}
+                       for p in req["prompts"]]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
@@ -42,7 +44,10 @@ def main() -> None:
                 ttft = None
                 if m is not None and getattr(m, "first_token_latency", None) is not None:
                     ttft = m.first_token_latency
+                lps = o.outputs[0].logprobs or []
                 result.append({"token_ids": list(o.outputs[0].token_ids),
+                               "logprobs": [[[t, lp.logprob] for t, lp in pos.items()]
+                                            for pos in lps],
                                "num_cached_tokens": o.num_cached_tokens or 0,
                                "ttft_s": ttft, "batch_s": elapsed})
             _reply({"outputs": result})

@@ -2,7 +2,10 @@
 
 Tiers are plain, synchronous and may raise on backend errors: the orchestrator
 (`..tiered`) owns timeouts, health, queues and never lets an error reach the caller.
-Tiers verify what they read (`verify`) and delete what fails the check.
+Tiers see object names (derived from the caller's keys with the pool key), store sealed
+objects (format.py) and verify what they read against the pool key before returning it;
+a corrupt or forged object is deleted, an authentic object of another layout is left alone
+(another engine of a mixed fleet may own it).
 """
 
 from __future__ import annotations
@@ -11,51 +14,54 @@ import logging
 import os
 from typing import Any
 
-from ..format import Record, Status, parse
+from ..format import Record, Status, open_blob
+from ..guard import current_guard
 from ..metrics import TierStats
+from ..sealing import PoolKey
 
 log = logging.getLogger("kvpool.store")
 
 
-class BufferTooSmall(ValueError):
-    """get_many_into: a caller's buffer cannot hold the object (a caller error: it raises)."""
-
-
 class Tier:
     type: str = ""
-    #: calls may block on the network: the orchestrator runs them on a pool with a deadline
+    #: shared with other hosts (Redis, S3): lookups may take a network round trip
     remote: bool = False
-    #: put_many needs Record.blob (one contiguous header+payload buffer)
+    #: calls may block on I/O (a hung NFS mount, a FIFO, a network): the orchestrator runs
+    #: them on a pool and gives up at the store's deadline
+    blocking: bool = False
+    #: put_many needs Record.blob (one contiguous sealed buffer)
     needs_blob: bool = True
 
-    def __init__(self, cfg: Any, namespace: str, stats: TierStats) -> None:
+    def __init__(self, cfg: Any, namespace: str, stats: TierStats, *,
+                 timeout: float = 0.5, max_object_size: int = 1 << 30) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.stats = stats
+        self.timeout = timeout
+        self.max_object_size = max_object_size
 
     def put_many(self, records: list[Record]) -> None:
         raise NotImplementedError
 
-    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
+    def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
         raise NotImplementedError
 
-    def get_many_into(self, keys: list[bytes], layout: bytes,
+    def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
-        """Each hit's payload copied into its output buffer; the records say what was read.
-        Tiers that can read straight into the buffers override this (cpu, disk)."""
-        recs = self.get_many(keys, layout)
-        for rec, out in zip(recs, outs):
-            if rec is not None:
-                copy_into(rec, out)
-        return recs
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        """Presence per key; may answer False for keys after the first missing one (callers
-        only need the present prefix)."""
+        """Each hit's payload into its output buffer, verified before a byte lands there."""
         raise NotImplementedError
 
-    def delete_many(self, keys: list[bytes]) -> None:
+    def contains_many(self, names: list[bytes]) -> list[bool]:
+        """Presence per name; may answer False for names after the first missing one
+        (callers only need the present prefix)."""
         raise NotImplementedError
+
+    def delete_many(self, names: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def forget_absent(self, names: list[bytes]) -> None:
+        """These objects were just written elsewhere (another process): a tier that caches
+        presence drops what it remembered as missing."""
 
     def usage(self) -> dict:
         """objects / used_bytes / capacity_bytes where the tier knows them."""
@@ -64,48 +70,91 @@ class Tier:
     def close(self) -> None:
         pass
 
-    def verify(self, key: bytes, layout: bytes, blob) -> Record | None:
-        """The record in blob if it is intact and ours; else count, delete and return None."""
-        st, rec = parse(blob, key, layout)
+    def read_limit(self, name: bytes, out: memoryview | None) -> int:
+        """The largest object this read accepts: one that fits `out`, else the store's bound."""
+        from ..format import header_size
+        from ..sealing import TAG_SIZE
+
+        if out is None:
+            return self.max_object_size
+        return header_size(name) + len(out) + TAG_SIZE
+
+    def verify(self, name: bytes, layout: bytes, key: PoolKey, blob,
+               out: memoryview | None = None) -> Record | None:
+        """The record in blob if it is authentic and ours (payload copied or decrypted into
+        `out` when given); else count it, delete it if corrupt, and return None."""
+        if out is None:
+            st, rec = open_blob(blob, name, layout, key)
+        else:
+            with current_guard().writing() as ok:
+                if not ok:  # the caller gave up on this call: its buffers are not ours
+                    return None
+                st, rec = open_blob(blob, name, layout, key, out)
         if st is Status.OK:
             return rec
-        self.reject(key, st)
+        self.reject(name, st)
         return None
 
-    def verify_all(self, keys: list[bytes], layout: bytes, blobs: list) -> list[Record | None]:
+    def verify_all(self, names: list[bytes], layout: bytes, key: PoolKey, blobs: list,
+                   outs: list[memoryview] | None = None) -> list[Record | None]:
         """verify() for a batch of fetched blobs (None = absent); counts bytes read."""
-        out = [None if b is None else self.verify(k, layout, b) for k, b in zip(keys, blobs)]
+        outs = outs if outs is not None else [None] * len(names)
+        out = []
+        for name, blob, o in zip(names, blobs, outs):
+            if blob is None:
+                out.append(None)
+            elif o is not None and _payload_len(blob) > len(o):
+                self.stats.inc("rejected")  # cannot be ours: the caller's layout fits its buffer
+                out.append(None)
+            else:
+                out.append(self.verify(name, layout, key, blob, o))
         self.stats.inc("bytes_out", sum(len(r.payload) for r in out if r is not None))
         return out
 
-    def reject(self, key: bytes, st: Status) -> None:
+    def reject(self, name: bytes, st: Status) -> None:
         self.stats.inc(st.value)
-        log.warning("%s tier: %s object %s removed", self.type, st.value, key.hex()[:16])
+        if st is Status.FOREIGN_LAYOUT:  # authentic, another engine's layout: not ours to drop
+            log.info("%s tier: object %s was written for another KV layout (a miss here)",
+                     self.type, name.hex()[:16])
+            return
+        log.warning("%s tier: %s object %s removed", self.type, st.value, name.hex()[:16])
         try:
-            self.delete_many([key])
+            self.delete_many([name])
         except Exception as e:  # the next reader will find it again and retry
             log.debug("%s tier: delete of a bad object failed: %s", self.type, e)
 
 
-def copy_into(rec: Record, out: memoryview) -> int:
-    n = len(rec.payload)
-    if n > len(out):
-        raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than the object ({n})")
-    out[:n] = rec.payload
-    return n
+def _payload_len(blob) -> int:
+    """Payload length a blob's header claims (0 when it has none: verify rejects it)."""
+    from ..format import FIXED_SIZE
+
+    try:
+        return int.from_bytes(bytes(memoryview(blob)[8:16]), "little") \
+            if len(blob) >= FIXED_SIZE else 0
+    except (TypeError, ValueError):
+        return 0
 
 
-def secret(env_name: str | None, file_name: str | None = None, field: str = "") -> str | None:
-    """A secret from an environment variable or a file; a named but missing source is an error."""
+def secret(env_name: str | None, file_name: str | None = None, field: str = "",
+           optional: bool = False) -> str | None:
+    """A secret from an environment variable or a file. A named but missing source is an
+    error, or None when `optional` (a rotation's previous key that is not set)."""
     if file_name:
         try:
             with open(file_name) as f:
-                return f.read().strip()
+                value = f.read().strip()
+        except FileNotFoundError:
+            if optional:
+                return None
+            raise ValueError(f"{field}_file: cannot read {file_name}: no such file") from None
         except OSError as e:
             raise ValueError(f"{field}_file: cannot read {file_name}: {e.strerror}") from e
+        return value or (None if optional else value)
     if env_name:
         val = os.environ.get(env_name)
-        if val is None:
+        if val is None or (optional and not val):
+            if optional:
+                return None
             raise ValueError(f"{field}_env: environment variable {env_name} is not set")
         return val
     return None

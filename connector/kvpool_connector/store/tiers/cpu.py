@@ -4,7 +4,8 @@ No allocation per object: an object takes ceil(size / slot_size) slots from a fr
 (objects bigger than a slot span several slots, not necessarily adjacent; objects bigger
 than the whole arena are rejected and counted). The arena is pinned when CUDA is available
 so device copies from it are DMA-able. Memory is trusted: the index (key, length, layout)
-replaces the stored header, so reads check the layout but compute no checksum.
+replaces the stored header, so reads check the layout but compute no MAC, and payloads
+are kept in plaintext (the arena lives in the engine's own process).
 
 Reads copy once: `get_many` returns `bytes`, `get_many_into` fills the caller's buffers.
 Returning views into the arena would let a concurrent eviction overwrite bytes the caller
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from ..eviction import make_policy
 from ..format import Record, Status
-from .base import BufferTooSmall, Tier
+from ..sealing import PoolKey
+from .base import Tier
 
 log = logging.getLogger("kvpool.store")
 _ROUND = 4096
@@ -69,8 +71,8 @@ class CpuTier(Tier):
     type = "cpu"
     needs_blob = False
 
-    def __init__(self, cfg, namespace, stats) -> None:
-        super().__init__(cfg, namespace, stats)
+    def __init__(self, cfg, namespace, stats, **kw) -> None:
+        super().__init__(cfg, namespace, stats, **kw)
         self.capacity = cfg.size
         self._arena, self._owner = allocate_arena(cfg.size, cfg.pin_memory)
         self._lock = threading.Lock()
@@ -107,9 +109,9 @@ class CpuTier(Tier):
             if units > self.nslots:
                 self.stats.inc("rejected")
                 return
-            if rec.key in self._index:
-                self._release(rec.key, evicted=False)
-            self._policy.admit(rec.key)
+            if rec.name in self._index:
+                self._release(rec.name, evicted=False)
+            self._policy.admit(rec.name)
             while len(self._free) < units:
                 victim = self._policy.victim()
                 self._release(victim, evicted=True)
@@ -119,8 +121,8 @@ class CpuTier(Tier):
             for i, s in enumerate(slots):
                 chunk = src[i * ss:(i + 1) * ss]
                 arena[s * ss:s * ss + len(chunk)] = chunk
-            self._index[rec.key] = _Entry(slots, n, rec.layout)
-            self._policy.insert(rec.key, units)
+            self._index[rec.name] = _Entry(slots, n, rec.layout)
+            self._policy.insert(rec.name, units)
         self.stats.inc("bytes_in", n)
 
     def _lookup(self, key: bytes, layout: bytes) -> _Entry | None:
@@ -141,12 +143,12 @@ class CpuTier(Tier):
             m = min(ss, e.length - i * ss)
             out[i * ss:i * ss + m] = arena[s * ss:s * ss + m]
 
-    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
+    def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
         out: list[Record | None] = []
         nbytes = 0
-        for key in keys:
+        for name in names:
             with self._lock:
-                e = self._lookup(key, layout)
+                e = self._lookup(name, layout)
                 if e is None:
                     out.append(None)
                     continue
@@ -158,36 +160,35 @@ class CpuTier(Tier):
                     self._copy_out(e, memoryview(buf))
                     data = buf
             nbytes += e.length
-            out.append(Record(key, layout, memoryview(data)))
+            out.append(Record(name, layout, memoryview(data), key=key))
         self.stats.inc("bytes_out", nbytes)
         return out
 
-    def get_many_into(self, keys: list[bytes], layout: bytes,
+    def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
         recs: list[Record | None] = []
         nbytes = 0
-        for key, out in zip(keys, outs):
+        for name, out in zip(names, outs):
             with self._lock:
-                e = self._lookup(key, layout)
-                if e is None:
+                e = self._lookup(name, layout)
+                if e is None or e.length > len(out):  # too big for the caller: a miss
+                    if e is not None:
+                        self.stats.inc("rejected")
                     recs.append(None)
                     continue
-                if e.length > len(out):
-                    raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than "
-                                         f"the object ({e.length})")
                 self._copy_out(e, out)
             nbytes += e.length
-            recs.append(Record(key, layout, out[:e.length]))
+            recs.append(Record(name, layout, out[:e.length], key=key))
         self.stats.inc("bytes_out", nbytes)
         return recs
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def contains_many(self, names: list[bytes]) -> list[bool]:
         index = self._index
-        return [k in index for k in keys]
+        return [k in index for k in names]
 
-    def delete_many(self, keys: list[bytes]) -> None:
+    def delete_many(self, names: list[bytes]) -> None:
         with self._lock:
-            for k in keys:
+            for k in names:
                 if k in self._index:
                     self._release(k, evicted=False)
 

@@ -1,12 +1,20 @@
-"""Local-disk tier: one file per object under <path>/<namespace>/<xx>/<key hex>.kv.
+"""Local-disk tier: one file per object under <path>/<namespace>/<xx>/<name hex>.kv.
 
-- Hard capacity: an in-memory index (key -> size, LRU order) is charged before each write
+- Hard capacity: an in-memory index (name -> size, LRU order) is charged before each write
   and evicts the least recently used files until the new object fits.
 - Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
   this or another process) see a whole object or none; fsync as configured.
-- Large I/O: a single writev of header+payload; reads go straight into the caller's buffer
-  (`get_many_into`) or one buffer per object, in 512 KiB pieces hashed while cache-hot. With
-  direct_io, writes use O_DIRECT through a page-aligned copy (buffered where refused).
+- Hostile directories: the namespace, temp and shard directories are real directories
+  owned by this user with mode 0700 (checked at start, refused otherwise) and are held open;
+  every file operation is relative to those descriptors and never follows a link. Objects
+  are opened with O_NOFOLLOW | O_NONBLOCK and must be regular files (a symlink or FIFO
+  planted at an object's path is a miss and is removed); temp files are created with
+  O_EXCL | O_NOFOLLOW, mode 0600, under random names. The tier is `blocking`: its calls run
+  with the store's deadline, so a hung mount costs a miss, never a stuck caller.
+- Large I/O: a single writev of header + payload + tag; reads go in 512 KiB pieces through
+  a per-thread scratch buffer, each piece authenticated (or decrypted) while cache-hot and
+  then copied to the caller's buffer (never after the caller gave up); a failed check
+  zeroes what was copied. With direct_io, writes use O_DIRECT through a page-aligned copy.
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
   only, oldest mtime first) and refreshed every rescan_seconds, which re-applies the capacity
   bound; reads always try the file itself and presence checks stat what the index lacks, so
@@ -19,38 +27,88 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
 
-from ..format import Record, Status, check_header, hasher, header_size
-from .base import BufferTooSmall, Tier, log
+import xxhash
+from cryptography.exceptions import InvalidTag
+
+from ..format import Header, Record, Status, check_header, header_size
+from ..sealing import TAG_SIZE, PoolKey
+from ..guard import current_guard
+from .base import Tier, log
 
 _SUFFIX = ".kv"
 _ALIGN = 4096
-_PIECE = 512 * 1024  # fits in L2: hashing reads what the copy just brought in
+_PIECE = 512 * 1024  # fits in L2: the MAC reads what the copy just brought in
 _STALE_TMP_SECONDS = 600
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeDirectory(ValueError):
+    """A tier directory that another user could tamper with (refused at start)."""
+
+
+def _checked_dir_fd(name: str, parent_fd: int | None, what: str, create: bool = True) -> int:
+    """Open a directory without following links (created 0700 first if `create`); it must
+    be ours. FileNotFoundError when it does not exist and may not be created."""
+    if create:
+        try:
+            os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(name, _O_DIR, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeDirectory(f"disk tier: {what} is not a real directory (a symlink or a "
+                                  f"file is in its place)") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeDirectory(f"disk tier: {what} is owned by uid {st.st_uid}, not by this "
+                              f"process (uid {os.geteuid()}); refusing to use it")
+    if stat.S_IMODE(st.st_mode) != _DIR_MODE:
+        try:
+            os.fchmod(fd, _DIR_MODE)
+        except OSError as e:  # a read-only volume: nobody can plant anything there either
+            if e.errno != errno.EROFS:
+                os.close(fd)
+                raise
+    return fd
 
 
 class DiskTier(Tier):
     type = "disk"
+    blocking = True
     needs_blob = False
 
-    def __init__(self, cfg, namespace, stats) -> None:
-        super().__init__(cfg, namespace, stats)
-        self.root = os.path.join(os.path.abspath(cfg.path), namespace)
-        self.tmpdir = os.path.join(self.root, ".tmp")
+    def __init__(self, cfg, namespace, stats, **kw) -> None:
+        super().__init__(cfg, namespace, stats, **kw)
+        self.base = os.path.realpath(cfg.path)  # an admin's symlinked mount point is fine
+        self.root = os.path.join(self.base, namespace)
         self.capacity = cfg.size
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
-        self._written: dict[bytes, int] = {}  # key -> checksum of what this process wrote
+        self._written: dict[bytes, int] = {}  # name -> xxh3 of the payload this process wrote
         self._used = 0
         self._direct = bool(cfg.direct_io) and hasattr(os, "O_DIRECT")
         self._stop = threading.Event()
-        try:
-            os.makedirs(self.tmpdir, exist_ok=True)
-        except OSError as e:  # e.g. read-only volume: writes will fail and be counted
-            log.warning("disk tier: cannot create %s: %s", self.tmpdir, e)
+        self._scratch = threading.local()
+        self._shards: dict[str, int] = {}
+        os.makedirs(self.base, exist_ok=True)
+        self._ns_fd = _checked_dir_fd(self.root, None, f"{self.root}")
+        self._tmp_fd = _checked_dir_fd(".tmp", self._ns_fd, f"{self.root}/.tmp")
+        for shard in self._shard_names():  # existing shards: checked now, held open
+            self._shard_fd(shard)
         self.rescan()
         self._rescanner = None
         if cfg.rescan_seconds > 0:
@@ -59,25 +117,48 @@ class DiskTier(Tier):
             self._rescanner.start()
 
     # -- paths and index ------------------------------------------------------------------
-    def path(self, key: bytes) -> str:
-        h = key.hex()
-        return os.path.join(self.root, h[:2], h + _SUFFIX)
+    @staticmethod
+    def _file(name: bytes) -> tuple[str, str]:
+        h = name.hex()
+        return h[:2], h + _SUFFIX
+
+    def path(self, name: bytes) -> str:
+        """Where an object lives (for people and tests; the tier itself uses descriptors)."""
+        shard, fname = self._file(name)
+        return os.path.join(self.root, shard, fname)
+
+    def _shard_names(self) -> list[str]:
+        return [e for e in os.listdir(self._ns_fd)
+                if len(e) == 2 and all(c in "0123456789abcdef" for c in e)]
+
+    def _shard_fd(self, shard: str, create: bool = False) -> int | None:
+        """The held-open shard directory; None when it does not exist (and not `create`)."""
+        fd = self._shards.get(shard)
+        if fd is None:
+            with self._lock:
+                fd = self._shards.get(shard)
+                if fd is None:
+                    try:
+                        fd = _checked_dir_fd(shard, self._ns_fd, f"{self.root}/{shard}", create)
+                    except FileNotFoundError:
+                        return None
+                    self._shards[shard] = fd
+        return fd
 
     def _scan(self) -> list[tuple[float, bytes, int]]:
         found = []
         now = time.time()
+        self._clean_tmp(now)
         try:
-            tops = list(os.scandir(self.root))
+            shards = self._shard_names()
         except OSError:
             return found
-        for top in tops:
-            if not top.is_dir(follow_symlinks=False):
-                continue
-            if top.name == ".tmp":
-                self._clean_tmp(top.path, now)
-                continue
+        for shard in shards:
             try:
-                with os.scandir(top.path) as it:
+                fd = self._shard_fd(shard)
+                if fd is None:
+                    continue
+                with os.scandir(fd) as it:
                     for ent in it:
                         name = ent.name
                         if not name.endswith(_SUFFIX):
@@ -87,32 +168,33 @@ class DiskTier(Tier):
                             st = ent.stat(follow_symlinks=False)
                         except (ValueError, OSError):
                             continue
-                        found.append((st.st_mtime, key, st.st_size))
-            except OSError:
-                continue
+                        if stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime, key, st.st_size))
+            except (OSError, UnsafeDirectory) as e:
+                log.warning("disk tier: shard %s skipped: %s", shard, e)
         found.sort()
         return found
 
-    @staticmethod
-    def _clean_tmp(path: str, now: float) -> None:
+    def _clean_tmp(self, now: float) -> None:
         """Temp files of writers that died long ago (live writers finish in seconds)."""
         try:
-            for ent in os.scandir(path):
-                try:
-                    if now - ent.stat().st_mtime > _STALE_TMP_SECONDS:
-                        os.unlink(ent.path)
-                except OSError:
-                    pass
+            with os.scandir(self._tmp_fd) as it:
+                for ent in it:
+                    try:
+                        if now - ent.stat(follow_symlinks=False).st_mtime > _STALE_TMP_SECONDS:
+                            os.unlink(ent.name, dir_fd=self._tmp_fd)
+                    except OSError:
+                        pass
         except OSError:
             pass
 
     def rescan(self) -> None:
-        """Rebuild the index from the directory, keeping our recency order for known keys."""
+        """Rebuild the index from the directory, keeping our recency order for known names."""
         found = self._scan()
         with self._lock:
             old = self._index
             new: OrderedDict[bytes, int] = OrderedDict((k, size) for _, k, size in found)
-            for k in old:  # our recency order wins for the keys we know
+            for k in old:  # our recency order wins for the names we know
                 if k in new:
                     new.move_to_end(k)
             self._index = new
@@ -137,28 +219,36 @@ class DiskTier(Tier):
             victims.append(k)
         return victims
 
-    def _unlink_all(self, keys: list[bytes]) -> None:
-        for k in keys:
+    def _unlink(self, name: bytes) -> None:
+        shard, fname = self._file(name)
+        fd = self._shard_fd(shard)
+        if fd is None:
+            return
+        try:
+            os.unlink(fname, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+
+    def _unlink_all(self, names: list[bytes]) -> None:
+        for k in names:
             try:
-                os.unlink(self.path(k))
-            except FileNotFoundError:
-                pass
+                self._unlink(k)
             except OSError as e:
                 log.debug("disk tier: eviction of %s failed: %s", k.hex()[:16], e)
-        self.stats.inc("evictions", len(keys))
+        self.stats.inc("evictions", len(names))
 
-    def _forget(self, key: bytes) -> None:
+    def _forget(self, name: bytes) -> None:
         with self._lock:
-            self._written.pop(key, None)
-            size = self._index.pop(key, None)
+            self._written.pop(name, None)
+            size = self._index.pop(name, None)
             if size is not None:
                 self._used -= size
 
-    def _learn(self, key: bytes, size: int) -> None:
+    def _learn(self, name: bytes, size: int) -> None:
         with self._lock:
-            old = self._index.pop(key, None)
+            old = self._index.pop(name, None)
             self._used += size - (old or 0)
-            self._index[key] = size
+            self._index[name] = size
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, records: list[Record]) -> None:
@@ -166,68 +256,62 @@ class DiskTier(Tier):
             self._put(rec)
 
     def _put(self, rec: Record) -> None:
-        hdr = rec.header()
-        size = len(hdr) + len(rec.payload)
+        hdr, body, tag = rec.parts()
+        size = len(hdr) + len(body) + len(tag)
         if size > self.capacity:
             self.stats.inc("rejected")
             return
+        same = xxhash.xxh3_64_intdigest(rec.payload)
         with self._lock:
-            if rec.key in self._index and self._written.get(rec.key) == rec.csum:
-                self._index.move_to_end(rec.key)  # the same bytes are on disk already
+            if rec.name in self._index and self._written.get(rec.name) == same:
+                self._index.move_to_end(rec.name)  # the same bytes are on disk already
                 return
-            old = self._index.pop(rec.key, None)
+            old = self._index.pop(rec.name, None)
             self._used -= old or 0
             victims = self._evict_locked(size)
-            self._index[rec.key] = size  # charged before writing: concurrent puts stay bounded
+            self._index[rec.name] = size  # charged before writing: concurrent puts stay bounded
             self._used += size
-            self._written.pop(rec.key, None)
+            self._written.pop(rec.name, None)
         self._unlink_all(victims)
-        final = self.path(rec.key)
-        tmp = os.path.join(self.tmpdir, f"{rec.key.hex()}.{os.getpid()}.{threading.get_ident()}")
+        shard, fname = self._file(rec.name)
+        tmp = secrets.token_hex(16)
         try:
-            self._write_file(tmp, hdr, rec.payload, size)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                os.rename(tmp, final)
+            shard_fd = self._shard_fd(shard, create=True)
+            self._write_file(tmp, [hdr, body, tag], size)
+            os.rename(tmp, fname, src_dir_fd=self._tmp_fd, dst_dir_fd=shard_fd)
             if self.cfg.fsync == "always":
-                _fsync_dir(os.path.dirname(final))
+                os.fsync(shard_fd)
         except BaseException:
-            self._forget(rec.key)
+            self._forget(rec.name)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=self._tmp_fd)
             except OSError:
                 pass
             raise
-        self._written[rec.key] = rec.csum
-        self.stats.inc("bytes_in", len(rec.payload))
+        self._written[rec.name] = same
+        self.stats.inc("bytes_in", len(body))
 
-    def _write_file(self, tmp: str, hdr: bytes, payload: memoryview, size: int) -> None:
+    def _write_file(self, tmp: str, parts: list, size: int) -> None:
+        fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except FileNotFoundError:
-            os.makedirs(self.tmpdir, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            if self._direct and self._write_direct(fd, hdr, payload, size):
-                pass
-            else:
-                _writev_all(fd, [hdr, payload])
+            if not (self._direct and self._write_direct(fd, parts, size)):
+                _writev_all(fd, parts)
             if self.cfg.fsync != "never":
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _write_direct(self, fd: int, hdr: bytes, payload: memoryview, size: int) -> bool:
+    def _write_direct(self, fd: int, parts: list, size: int) -> bool:
         """O_DIRECT write of a page-aligned copy, then trim the padding; False = unsupported."""
         import fcntl
 
         padded = -(-size // _ALIGN) * _ALIGN
         buf = mmap.mmap(-1, padded)
         try:
-            buf[:len(hdr)] = hdr
-            buf[len(hdr):size] = payload
+            off = 0
+            for p in parts:
+                buf[off:off + len(p)] = p
+                off += len(p)
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             try:
                 fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -249,78 +333,139 @@ class DiskTier(Tier):
             buf.close()
 
     # -- reads ----------------------------------------------------------------------------
-    def _open(self, key: bytes) -> int | None:
+    def _open(self, name: bytes) -> int | None:
+        """A descriptor of the object if it is a regular file; None (and the intruder
+        removed) otherwise."""
+        shard, fname = self._file(name)
+        shard_fd = self._shard_fd(shard)
         try:
-            return os.open(self.path(key), os.O_RDONLY)
+            if shard_fd is None:
+                raise FileNotFoundError(fname)
+            fd = os.open(fname, _O_READ, dir_fd=shard_fd)
         except FileNotFoundError:
-            self._forget(key)
+            self._forget(name)
             return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            fd = None  # a symlink where an object belongs
+        if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        if fd is not None:
+            os.close(fd)
+        self.stats.inc("rejected")
+        log.warning("disk tier: %s is not a regular file; removed", self.path(name))
+        self._forget(name)
+        self._unlink(name)
+        return None
 
-    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
-        return [self._read(key, layout, None) for key in keys]
+    def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
+        return [self._read(name, layout, key, None) for name in names]
 
-    def get_many_into(self, keys: list[bytes], layout: bytes,
+    def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
-        return [self._read(key, layout, out) for key, out in zip(keys, outs)]
+        return [self._read(name, layout, key, out) for name, out in zip(names, outs)]
 
-    def _read(self, key: bytes, layout: bytes, out: memoryview | None) -> Record | None:
-        """Read and verify one object into out (or a new buffer). The payload is read in
-        pieces and each piece hashed while it is still in the CPU cache."""
-        fd = self._open(key)
+    def _read(self, name: bytes, layout: bytes, key: PoolKey,
+              out: memoryview | None) -> Record | None:
+        """Read and verify one object into out (or a new buffer), piece by piece."""
+        fd = self._open(name)
         if fd is None:
             return None
-        blob = None
+        target = None
         try:
             size = os.fstat(fd).st_size
-            hs = header_size(key)
-            hdr = os.pread(fd, hs, 0)
-            st, n, csum, stored_layout = check_header(hdr, key, layout, size)
-            if st is not Status.CORRUPT:
-                if out is None:
-                    blob = memoryview(bytearray(size))
-                    blob[:hs] = hdr
-                    target = blob[hs:]
-                elif n <= len(out):
-                    target = out[:n]
-                elif st is Status.OK:
-                    raise BufferTooSmall(f"output buffer of {len(out)} bytes is smaller than "
-                                         f"the object ({n})")
-                else:
-                    target = None  # foreign and too big to check: removed all the same
-                if target is not None:
-                    h = hasher(key, stored_layout)
-                    if _read_hashing(fd, target, hs, h) != n or h.intdigest() != csum:
-                        st = Status.CORRUPT
+            if size > self.read_limit(name, out):
+                self.stats.inc("rejected")  # never read whole what cannot be ours
+                return None
+            hs = header_size(name)
+            h = check_header(os.pread(fd, hs, 0), name, layout, size)
+            st = h.status
+            if st is Status.OK:
+                n = h.payload_len
+                target = out[:n] if out is not None else memoryview(bytearray(n))
+                tag = os.pread(fd, TAG_SIZE, hs + n)
+                st = self._read_verified(fd, h, key, tag, target)
         finally:
             os.close(fd)
         if st is not Status.OK:
-            self.reject(key, st)
+            if target is not None and out is not None:
+                with current_guard().writing() as ok:
+                    if ok:  # no unverified byte stays in the caller's buffer
+                        target[:] = bytes(len(target))
+            if st is not None:
+                self.reject(name, st)
             return None
-        self._learn(key, size)
-        self.stats.inc("bytes_out", n)
-        return Record(key, layout, target, csum=csum, blob=blob, _header=hdr)
+        self._learn(name, size)
+        self.stats.inc("bytes_out", len(target))
+        return Record(name, layout, target, key=key, encrypt=h.encrypted)
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        """The index answers; a key it lacks costs one stat (another process may have written
-        it since the last rescan) and ends the answer at the first miss."""
+    def _pieces(self) -> tuple[memoryview, memoryview]:
+        s = getattr(self._scratch, "bufs", None)
+        if s is None:
+            s = self._scratch.bufs = (memoryview(bytearray(_PIECE)),
+                                      memoryview(bytearray(_PIECE + 16)))
+        return s
+
+    def _read_verified(self, fd: int, h: Header, key: PoolKey, tag: bytes,
+                       target: memoryview) -> Status | None:
+        """Fill target with the (decrypted) payload. Pieces are read into this thread's
+        scratch buffer, MAC'd or decrypted there while cache-hot, then copied out while the
+        caller still waits (None: it gave up; nothing more was written)."""
+        n, off = len(target), h.size
+        raw, plain = self._pieces()
+        guard = current_guard()
+        if h.encrypted:
+            dec = key.decryptor(h.salt, h.raw, tag)
+        else:
+            dec = key.authenticator(h.salt, tag)
+            dec.authenticate_additional_data(h.raw)
+        done = 0
+        while done < n:
+            m = os.preadv(fd, [raw[:min(_PIECE, n - done)]], off + done)
+            if m == 0:
+                return Status.CORRUPT  # truncated under us
+            if h.encrypted:
+                dec.update_into(raw[:m], plain)
+                piece = plain[:m]
+            else:
+                dec.authenticate_additional_data(raw[:m])
+                piece = raw[:m]
+            with guard.writing() as ok:
+                if not ok:
+                    return None
+                target[done:done + m] = piece
+            done += m
+        try:
+            dec.finalize()
+        except InvalidTag:
+            return Status.CORRUPT
+        return Status.OK
+
+    def contains_many(self, names: list[bytes]) -> list[bool]:
+        """The index answers; a name it lacks costs one stat (another process may have
+        written it since the last rescan) and ends the answer at the first miss."""
         index, out = self._index, []
-        for k in keys:
+        for k in names:
             if k not in index:
+                shard, fname = self._file(k)
+                shard_fd = self._shard_fd(shard)
+                if shard_fd is None:
+                    break
                 try:
-                    size = os.stat(self.path(k)).st_size
+                    st = os.stat(fname, dir_fd=shard_fd, follow_symlinks=False)
                 except OSError:
                     break
-                self._learn(k, size)
+                if not stat.S_ISREG(st.st_mode):
+                    break
+                self._learn(k, st.st_size)
             out.append(True)
-        return out + [False] * (len(keys) - len(out))
+        return out + [False] * (len(names) - len(out))
 
-    def delete_many(self, keys: list[bytes]) -> None:
-        for k in keys:
+    def delete_many(self, names: list[bytes]) -> None:
+        for k in names:
             self._forget(k)
-            try:
-                os.unlink(self.path(k))
-            except FileNotFoundError:
-                pass
+            self._unlink(k)
 
     def usage(self) -> dict:
         with self._lock:
@@ -329,10 +474,22 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         self._stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(timeout=5)
+        with self._lock:
+            fds = [self._ns_fd, self._tmp_fd, *self._shards.values()]
+            self._shards = {}
+            self._ns_fd = self._tmp_fd = -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _writev_all(fd: int, bufs: list) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
     while views:
         n = os.writev(fd, views)
         while views and n >= len(views[0]):
@@ -340,25 +497,3 @@ def _writev_all(fd: int, bufs: list) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-
-
-def _read_hashing(fd: int, out: memoryview, offset: int, h) -> int:
-    """Fill out from offset in _PIECE reads, hashing each piece while it is cache-hot;
-    returns the bytes read (short only at end of file)."""
-    total = 0
-    while total < len(out):
-        piece = out[total:total + _PIECE]
-        n = os.preadv(fd, [piece], offset + total)
-        if n == 0:
-            break
-        h.update(piece[:n])
-        total += n
-    return total
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

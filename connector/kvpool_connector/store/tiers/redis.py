@@ -1,10 +1,13 @@
 """Redis tier: redis-py (hiredis parser) over a bounded, blocking connection pool.
 
 Writes are pipelined SETs (with EX when ttl_seconds is set) whose values are sent straight
-from the header and the payload buffers (no joining copy), reads pipelined MGETs,
-presence checks pipelined EXISTS; batches are cut at batch_bytes so one pipeline never
-holds the server for long, and deletes use UNLINK (freed off the main thread).
-Key names: <key_prefix><namespace>:<key hex>. Password from password_env/password_file
+from the sealed object's header, payload and tag buffers (no joining copy); reads are
+pipelined GETRANGEs bounded by the size the reader can accept, so an oversized value (a
+flooding attacker, another pool's giant object) is refused after reading at most one byte
+more than fits, never read whole; presence checks are pipelined EXISTS; batches are cut at
+batch_bytes so one pipeline never holds the server for long, and deletes use UNLINK. Those
+four commands (plus connection setup) are all an ACL user for the engines needs.
+Names: <key_prefix><namespace>:<object name hex>. Password from password_env/password_file
 only; rediss:// enables TLS. redis-py's own retries are off: the orchestrator decides.
 """
 
@@ -15,19 +18,21 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..format import Record
+from ..sealing import PoolKey
 from .base import Tier, secret
 
-_MGET_KEYS = 8
 _JOIN_BELOW = 64 * 1024
 
 
 class RedisTier(Tier):
     type = "redis"
     remote = True
+    blocking = True
     needs_blob = False
 
-    def __init__(self, cfg, namespace, stats, timeout: float = 0.5) -> None:
-        super().__init__(cfg, namespace, stats)
+    def __init__(self, cfg, namespace, stats, **kw) -> None:
+        super().__init__(cfg, namespace, stats, **kw)
+        timeout = self.timeout
         self.prefix = f"{cfg.key_prefix}{namespace}:".encode()
         kwargs = dict(
             password=secret(cfg.password_env, cfg.password_file, "password"),
@@ -47,24 +52,26 @@ class RedisTier(Tier):
         self.pool = redis.BlockingConnectionPool.from_url(cfg.url, **kwargs)
         self.client = redis.Redis(connection_pool=self.pool, retry=Retry(NoBackoff(), 0))
 
-    def name(self, key: bytes) -> bytes:
-        return self.prefix + key.hex().encode()
+    def object_key(self, name: bytes) -> bytes:
+        """The Redis key of an object."""
+        return self.prefix + name.hex().encode()
 
     def _packed_set(self, rec: Record) -> list:
-        """SET name header+payload [EX ttl] in RESP, the payload sent from the caller's memory.
+        """SET key header+payload+tag [EX ttl] in RESP, the payload sent from its own memory.
 
         redis-py (with hiredis) would copy each value into the packed command, and the value
         would first have to be joined with its header: two copies of every MB-sized chunk
-        that sending header and payload as consecutive buffers avoids.
+        that sending the parts as consecutive buffers avoids.
         """
-        name, hdr, payload = self.name(rec.key), rec.header(), rec.payload
+        hdr, body, tag = rec.parts()
+        name = self.object_key(rec.name)
         extra = [b"EX", str(self.cfg.ttl_seconds).encode()] if self.cfg.ttl_seconds else []
         head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
-            3 + len(extra), len(name), name, len(hdr) + len(payload), hdr)
-        tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
-        if len(payload) < _JOIN_BELOW:
-            return [head + payload + tail]
-        return [head, payload, tail]
+            3 + len(extra), len(name), name, len(hdr) + len(body) + len(tag), hdr)
+        tail = tag + b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
+        if len(body) < _JOIN_BELOW:
+            return [head + bytes(body) + tail]
+        return [head, body, tail]
 
     def put_many(self, records: list[Record]) -> None:
         conn = self.pool.get_connection()
@@ -86,24 +93,37 @@ class RedisTier(Tier):
             self.pool.release(conn)
         self.stats.inc("bytes_in", sum(len(r.payload) for r in records))
 
-    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
-        values: list = []
+    def _fetch(self, names: list[bytes], outs: list[memoryview | None]) -> list:
+        """Values, each read up to one byte past the largest object the reader accepts;
+        longer ones are refused (counted) and never read further."""
         pipe = self.client.pipeline(transaction=False)
-        for i in range(0, len(keys), _MGET_KEYS):
-            pipe.mget([self.name(k) for k in keys[i:i + _MGET_KEYS]])
-        for reply in pipe.execute():
-            values.extend(reply)
-        return self.verify_all(keys, layout, values)
+        limits = [self.read_limit(n, o) for n, o in zip(names, outs)]
+        for name, limit in zip(names, limits):
+            pipe.getrange(self.object_key(name), 0, limit)  # limit + 1 bytes at most
+        values = []
+        for v, limit in zip(pipe.execute(), limits):
+            if v is not None and len(v) > limit:
+                self.stats.inc("rejected")
+                v = None
+            values.append(v or None)  # GETRANGE of a missing key is b""
+        return values
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
+        return self.verify_all(names, layout, key, self._fetch(names, [None] * len(names)))
+
+    def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
+                      outs: list[memoryview]) -> list[Record | None]:
+        return self.verify_all(names, layout, key, self._fetch(names, outs), outs)
+
+    def contains_many(self, names: list[bytes]) -> list[bool]:
         pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self.name(k))
+        for k in names:
+            pipe.exists(self.object_key(k))
         return [bool(n) for n in pipe.execute()]
 
-    def delete_many(self, keys: list[bytes]) -> None:
-        if keys:
-            self.client.unlink(*[self.name(k) for k in keys])
+    def delete_many(self, names: list[bytes]) -> None:
+        if names:
+            self.client.unlink(*[self.object_key(k) for k in names])
 
     def close(self) -> None:
         self.pool.disconnect()

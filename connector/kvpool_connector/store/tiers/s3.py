@@ -1,18 +1,18 @@
 """S3 tier (AWS S3, MinIO, any S3-compatible server) through boto3.
 
-Objects live at <prefix>/<namespace>/<key hex>. Puts, gets and HEADs of a batch run
+Objects live at <prefix>/<namespace>/<object name hex>. Puts, gets and HEADs of a batch run
 concurrently on a thread pool sized like the HTTP connection pool. boto3's retries and its
 extra request checksums are off (the orchestrator retries with backoff; objects carry their
-own checksum). Presence learnt from puts, gets and HEADs is remembered for
+own MAC). Gets are ranged to one byte past the largest object the reader accepts, so an
+oversized object is refused without being read whole. Presence learnt from puts, gets and HEADs is remembered for
 presence_cache_seconds (misses for negative_cache_seconds), so repeated scheduler lookups of
 the same prefix cost no requests; a stale "present" only costs a miss at read time.
-Credentials come from the named environment variables, else boto3's default chain
-(instance roles, IRSA).
+Credentials come from the named environment variables (a named but unset one is an error),
+else boto3's default chain (AWS_* variables, instance roles, IRSA).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +22,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from ..format import Record
-from .base import Tier
+from ..sealing import PoolKey
+from .base import Tier, secret
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 
@@ -46,6 +47,13 @@ class PresenceCache:
             got = {k: self._d.get(k) for k in keys}
         return {k: v[0] for k, v in got.items() if v is not None and v[1] > now}
 
+    def forget_missing(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                v = self._d.get(k)
+                if v is not None and not v[0]:
+                    del self._d[k]
+
     def remember(self, items: dict[bytes, bool], ttl_present: float, ttl_missing: float) -> None:
         now = time.monotonic()
         with self._lock:
@@ -62,9 +70,11 @@ class PresenceCache:
 class S3Tier(Tier):
     type = "s3"
     remote = True
+    blocking = True
 
-    def __init__(self, cfg, namespace, stats, timeout: float = 0.5) -> None:
-        super().__init__(cfg, namespace, stats)
+    def __init__(self, cfg, namespace, stats, **kw) -> None:
+        super().__init__(cfg, namespace, stats, **kw)
+        timeout = self.timeout
         prefix = cfg.prefix.strip("/")
         self.base = f"{prefix}/{namespace}/" if prefix else f"{namespace}/"
         path_style = cfg.path_style if cfg.path_style is not None else cfg.endpoint is not None
@@ -77,11 +87,10 @@ class S3Tier(Tier):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        env = os.environ.get
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=cfg.endpoint, region_name=cfg.region, config=conf,
-            aws_access_key_id=env(cfg.access_key_env) if cfg.access_key_env else None,
-            aws_secret_access_key=env(cfg.secret_key_env) if cfg.secret_key_env else None,
+            aws_access_key_id=secret(cfg.access_key_env, None, "access_key"),
+            aws_secret_access_key=secret(cfg.secret_key_env, None, "secret_key"),
             verify=cfg.verify_tls,
         )
         self.bucket = cfg.bucket
@@ -89,8 +98,9 @@ class S3Tier(Tier):
         self._bucket_ready = not cfg.create_bucket
         self.presence = PresenceCache()
 
-    def name(self, key: bytes) -> str:
-        return self.base + key.hex()
+    def object_key(self, name: bytes) -> str:
+        """The S3 key of an object."""
+        return self.base + name.hex()
 
     def _ensure_bucket(self) -> None:
         if self._bucket_ready:
@@ -112,38 +122,57 @@ class S3Tier(Tier):
         self._bucket_ready = True
 
     def _put(self, rec: Record) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self.name(rec.key), Body=rec.blob_bytes())
+        self.client.put_object(Bucket=self.bucket, Key=self.object_key(rec.name),
+                               Body=rec.blob_buffer())
 
     def put_many(self, records: list[Record]) -> None:
         self._ensure_bucket()
         for rec in records:
             rec.freeze()
         list(self.pool.map(self._put, records))  # re-raises the first error
-        self._remember({rec.key: True for rec in records})
+        self._remember({rec.name: True for rec in records})
         self.stats.inc("bytes_in", sum(len(r.payload) for r in records))
 
-    def _get(self, key: bytes) -> bytes | None:
+    def _get(self, name: bytes, limit: int) -> bytes | None:
         try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.name(key))
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.object_key(name),
+                                          Range=f"bytes=0-{limit}")
         except ClientError as e:
-            if _missing(e):
-                return None
+            if _missing(e) or str(e.response.get("Error", {}).get("Code")) == "InvalidRange":
+                return None  # InvalidRange: an empty object
             raise
         with resp["Body"] as body:
-            return body.read()
+            data = body.read(limit + 1)
+        if len(data) > limit:
+            self.stats.inc("rejected")
+            return None
+        return data
+
+    def forget_absent(self, names: list[bytes]) -> None:
+        self.presence.forget_missing(names)
 
     def _remember(self, items: dict[bytes, bool]) -> None:
         self.presence.remember(items, self.cfg.presence_cache_seconds,
                                self.cfg.negative_cache_seconds)
 
-    def get_many(self, keys: list[bytes], layout: bytes) -> list[Record | None]:
-        out = self.verify_all(keys, layout, list(self.pool.map(self._get, keys)))
-        self._remember({k: r is not None for k, r in zip(keys, out)})
-        return out
+    def _get_all(self, names: list[bytes], layout: bytes, key: PoolKey,
+                 outs: list[memoryview] | None) -> list[Record | None]:
+        limits = [self.read_limit(n, o) for n, o in
+                  zip(names, outs if outs is not None else [None] * len(names))]
+        blobs = list(self.pool.map(self._get, names, limits))
+        self._remember({k: b is not None for k, b in zip(names, blobs)})  # deletes forget
+        return self.verify_all(names, layout, key, blobs, outs)
+
+    def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
+        return self._get_all(names, layout, key, None)
+
+    def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
+                      outs: list[memoryview]) -> list[Record | None]:
+        return self._get_all(names, layout, key, outs)
 
     def _head(self, key: bytes) -> bool:
         try:
-            self.client.head_object(Bucket=self.bucket, Key=self.name(key))
+            self.client.head_object(Bucket=self.bucket, Key=self.object_key(key))
             return True
         except ClientError as e:
             if _missing(e):
@@ -166,7 +195,7 @@ class S3Tier(Tier):
         self._remember({k: False for k in keys})
         for i in range(0, len(keys), 1000):
             self.client.delete_objects(Bucket=self.bucket, Delete={
-                "Objects": [{"Key": self.name(k)} for k in keys[i:i + 1000]], "Quiet": True})
+                "Objects": [{"Key": self.object_key(k)} for k in keys[i:i + 1000]], "Quiet": True})
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
