@@ -43,23 +43,28 @@ from ..store.sealing import Keyring, PoolKey
 
 
 class ChecksumOnlyKey(PoolKey):
-    """An unkeyed xxh3 "MAC": objects as kvpool checksummed them before keyed MACs. Anyone
+    """An unkeyed xxh3 "tag": objects as kvpool checksummed them before keyed MACs. Anyone
     could forge these; the benchmark uses them only to price the real MAC."""
 
     class _Xxh3:
-        def __init__(self) -> None:
+        def __init__(self, tag: bytes | None) -> None:
             import xxhash
 
-            self._h = xxhash.xxh3_128()
+            self._h, self._want, self.tag = xxhash.xxh3_128(), tag, None
 
-        def update(self, data) -> None:
+        def authenticate_additional_data(self, data) -> None:
             self._h.update(data)
 
-        def digest(self) -> bytes:
-            return self._h.digest() * 2  # the MAC field is 32 bytes
+        def finalize(self) -> None:
+            from cryptography.exceptions import InvalidTag
 
-    def mac(self):
-        return self._Xxh3()
+            self.tag = self._h.digest()
+            if self._want is not None and self._want != self.tag:
+                raise InvalidTag()
+
+    def authenticator(self, salt: bytes, tag: bytes | None = None):
+        return self._Xxh3(tag)
+
 
 RATIO_GOAL = 0.8        # mac / raw
 MAC_COST_GOAL = 0.9     # mac / xxh3
