@@ -267,8 +267,18 @@ class DiskTier(_Model):
     volume: DiskVolume = Field(description="Where the disk tier lives; exactly one volume source.")
 
 
+class TlsSecret(_Model):
+    secret_name: str = Field(
+        min_length=1, max_length=253,
+        description="kubernetes.io/tls Secret (tls.crt, tls.key) with the issuing CA in ca.crt, as cert-manager "
+        "writes it; engines get only ca.crt. The certificate must name the Service <name>-redis.<namespace>.svc "
+        "(or -minio).",
+    )
+
+
 class ManagedRedis(_Model):
     memory: Size = Field(description="Redis memory; maxmemory is 85% of it with allkeys-lru eviction.")
+    tls: TlsSecret | None = Field(None, description="Serve TLS only (engines connect with rediss:// and verify it).")
     image: str = Field("", max_length=1024, pattern=OPTIONAL_IMAGE_PATTERN,
                        description="Redis image, by tag or digest (empty: the operator's default).")
 
@@ -283,6 +293,19 @@ class ExternalRedis(_Model):
     username: str = Field(
         "", max_length=256, description="Redis ACL user the engines log in as (empty: the default user)."
     )
+    ca_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key with the CA certificate that verifies a rediss:// server (empty: system CAs)."
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("!has(self.caSecretRef) || self.url.startsWith('rediss://')", "caSecretRef needs a rediss:// url",
+         ".caSecretRef")))
+
+    @model_validator(mode="after")
+    def _ca_needs_tls(self) -> ExternalRedis:
+        if self.ca_secret_ref is not None and not self.url.startswith("rediss://"):
+            raise ValueError("caSecretRef needs a rediss:// url")
+        return self
     password_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding the Redis password (reaches the engine only as env)."
     )

@@ -45,3 +45,22 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
                 out.append(f"spec.tiers.{tier}.external: refused by this operator (its setting "
                            "allowExternalBackends is false); use managed")
     return out
+
+
+def insecure_backends(spec: models.KVCachePoolSpec) -> list[str]:
+    """External backends reached without a password or without TLS: allowed, but worth a Warning
+    (BackendsSecure=False): anyone who reaches them reads the cache (prompts can be reconstructed from
+    KV tensors unless security.encryption is on) or evicts it; objects stay authenticated by the pool key."""
+    out = []
+    redis = spec.tiers.redis.external if spec.tiers.redis else None
+    if redis is not None:
+        if redis.password_secret_ref is None:
+            out.append("spec.tiers.redis.external: no passwordSecretRef, so any client that reaches this Redis "
+                       "can read and evict the pool's cache")
+        if not redis.url.startswith("rediss://"):
+            out.append("spec.tiers.redis.external.url: redis:// sends the cache and the password in cleartext; "
+                       "use rediss://")
+    s3 = spec.tiers.s3.external if spec.tiers.s3 else None
+    if s3 is not None and not s3.endpoint.startswith("https://"):
+        out.append("spec.tiers.s3.external.endpoint: http:// sends the cache in cleartext; use https://")
+    return out

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady", "Reconciling", "Stalled")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady", "BackendsSecure",
+                   "Reconciling", "Stalled")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Observation:
     deployment: dict[str, Any] | None = None
     backends: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # component -> StatefulSet
     endpoints: dict[str, str] = field(default_factory=dict)
+    insecure: tuple[str, ...] = ()  # external backends without password or TLS (a warning, not an error)
     previous: dict[str, Any] = field(default_factory=dict)  # the current .status
 
 
@@ -112,6 +114,8 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         cond("ConfigValid", obs.invalid is None, "InvalidSpec" if obs.invalid else "Valid", obs.invalid or ""),
         cond("BackendsReady", backends_ok, "BackendsReady" if backends_ok else "BackendsNotReady",
              backends_msg or ("no managed backends" if not obs.backends else "all managed backends ready")),
+        cond("BackendsSecure", not obs.insecure, "InsecureBackend" if obs.insecure else "Secure",
+             "; ".join(obs.insecure)),
         cond("Reconciling", progressing, reason if progressing else "Idle", message if progressing else ""),
         cond("Stalled", stalled, reason if stalled else "AsExpected", message if stalled else ""),
     ]

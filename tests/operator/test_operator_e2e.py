@@ -295,6 +295,10 @@ async def test_missing_secret_is_reported_then_picked_up(server):
                    {"metadata": {"name": "s3-creds"}, "data": {"accessKey": "YQ==", "secretKey": "Yg=="}})
         await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="recovered")
         await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="engines applied")
+        # it works, but its Redis is plain redis://: a Warning condition and Event say so
+        secure = conditions(server)["BackendsSecure"]
+        assert secure["status"] == "False" and "redis:// sends the cache" in secure["message"]
+        await eventually(lambda: ("Warning", "InsecureBackend") in event_reasons(server, with_type=True))
 
 
 async def test_engine_readiness_reaches_pool_status(server, op_settings):
@@ -472,14 +476,19 @@ def doc_bash_blocks(heading: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", section, re.S)
 
 
-async def bash(script: str, kubeconfig: Path, tmp_path: Path, **env: str) -> str:
+def request_log(server) -> str:
+    """The emulator's requests, one per line: what a failing kubectl step saw."""
+    return "\n".join(f"{r.method} {r.url} {r.headers.get('User-Agent', '')[:24]}" for r in requests(server)[-80:])
+
+
+async def bash(script: str, kubeconfig: Path, tmp_path: Path, server=None, **env: str) -> str:
     """Run a documented snippet with the real kubectl (./bin) against the emulator."""
     proc = await asyncio.create_subprocess_exec(
         "bash", "-euo", "pipefail", "-c", script,
         env={"PATH": f"{REPO / 'bin'}:/usr/bin:/bin", "KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
-    assert proc.returncode == 0, out
+    assert proc.returncode == 0, out + ("\n--- requests:\n" + request_log(server) if server else "")
     return out
 
 
@@ -507,7 +516,7 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         old = secret_data(keys)["poolKey"]
         await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="engines")
 
-        await bash(rotate, kubeconfig, tmp_path)
+        await bash(rotate, kubeconfig, tmp_path, server)
         rotated = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert rotated["previousPoolKey"] == old and rotated["poolKey"] != old and len(rotated["poolKey"]) >= 32
         assert rotated["hashSeed"] == secret_data(keys)["hashSeed"]
@@ -527,7 +536,7 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"]["secretKeyRef"] == {
             "name": "tiered-full-kvpool-keys", "key": "previousPoolKey", "optional": True}
 
-        await bash(drop, kubeconfig, tmp_path, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
+        await bash(drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
         done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
 
@@ -595,7 +604,7 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
                              message=f"{name} reconciled")
     values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
               for v in secret_data(obj.raw).values()]
-    assert len(values) == 3 + 2 * 2 + 1 + 2  # the user's, both pools' keys, Redis, MinIO credentials
+    assert len(values) == 3 + 2 * 2 + 2 + 2  # the user's, both pools' keys, Redis, MinIO credentials
     values = [v for v in values if len(v) >= 8]  # a short hash seed would match some digits by chance
     others = json.dumps([obj.raw for (res, _, _), obj in server.objects.items() if res.plural != "secrets"])
     logs = "\n".join(record.getMessage() for record in caplog.records)

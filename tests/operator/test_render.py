@@ -75,7 +75,8 @@ def test_tiered_full_connector_contract(settings):
         "tiers": [
             {"type": "cpu", "size": "64Gi", "eviction": "lru"},
             {"type": "disk", "path": "/var/lib/kvpool/disk", "size": "500Gi"},
-            {"type": "redis", "url": "redis://tiered-full-redis.kvpool.svc:6379/0", "password_env": "KVPOOL_REDIS_PASSWORD"},
+            {"type": "redis", "url": "redis://tiered-full-redis.kvpool.svc:6379/0", "key_prefix": "kvpool:",
+             "username": "kvpool-engine", "password_env": "KVPOOL_REDIS_PASSWORD"},
             {
                 "type": "s3", "endpoint": "http://tiered-full-minio.kvpool.svc:9000", "bucket": "kvpool", "prefix": "",
                 "region": "us-east-1", "access_key_env": "KVPOOL_S3_ACCESS_KEY",
@@ -274,8 +275,20 @@ def test_managed_redis_settings(settings):
     args = redis["args"]
     assert args[args.index("--maxmemory") + 1] == str(int(16 * 2**30 * 0.85))
     assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "tiered-full-redis", "key": "password"}
+    # no password in argv: no --requirepass, and no $(VAR) the kubelet would expand to a secret's value
+    assert "--requirepass" not in args
+    assert not [a for a in redis["command"] + args for e in redis["env"] if f"$({e['name']})" in a]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in redis["env"]}
+    assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == {"secretKeyRef": {"name": "tiered-full-redis", "key": "password"}}
+    assert env["REDIS_ENGINE_PASSWORD"] == {"secretKeyRef": {"name": "tiered-full-redis", "key": "enginePassword"}}
+    assert env["ENGINE_USER"] == "kvpool-engine"
+    assert env["ENGINE_ACL"] == ("resetkeys ~kvpool:kvpool.tiered-full:* resetchannels -@all +set +getrange +exists +unlink "
+                                 "+auth +hello +client|setinfo +ping +select")
+    assert redis["readinessProbe"]["exec"]["command"] == ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]
+    volumes = {v["name"]: v for v in by_kind(m, "StatefulSet", "tiered-full-redis")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["acl"]["emptyDir"]["medium"] == "Memory"  # password hashes never touch the node's disk
+    engine_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in engine(m)["env"] if "valueFrom" in e}
+    assert engine_env["KVPOOL_REDIS_PASSWORD"] == {"name": "tiered-full-redis", "key": "enginePassword"}
     minio = by_kind(m, "StatefulSet", "tiered-full-minio")
     assert minio["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Ti"
 
@@ -369,3 +382,33 @@ def test_api_key_reaches_vllm_only_by_secret_key_ref(settings):
     assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api", "key": "token"}}} in env
     refs = [(r.field, r.name, r.key) for r in referenced_secrets(load_pool(pool, settings))]
     assert ("spec.service.apiKeySecretRef", "llm-api", "token") in refs  # checked before anything is applied
+
+
+def test_managed_redis_tls(settings):
+    pool = load_example("tiered-full")
+    pool["spec"]["tiers"]["redis"]["managed"]["tls"] = {"secretName": "redis-tls"}
+    m = render(pool, settings, "kvpool")
+    sts = by_kind(m, "StatefulSet", "tiered-full-redis")["spec"]["template"]["spec"]
+    args = sts["containers"][0]["args"]
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == "6379"
+    assert args[args.index("--tls-ca-cert-file") + 1] == "/tls/ca.crt"
+    assert "--tls --cacert /tls/ca.crt" in sts["containers"][0]["readinessProbe"]["exec"]["command"][2]
+    assert {v["name"]: v for v in sts["volumes"]}["tls"]["secret"] == {"secretName": "redis-tls", "defaultMode": 0o440}
+    tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
+    assert tier["url"].startswith("rediss://tiered-full-redis.kvpool.svc:6379")
+    assert tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
+    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["redis-ca"]["secret"] == {"secretName": "redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    for manifest in m:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def test_external_redis_with_a_private_ca_and_acl_user(settings):
+    pool = load_example("tiered-external")
+    pool["spec"]["tiers"]["redis"]["external"] |= {"url": "rediss://redis.infra.svc:6380/0", "username": "kv",
+                                                   "caSecretRef": {"name": "infra-ca", "key": "root.pem"}}
+    m = render(pool, settings, "kvpool")
+    tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
+    assert tier["username"] == "kv" and tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
+    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["redis-ca"]["secret"]["items"] == [{"key": "root.pem", "path": "ca.crt"}]

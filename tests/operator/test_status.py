@@ -98,3 +98,30 @@ def test_endpoints_in_status_never_carry_credentials_or_queries():
                                       "http://p.ns.svc:8000"}), T0)
     assert s["endpoints"] == {"redis": "rediss://r.example:6380/1", "s3": "", "openai": "http://p.ns.svc:8000"}
     assert public_url("https://AKIA:secret@[::1]:9000/b?X-Amz-Signature=s") == "https://[::1]:9000/b"
+
+
+def test_insecure_external_backends_are_a_warning_not_an_error():
+    warning = "spec.tiers.redis.external.url: redis:// sends the cache and the password in cleartext; use rediss://"
+    s = compute_status(obs(deployment=dep(2, 2), insecure=(warning,)), T0)
+    c = conds(s)
+    assert c["BackendsSecure"]["status"] == "False" and c["BackendsSecure"]["reason"] == "InsecureBackend"
+    assert c["BackendsSecure"]["message"] == warning
+    assert s["phase"] == "Ready"  # it works; the condition and an Event say it is exposed
+    assert conds(compute_status(obs(deployment=dep(2, 2)), T0))["BackendsSecure"]["status"] == "True"
+
+
+def test_insecure_backends_name_what_is_missing():
+    from kvpool_operator.models import parse_spec
+    from kvpool_operator.policy import insecure_backends
+    from tests.operator.conftest import load_example
+
+    spec = load_example("tiered-external")["spec"]
+    assert [w.split(":")[0] for w in insecure_backends(parse_spec(spec))] == ["spec.tiers.redis.external.url"]
+    spec["tiers"]["redis"]["external"] = {"url": "rediss://r:6380/0"}
+    spec["tiers"]["s3"]["external"]["endpoint"] = "http://minio.infra:9000"
+    assert [w.split(":")[0] for w in insecure_backends(parse_spec(spec))] == [
+        "spec.tiers.redis.external", "spec.tiers.s3.external.endpoint"]
+    spec["tiers"]["redis"]["external"]["passwordSecretRef"] = {"name": "r", "key": "p"}
+    spec["tiers"]["s3"]["external"]["endpoint"] = "https://s3.example"
+    assert insecure_backends(parse_spec(spec)) == []
+    assert insecure_backends(parse_spec(load_example("tiered-full")["spec"])) == []  # managed: not external

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes.client import ApiException
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpool_operator import models
+from kvpool_operator import models, policy
 from kvpool_operator.kube import Kube
 from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
@@ -202,6 +202,7 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
             if managed is not None:
                 backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
         endpoints = pool_endpoints(pool)
+        kw.setdefault("insecure", tuple(policy.insecure_backends(pool.spec)))
     return Observation(
         generation=meta.get("generation"),
         desired_replicas=desired,

@@ -36,15 +36,22 @@ def _kube(memo: kopf.Memo) -> Kube:
     return kube
 
 
+def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
+
+
 def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous: dict[str, Any]) -> None:
-    """Kubernetes Events for what changed; warnings for invalid specs (once per message) and errors."""
+    """Kubernetes Events for what changed; warnings for invalid specs and insecure backends (once
+    per message) and errors."""
+    insecure = _condition(outcome.status, "BackendsSecure")
+    if insecure.get("status") == "False" and _condition(previous, "BackendsSecure").get("message") != insecure["message"]:
+        kopf.event(body, type="Warning", reason="InsecureBackend", message=insecure["message"])
     for change in outcome.applied:
         kopf.event(body, type="Normal", reason="Applied", message=change)
     for pruned in outcome.pruned:
         kopf.event(body, type="Normal", reason="Pruned", message=f"deleted {pruned} (no longer rendered)")
     if outcome.invalid is not None:
-        was = [c for c in previous.get("conditions", []) if c.get("type") == "ConfigValid"]
-        if not was or was[0].get("message") != outcome.invalid:
+        if _condition(previous, "ConfigValid").get("message") != outcome.invalid:
             kopf.event(body, type="Warning", reason="InvalidSpec", message=f"{outcome.invalid}; existing children left untouched")
         logger.warning("invalid spec, children untouched: %s", outcome.invalid)
     for error in outcome.errors:

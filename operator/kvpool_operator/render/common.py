@@ -24,6 +24,9 @@ REDIS_PORT = 6379
 MINIO_PORT = 9000
 MINIO_BUCKET = "kvpool"
 
+REDIS_KEY_PREFIX = "kvpool:"  # the Redis tier's key_prefix; its ACL grants ~<prefix><store namespace>:*
+REDIS_ENGINE_USER = "kvpool-engine"  # managed Redis: the ACL user of the engines
+TLS_CA_DIR = "/etc/kvpool-tls"  # engines: <dir>/<tier>/ca.crt verifies a backend's TLS certificate
 REDIS_PASSWORD_ENV = "KVPOOL_REDIS_PASSWORD"
 S3_ACCESS_KEY_ENV = "KVPOOL_S3_ACCESS_KEY"
 S3_SECRET_KEY_ENV = "KVPOOL_S3_SECRET_KEY"
@@ -134,6 +137,10 @@ def checksum(*parts: Any) -> str:
     """Stable sha256 of JSON-serialisable parts (dict order does not matter)."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def ca_file(tier: str) -> str:
+    return f"{TLS_CA_DIR}/{tier}/ca.crt"
 
 
 def secret_env(env: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:

@@ -23,11 +23,14 @@ from kvpool_operator.render.common import (
     POOL_KEY_ENV,
     PREVIOUS_POOL_KEY,
     PREVIOUS_POOL_KEY_ENV,
+    REDIS_ENGINE_USER,
+    REDIS_KEY_PREFIX,
     REDIS_PASSWORD_ENV,
     REDIS_PORT,
     S3_ACCESS_KEY_ENV,
     S3_SECRET_KEY_ENV,
     Pool,
+    ca_file,
     secret_env,
 )
 
@@ -60,7 +63,8 @@ def redis_url(pool: Pool) -> str:
         return ""
     if redis.external is not None:
         return redis.external.url
-    return f"redis://{pool.svc_host(pool.redis)}:{REDIS_PORT}/0"
+    scheme = "rediss" if redis.managed and redis.managed.tls else "redis"
+    return f"{scheme}://{pool.svc_host(pool.redis)}:{REDIS_PORT}/0"
 
 
 def s3_endpoint(pool: Pool) -> str:
@@ -75,12 +79,25 @@ def s3_endpoint(pool: Pool) -> str:
 def _redis_tier(pool: Pool) -> dict[str, Any]:
     redis = pool.spec.tiers.redis
     assert redis is not None
-    tier: dict[str, Any] = {"type": "redis", "url": redis_url(pool)}
-    if redis.external is not None and redis.external.username:
-        tier["username"] = redis.external.username
+    tier: dict[str, Any] = {"type": "redis", "url": redis_url(pool), "key_prefix": REDIS_KEY_PREFIX}
+    username = redis.external.username if redis.external is not None else REDIS_ENGINE_USER
+    if username:
+        tier["username"] = username
     if redis.managed is not None or (redis.external and redis.external.password_secret_ref):
         tier["password_env"] = REDIS_PASSWORD_ENV
+    if redis_ca(pool) is not None:
+        tier["tls_ca_file"] = ca_file("redis")
     return tier
+
+
+def redis_ca(pool: Pool) -> tuple[str, str] | None:
+    """(Secret, key) of the CA the engines verify Redis with, when it is not a system CA."""
+    redis = pool.spec.tiers.redis
+    if redis is not None and redis.managed is not None and redis.managed.tls is not None:
+        return redis.managed.tls.secret_name, "ca.crt"
+    if redis is not None and redis.external is not None and redis.external.ca_secret_ref is not None:
+        return redis.external.ca_secret_ref.name, redis.external.ca_secret_ref.key
+    return None
 
 
 def _s3_tier(pool: Pool) -> dict[str, Any]:
@@ -176,7 +193,7 @@ def secret_envs(pool: Pool) -> list[dict[str, Any]]:
         env.append(secret_env(POOL_KEY_ENV, pool.keys_secret, POOL_KEY))
         env.append(secret_env(PREVIOUS_POOL_KEY_ENV, pool.keys_secret, PREVIOUS_POOL_KEY, optional=True))
     if tiers.redis and tiers.redis.managed:
-        env.append(secret_env(REDIS_PASSWORD_ENV, pool.redis, "password"))
+        env.append(secret_env(REDIS_PASSWORD_ENV, pool.redis, "enginePassword"))  # the ACL user, not default
     elif tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
         ref = tiers.redis.external.password_secret_ref
         env.append(secret_env(REDIS_PASSWORD_ENV, ref.name, ref.key))

@@ -22,12 +22,13 @@ from kvpool_operator.render.common import (
     HTTP_PORT,
     MINIO_PORT,
     REDIS_PORT,
+    TLS_CA_DIR,
     Pool,
     checksum,
     secret_env,
 )
 from kvpool_operator.render.configmap import config_data
-from kvpool_operator.render.connector import kv_transfer_config, secret_envs, store_namespace
+from kvpool_operator.render.connector import kv_transfer_config, redis_ca, secret_envs, store_namespace
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
 # yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
@@ -115,6 +116,18 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
     return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": vol.persistent_volume_claim.claim_name}}
 
 
+def _ca_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(volume, mount) per backend CA: only the ca.crt key of its Secret, never a private key."""
+    out = []
+    for tier, ref in (("redis", redis_ca(pool)),):
+        if ref is None:
+            continue
+        name, key = ref
+        volume = {"name": f"{tier}-ca", "secret": {"secretName": name, "items": [{"key": key, "path": "ca.crt"}]}}
+        out.append((volume, {"name": f"{tier}-ca", "mountPath": f"{TLS_CA_DIR}/{tier}", "readOnly": True}))
+    return out
+
+
 def _wait_init(pool: Pool) -> list[dict[str, Any]]:
     targets = []
     if pool.managed_redis:
@@ -170,6 +183,9 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         mount = {"name": "kv-disk", "mountPath": DISK_PATH}
         if "hostPath" in disk or "persistentVolumeClaim" in disk:
             mount["subPath"] = store_namespace(pool)  # shared beyond this pool: it sees only its own directory
+        mounts.append(mount)
+    for volume, mount in _ca_volumes(pool):
+        volumes.append(volume)
         mounts.append(mount)
 
     def probe(period: int, failures: int) -> dict[str, Any]:

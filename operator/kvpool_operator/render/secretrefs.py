@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvpool_operator.render.common import HASH_SEED, POOL_KEY, Pool
 
+TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")  # a kubernetes.io/tls Secret with its CA, as cert-manager writes it
 MIN_POOL_KEY = 32  # the connector refuses shorter keys
 MAX_HASH_SEED = 2**32 - 1  # Python refuses any other PYTHONHASHSEED
 
@@ -45,6 +46,12 @@ def referenced_secrets(pool: Pool) -> list[SecretRef]:
     if spec.service.api_key_secret_ref is not None:
         ref = spec.service.api_key_secret_ref
         refs.append(SecretRef("spec.service.apiKeySecretRef", ref.name, ref.key))
+    if tiers.redis and tiers.redis.managed and tiers.redis.managed.tls:
+        name = tiers.redis.managed.tls.secret_name
+        refs += [SecretRef("spec.tiers.redis.managed.tls", name, key) for key in TLS_KEYS]
+    if tiers.redis and tiers.redis.external and tiers.redis.external.ca_secret_ref:
+        ref = tiers.redis.external.ca_secret_ref
+        refs.append(SecretRef("spec.tiers.redis.external.caSecretRef", ref.name, ref.key))
     if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
         ref = tiers.redis.external.password_secret_ref
         refs.append(SecretRef("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))

@@ -30,7 +30,7 @@ def render_secrets(pool: Pool) -> list[dict[str, Any]]:
     if pool.spec.security.keys_secret_ref is None:  # previousPoolKey is only ever added by a rotation
         out.append(_secret(pool, pool.keys_secret, "engine", [POOL_KEY, HASH_SEED]))
     if pool.managed_redis:
-        out.append(_secret(pool, pool.redis, "redis", ["password"]))
+        out.append(_secret(pool, pool.redis, "redis", ["password", "enginePassword"]))  # default, engines' user
     if pool.managed_s3:
         out.append(_secret(pool, pool.minio, "minio", ["accessKey", "secretKey"]))
     return out
