@@ -34,6 +34,7 @@ from .tiers import Tier, tier_class
 
 log = logging.getLogger("kvpool.store")
 _STOP = object()
+_NOT_WRITTEN = object()
 
 
 class Health:
@@ -146,6 +147,12 @@ class TierRunner:
         self.stats.observe(op, time.perf_counter() - t0)
         self._set_health(op, True)
         return res
+
+    def put_now(self, records: list[Record]) -> None:
+        """Write synchronously; records the tier did not take (backing off, failed, timed
+        out) are dropped and counted."""
+        if self.call("put", self.tier.put_many, records, default=_NOT_WRITTEN) is _NOT_WRITTEN:
+            self.stats.inc("drops", len(records))
 
     def _failed(self, op: str, e: Exception, default):
         self.stats.inc("errors")
@@ -331,13 +338,12 @@ class TieredStore:
         records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
         self._write(records)
 
-    def _write(self, records: list[Record], skip_first: bool = False) -> None:
+    def _write(self, records: list[Record]) -> None:
         first, lower = self.runners[0], self.runners[1:]
         if lower or first.tier.needs_blob:
             for r in records:  # one owned sealed copy, shared by every lower tier
                 r.freeze()
-        if not skip_first:
-            first.call("put", first.tier.put_many, records)
+        first.put_now(records)
         for runner in lower:
             runner.enqueue(records)
 
@@ -399,7 +405,7 @@ class TieredStore:
             for j in range(ti):
                 runner = self.runners[j]
                 if j == 0 and runner.queue is None:
-                    runner.call("put", runner.tier.put_many, [rec])
+                    runner.put_now([rec])
                 else:
                     runner.enqueue([rec.freeze()])
             self.runners[ti].stats.inc("promotions")
