@@ -333,7 +333,13 @@ class RedisTier(_Backend):
 
 
 class ManagedS3(_Model):
-    storage: Size = Field(description="Size of MinIO's persistent volume.")
+    storage: Size = Field(description="Size of MinIO's persistent volume; the bucket's quota is 90% of it.")
+    expire_days: int = Field(
+        1, ge=1, le=3650,
+        description="Objects expire this many days after their write (a lifecycle rule), so the bucket "
+        "frees space on its own; writes beyond the quota are refused meanwhile.",
+    )
+    tls: TlsSecret | None = Field(None, description="Serve TLS only (engines verify it with the Secret's ca.crt).")
     storage_class_name: str = Field("", description="StorageClass of MinIO's volume (empty: cluster default).")
     image: str = Field("", max_length=1024, pattern=OPTIONAL_IMAGE_PATTERN,
                        description="MinIO image, by tag or digest (empty: the operator's default).")
@@ -355,6 +361,9 @@ class ExternalS3(_Model):
     path_style: bool = Field(False, description="Path-style addressing (MinIO, Ceph); AWS uses virtual hosts.")
     credentials_secret_ref: S3CredentialsRef | None = Field(
         None, description="Secret with the access key pair (empty: the pod's own identity, e.g. IRSA)."
+    )
+    ca_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key with the CA certificate that verifies an https:// endpoint (empty: system CAs)."
     )
 
 

@@ -37,6 +37,10 @@ class Settings(BaseModel):
     minio_image: Image = Field(
         "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z", description="Default image of managed MinIO."
     )
+    minio_client_image: Image = Field(
+        "quay.io/minio/mc:RELEASE.2025-04-16T18-13-26Z",
+        description="MinIO client (mc) that bootstraps managed MinIO: bucket, lifecycle, quota, engine user.",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
     namespaces: tuple[str, ...] = Field((), description="Watched namespaces; empty: all namespaces.")
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")

@@ -49,6 +49,7 @@ SCENARIOS: dict[str, dict] = {
             "connectorImage": "registry.example/kvpool-vllm:1.2.3",
             "redisImage": "redis:7.4.2",
             "minioImage": "minio/minio:latest",
+            "minioClientImage": "registry.example/mc@sha256:" + "b" * 64,
             "imagePullPolicy": "Always",
             "reconcileInterval": 120,
             "retryDelay": 15.5,
@@ -246,6 +247,7 @@ def test_settings_reach_the_operator_as_it_reads_them():
     assert settings.connector_image == "registry.example/kvpool-vllm:1.2.3"
     assert settings.redis_image == "redis:7.4.2"
     assert settings.minio_image == "minio/minio:latest"
+    assert settings.minio_client_image == "registry.example/mc@sha256:" + "b" * 64
     assert settings.image_pull_policy == "Always"
     assert settings.reconcile_interval == 120
     assert settings.retry_delay == 15.5

@@ -445,11 +445,20 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, op_settin
         "metadata": {"name": "tiered-full-redis", "labels": {"app.kubernetes.io/managed-by": MANAGER,
                                                              "kvpool.dev/pool": "tiered-full"}},
         "data": {"password": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA=="}})
+    # what an older operator generated for MinIO: root credentials only
+    old_minio = {"accessKey": "kvpool-0123456789ab", "secretKey": "old-root-secret-old-root-secret-0123"}
+    await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {
+        "metadata": {"name": "tiered-full-minio", "labels": {"app.kubernetes.io/managed-by": MANAGER,
+                                                             "kvpool.dev/pool": "tiered-full"}},
+        "stringData": old_minio})
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         for resource, name in ALL_CHILDREN:
             await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
         await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        minio = secret_data(child(server, "v1/secrets", "tiered-full-minio"))
+        assert {k: minio[k] for k in old_minio} == old_minio  # completed, never rewritten
+        assert minio["engineAccessKey"].startswith("kvpool-") and len(minio["engineSecretKey"]) >= 32
         # fewer children: the PDB, the NetworkPolicy and everything of Redis are pruned
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {
             "replicas": 1, "networkPolicy": {"enabled": False}, "tiers": {"redis": None}}})
@@ -604,7 +613,7 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
                              message=f"{name} reconciled")
     values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
               for v in secret_data(obj.raw).values()]
-    assert len(values) == 3 + 2 * 2 + 2 + 2  # the user's, both pools' keys, Redis, MinIO credentials
+    assert len(values) == 3 + 2 * 2 + 2 + 4  # the user's, both pools' keys, Redis, MinIO credentials
     values = [v for v in values if len(v) >= 8]  # a short hash seed would match some digits by chance
     others = json.dumps([obj.raw for (res, _, _), obj in server.objects.items() if res.plural != "secrets"])
     logs = "\n".join(record.getMessage() for record in caplog.records)

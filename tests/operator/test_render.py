@@ -80,7 +80,7 @@ def test_tiered_full_connector_contract(settings):
             {
                 "type": "s3", "endpoint": "http://tiered-full-minio.kvpool.svc:9000", "bucket": "kvpool", "prefix": "",
                 "region": "us-east-1", "access_key_env": "KVPOOL_S3_ACCESS_KEY",
-                "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": True,
+                "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": False,
             },
         ],
         "security": {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS", "encrypt": False},

@@ -73,7 +73,8 @@ def s3_endpoint(pool: Pool) -> str:
         return ""
     if s3.external is not None:
         return s3.external.endpoint
-    return f"http://{pool.svc_host(pool.minio)}:{MINIO_PORT}"
+    scheme = "https" if s3.managed and s3.managed.tls else "http"
+    return f"{scheme}://{pool.svc_host(pool.minio)}:{MINIO_PORT}"
 
 
 def _redis_tier(pool: Pool) -> dict[str, Any]:
@@ -85,25 +86,27 @@ def _redis_tier(pool: Pool) -> dict[str, Any]:
         tier["username"] = username
     if redis.managed is not None or (redis.external and redis.external.password_secret_ref):
         tier["password_env"] = REDIS_PASSWORD_ENV
-    if redis_ca(pool) is not None:
+    if backend_ca(pool, "redis") is not None:
         tier["tls_ca_file"] = ca_file("redis")
     return tier
 
 
-def redis_ca(pool: Pool) -> tuple[str, str] | None:
-    """(Secret, key) of the CA the engines verify Redis with, when it is not a system CA."""
-    redis = pool.spec.tiers.redis
-    if redis is not None and redis.managed is not None and redis.managed.tls is not None:
-        return redis.managed.tls.secret_name, "ca.crt"
-    if redis is not None and redis.external is not None and redis.external.ca_secret_ref is not None:
-        return redis.external.ca_secret_ref.name, redis.external.ca_secret_ref.key
+def backend_ca(pool: Pool, tier: str) -> tuple[str, str] | None:
+    """(Secret, key) of the CA the engines verify a backend's TLS with, when it is not a system CA:
+    a managed backend's own tls Secret, or an external one's caSecretRef."""
+    backend = getattr(pool.spec.tiers, tier)
+    if backend is not None and backend.managed is not None and backend.managed.tls is not None:
+        return backend.managed.tls.secret_name, "ca.crt"
+    if backend is not None and backend.external is not None and backend.external.ca_secret_ref is not None:
+        return backend.external.ca_secret_ref.name, backend.external.ca_secret_ref.key
     return None
 
 
 def _s3_tier(pool: Pool) -> dict[str, Any]:
     s3 = pool.spec.tiers.s3
     assert s3 is not None
-    if s3.managed is not None:
+    ca = {"tls_ca_file": ca_file("s3")} if backend_ca(pool, "s3") is not None else {}
+    if s3.managed is not None:  # the bucket exists before the engines can reach MinIO (its bootstrap)
         return {
             "type": "s3",
             "endpoint": s3_endpoint(pool),
@@ -113,7 +116,8 @@ def _s3_tier(pool: Pool) -> dict[str, Any]:
             "access_key_env": S3_ACCESS_KEY_ENV,
             "secret_key_env": S3_SECRET_KEY_ENV,
             "path_style": True,
-            "create_bucket": True,
+            "create_bucket": False,
+            **ca,
         }
     ext = s3.external
     assert ext is not None
@@ -126,7 +130,7 @@ def _s3_tier(pool: Pool) -> dict[str, Any]:
     }
     if ext.credentials_secret_ref is not None:
         tier |= {"access_key_env": S3_ACCESS_KEY_ENV, "secret_key_env": S3_SECRET_KEY_ENV}
-    return tier | {"path_style": ext.path_style, "create_bucket": False}
+    return tier | {"path_style": ext.path_style, "create_bucket": False, **ca}
 
 
 def store_config(pool: Pool) -> dict[str, Any] | None:
@@ -197,9 +201,9 @@ def secret_envs(pool: Pool) -> list[dict[str, Any]]:
     elif tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
         ref = tiers.redis.external.password_secret_ref
         env.append(secret_env(REDIS_PASSWORD_ENV, ref.name, ref.key))
-    if tiers.s3 and tiers.s3.managed:
-        env.append(secret_env(S3_ACCESS_KEY_ENV, pool.minio, "accessKey"))
-        env.append(secret_env(S3_SECRET_KEY_ENV, pool.minio, "secretKey"))
+    if tiers.s3 and tiers.s3.managed:  # the bucket-scoped user, never MinIO's root
+        env.append(secret_env(S3_ACCESS_KEY_ENV, pool.minio, "engineAccessKey"))
+        env.append(secret_env(S3_SECRET_KEY_ENV, pool.minio, "engineSecretKey"))
     elif tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
         ref = tiers.s3.external.credentials_secret_ref
         env.append(secret_env(S3_ACCESS_KEY_ENV, ref.name, ref.access_key_key))

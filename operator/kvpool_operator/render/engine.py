@@ -28,7 +28,7 @@ from kvpool_operator.render.common import (
     secret_env,
 )
 from kvpool_operator.render.configmap import config_data
-from kvpool_operator.render.connector import kv_transfer_config, redis_ca, secret_envs, store_namespace
+from kvpool_operator.render.connector import backend_ca, kv_transfer_config, secret_envs, store_namespace
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
 # yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
@@ -119,7 +119,8 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
 def _ca_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(volume, mount) per backend CA: only the ca.crt key of its Secret, never a private key."""
     out = []
-    for tier, ref in (("redis", redis_ca(pool)),):
+    for tier in ("redis", "s3"):
+        ref = backend_ca(pool, tier)
         if ref is None:
             continue
         name, key = ref

@@ -46,12 +46,14 @@ def referenced_secrets(pool: Pool) -> list[SecretRef]:
     if spec.service.api_key_secret_ref is not None:
         ref = spec.service.api_key_secret_ref
         refs.append(SecretRef("spec.service.apiKeySecretRef", ref.name, ref.key))
-    if tiers.redis and tiers.redis.managed and tiers.redis.managed.tls:
-        name = tiers.redis.managed.tls.secret_name
-        refs += [SecretRef("spec.tiers.redis.managed.tls", name, key) for key in TLS_KEYS]
-    if tiers.redis and tiers.redis.external and tiers.redis.external.ca_secret_ref:
-        ref = tiers.redis.external.ca_secret_ref
-        refs.append(SecretRef("spec.tiers.redis.external.caSecretRef", ref.name, ref.key))
+    for tier in ("redis", "s3"):  # TLS: a managed backend's certificate, an external one's CA
+        backend = getattr(tiers, tier)
+        if backend and backend.managed and backend.managed.tls:
+            name = backend.managed.tls.secret_name
+            refs += [SecretRef(f"spec.tiers.{tier}.managed.tls", name, key) for key in TLS_KEYS]
+        if backend and backend.external and backend.external.ca_secret_ref:
+            ref = backend.external.ca_secret_ref
+            refs.append(SecretRef(f"spec.tiers.{tier}.external.caSecretRef", ref.name, ref.key))
     if tiers.redis and tiers.redis.external and tiers.redis.external.password_secret_ref:
         ref = tiers.redis.external.password_secret_ref
         refs.append(SecretRef("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))

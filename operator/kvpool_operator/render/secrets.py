@@ -32,7 +32,8 @@ def render_secrets(pool: Pool) -> list[dict[str, Any]]:
     if pool.managed_redis:
         out.append(_secret(pool, pool.redis, "redis", ["password", "enginePassword"]))  # default, engines' user
     if pool.managed_s3:
-        out.append(_secret(pool, pool.minio, "minio", ["accessKey", "secretKey"]))
+        # root (bootstrap only), and the engines' bucket-scoped user
+        out.append(_secret(pool, pool.minio, "minio", ["accessKey", "secretKey", "engineAccessKey", "engineSecretKey"]))
     return out
 
 
