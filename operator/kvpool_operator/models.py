@@ -169,8 +169,8 @@ class ModelSpec(_Model):
     shm_size: Size = Field("2Gi", description="sizeLimit of the engine's /dev/shm (memory-backed; counts as memory).")
     memory_overhead: Size = Field(
         "8Gi",
-        description="Host memory beyond the CPU tier and /dev/shm: vLLM's process, the connector's write "
-        "queues and staging buffers. Memory request = limit = CPU tier + shmSize + this.",
+        description="Host memory of vLLM's own process. Memory request = limit = CPU tier + the connector's "
+        "write queues and staging (1Gi per tier after the first, 1Gi staging in tiered mode) + shmSize + this.",
     )
 
     model_config = ConfigDict(

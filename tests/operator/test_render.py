@@ -83,7 +83,9 @@ def test_tiered_full_connector_contract(settings):
                 "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": False,
             },
         ],
+        "queue_bytes": "1Gi",
         "security": {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS", "encrypt": False},
+        "staging_bytes": "1Gi",
         "require_cache_salt": False,
     }
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
@@ -232,18 +234,25 @@ def test_engines_run_as_the_configured_non_root_user(settings):
 
 
 def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
-    m = rendered("tiered-emptydir", settings)  # cpu 16Gi, defaults shm 2Gi + overhead 8Gi
-    assert engine(m)["resources"]["requests"]["memory"] == engine(m)["resources"]["limits"]["memory"] == "26Gi"
+    # cpu 16Gi + disk write queue 1Gi + staging 1Gi + default shm 2Gi + overhead 8Gi
+    m = rendered("tiered-emptydir", settings)
+    assert engine(m)["resources"]["requests"]["memory"] == engine(m)["resources"]["limits"]["memory"] == "28Gi"
+    assert store_config(m)["queue_bytes"] == "1Gi" and store_config(m)["staging_bytes"] == "1Gi"
     pool = load_example("tiered-emptydir")
     pool["spec"]["model"] |= {"shmSize": "512Mi", "memoryOverhead": "1536Mi"}
-    pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier: shm + overhead
+    pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier, no queue: staging + shm + overhead
     resources = engine(render(pool, settings, "kvpool"))["resources"]
-    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "2Gi"
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "3Gi"
     volumes = {v["name"]: v for v in by_kind(render(pool, settings, "kvpool"), "Deployment")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "512Mi"
     # the user's resources still win (tiered-full raises the limit to 96Gi)
     full = engine(rendered("tiered-full", settings))["resources"]
-    assert full["requests"]["memory"] == "74Gi" and full["limits"]["memory"] == "96Gi"
+    assert full["requests"]["memory"] == "78Gi" and full["limits"]["memory"] == "96Gi"  # 64 + 3 queues + 1 + 2 + 8
+    # tensor parallelism: each rank's store gets its share of the same per-pod budget
+    external = store_config(rendered("tiered-external", settings))  # TP=4
+    assert external["queue_bytes"] == str(2**30 // 4) and external["staging_bytes"] == str(2**30 // 4)
+    native = engine(rendered("native-cpu", settings))["resources"]  # no kvpool store: cpu 32 + 2 + 8
+    assert native["requests"]["memory"] == "42Gi"
 
 
 @pytest.mark.parametrize(("name", "shared"), [("tiered-full", True), ("native-nvme", True), ("tiered-cpu-only", True),

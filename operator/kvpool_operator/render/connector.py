@@ -51,6 +51,21 @@ def store_namespace(pool: Pool) -> str:
     return f"{value[:STORE_NAMESPACE_MAX - 9]}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
 
 
+# Host memory the connector may hold beyond its CPU tier, per pod (split across tensor-parallel
+# ranks like the tiers): each lower tier's write queue, and the save staging of KVPoolConnector.
+QUEUE_BYTES = "1Gi"
+STAGING_BYTES = "1Gi"
+
+
+def buffer_bytes(pool: Pool) -> int:
+    """Bytes of write queues and staging a pod's stores may hold: part of its memory request."""
+    store = store_config(pool)
+    if store is None:
+        return 0
+    queues = (len(store["tiers"]) - 1) * models.size_bytes(QUEUE_BYTES)  # every tier after the first
+    return queues + (models.size_bytes(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
+
+
 def _per_rank(pool: Pool, size: str) -> str:
     """Tier sizes in the spec are per pod; with tensor parallelism every rank keeps its own share."""
     tp = pool.spec.model.tensor_parallel_size
@@ -151,8 +166,9 @@ def store_config(pool: Pool) -> dict[str, Any] | None:
     security = {"key_env": POOL_KEY_ENV, "previous_key_env": PREVIOUS_POOL_KEY_ENV,
                 "encrypt": pool.spec.security.encryption}
     config = {"namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out,
-              "security": security}
-    if pool.spec.connector == "tiered":  # a KVPoolConnector key: the native tier has no request to refuse
+              "queue_bytes": _per_rank(pool, QUEUE_BYTES), "security": security}
+    if pool.spec.connector == "tiered":  # KVPoolConnector keys: the native tier saves no requests itself
+        config["staging_bytes"] = _per_rank(pool, STAGING_BYTES)
         config["require_cache_salt"] = pool.spec.security.require_cache_salt
     return config
 

@@ -28,7 +28,13 @@ from kvpool_operator.render.common import (
     secret_env,
 )
 from kvpool_operator.render.configmap import config_data
-from kvpool_operator.render.connector import backend_ca, kv_transfer_config, secret_envs, store_namespace
+from kvpool_operator.render.connector import (
+    backend_ca,
+    buffer_bytes,
+    kv_transfer_config,
+    secret_envs,
+    store_namespace,
+)
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
 # yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
@@ -68,11 +74,11 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def memory(pool: Pool) -> str:
-    """The CPU tier (pinned host memory), /dev/shm (tmpfs pages count as the pod's memory) and the
-    rest of the process (vLLM, the connector's write queues and staging buffers)."""
+    """The CPU tier (pinned host memory), the connector's write queues and staging (bounded by the
+    store config), /dev/shm (tmpfs pages count as the pod's memory) and vLLM's own process."""
     spec = pool.spec
     parts = [spec.model.shm_size, spec.model.memory_overhead, *([spec.tiers.cpu.size] if spec.tiers.cpu else [])]
-    return models.format_size(sum(models.size_bytes(p) for p in parts))
+    return models.format_size(sum(models.size_bytes(p) for p in parts) + buffer_bytes(pool))
 
 
 def _resources(pool: Pool) -> dict[str, Any]:
