@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-_UNITS = {
+_UNITS = {  # Kubernetes quantity suffixes (the operator's CRD grammar), plus "b"
     "": 1, "b": 1,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50, "ei": 2**60,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -46,10 +47,10 @@ def parse_size(value: int | float | str) -> int:
     m = _SIZE_RE.match(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {value!r}: use bytes or a suffix Ki, Mi, Gi, Ti "
-                         f"(or k, M, G, T)")
-    n = float(m.group(1)) * _UNITS[unit]
-    if n != int(n):
+        raise ValueError(f"invalid size {value!r}: use bytes or a suffix Ki, Mi, Gi, Ti, Pi, "
+                         f"Ei (or k, M, G, T, P, E)")
+    n = Fraction(m.group(1)) * _UNITS[unit]  # exact: 10000000000000001 stays odd
+    if n.denominator != 1:
         raise ValueError(f"size {value!r} is not a whole number of bytes")
     return int(n)
 
@@ -117,11 +118,16 @@ class RedisTierConfig(_TierBase):
                                       "batch never occupies the server for long")
     tls_ca_file: str | None = None
     tls_insecure: bool = False
+    cluster: bool = Field(False, description="a Redis Cluster: url names one node (a seed; the "
+                          "client discovers the others), keys spread over the slot owners")
 
     @model_validator(mode="after")
     def _no_inline_password(self):
         if re.match(r"^rediss?://[^/@]*:[^/@]+@", self.url):
             raise ValueError("url: must not contain a password; use password_env or password_file")
+        if self.cluster and not re.match(r"^rediss?://[^/]+(/0?)?$", self.url):
+            raise ValueError("url: a cluster is reached over redis:// or rediss:// host:port, "
+                             "database 0 (Redis Cluster has no other)")
         return self
 
 

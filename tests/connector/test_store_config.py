@@ -29,6 +29,7 @@ FULL = {
 @pytest.mark.parametrize("text,expected", [
     (4096, 4096), ("4096", 4096), ("4Gi", 4 << 30), ("500Mi", 500 << 20), ("64Ki", 65536),
     ("1G", 10**9), ("1.5Ki", 1536), (" 2 Mi ", 2 << 20), ("10b", 10),
+    ("1Pi", 1 << 50), ("2P", 2 * 10**15), ("1Ei", 1 << 60), ("3E", 3 * 10**18),
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -38,6 +39,27 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+def test_every_quantity_the_crd_accepts_parses_to_the_same_bytes():
+    """One size grammar: what the KVCachePool CRD admits, the connector reads alike."""
+    from hypothesis import assume, given, settings
+    from hypothesis import strategies as st
+    from kubernetes.utils.quantity import parse_quantity
+
+    from kvpool_operator.models import QUANTITY_PATTERN
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.from_regex(QUANTITY_PATTERN, fullmatch=True))
+    def check(q):
+        want = parse_quantity(q)
+        assume(want < 2**63)  # Kubernetes keeps quantities in int64
+        if want == int(want):
+            assert parse_size(q) == int(want), q
+        else:  # a fraction of a byte: neither side takes it as a size
+            with pytest.raises(ValueError):
+                parse_size(q)
+    check()
 
 
 def test_issue_example_parses_in_order():
