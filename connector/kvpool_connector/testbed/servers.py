@@ -1,4 +1,5 @@
-"""Real Redis and S3-compatible servers on loopback, started as child processes."""
+"""Real Redis (standalone or a cluster) and S3-compatible servers on loopback, started as
+child processes."""
 
 from __future__ import annotations
 
@@ -82,6 +83,107 @@ class RedisServer:
         self.start()
 
     def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (each node of a cluster needs a client and a bus port)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class RedisCluster:
+    """A password-protected Redis Cluster of `masters` redis-server processes on loopback,
+    joined with `redis-cli --cluster create` (slots split evenly, no replicas)."""
+
+    masters: int = 3
+    password: str = field(default_factory=lambda: secrets.token_hex(8))
+    maxmemory: str = "512mb"
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-rcluster-")))
+    ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """A seed node: the client discovers the others (CLUSTER SLOTS)."""
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ, REDISCLI_AUTH=self.password)  # no password in any argv
+
+    def _cli(self, *args: str, port: int | None = None, timeout: float = 60) -> str:
+        cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(port or self.ports[0]), *args]
+        out = subprocess.run(cmd, env=self._env(), capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+        return out.stdout
+
+    def start(self) -> "RedisCluster":
+        exe = shutil.which("redis-server")
+        if exe is None or shutil.which("redis-cli") is None:
+            raise RuntimeError("redis-server/redis-cli not found: run `make setup` (apt)")
+        all_ports = _free_ports(2 * self.masters)
+        self.ports, bus = all_ports[:self.masters], all_ports[self.masters:]
+        conf = self.workdir / "password.conf"  # requirepass from a file, not an argv
+        conf.write_text(f"requirepass {self.password}\nmasterauth {self.password}\n")
+        conf.chmod(0o600)
+        for port, bus_port in zip(self.ports, bus):
+            self.procs.append(subprocess.Popen(
+                [exe, str(conf), "--port", str(port), "--bind", "127.0.0.1",
+                 "--cluster-enabled", "yes", "--cluster-port", str(bus_port),
+                 "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"),
+                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                 "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+                 "--proto-max-bulk-len", "512mb"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        try:
+            for port, proc in zip(self.ports, self.procs):
+                wait_port(port, proc=proc)
+            self._cli("--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                      "--cluster-replicas", "0", "--cluster-yes")
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 60.0) -> None:
+        """Until every node reports cluster_state:ok (slot assignment has propagated)."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.ports)
+        while pending:
+            pending = [p for p in pending
+                       if "cluster_state:ok" not in self._cli("cluster", "info", port=p)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"cluster nodes {pending} not ok after {timeout}s")
+            if pending:
+                time.sleep(0.1)
+
+    def node_clients(self):
+        """One plain redis-py client per master (admin user), for tests to look inside."""
+        import redis
+
+        return [redis.Redis(host="127.0.0.1", port=p, password=self.password) for p in self.ports]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            _stop(proc)
+        self.procs = []
+
+    def __enter__(self) -> "RedisCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:
