@@ -35,6 +35,22 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
 
+# Roles for people, aggregated into the built-in `admin` ClusterRole (namespace admins) and `view`
+# (everyone who may read a namespace). Never into `edit`: a pool starts pods that hold the pool's
+# keys, mount the node directories the operator allows and talk to its backends, so creating one
+# is a namespace admin's decision (further narrowed by examples/admission/).
+POOL_ADMIN_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [models.GROUP], "resources": [models.PLURAL],
+     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]},
+    {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/scale"], "verbs": ["get", "update", "patch"]},
+    {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["get"]},
+]
+POOL_VIEWER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [models.GROUP], "resources": [models.PLURAL, f"{models.PLURAL}/scale", f"{models.PLURAL}/status"],
+     "verbs": ["get", "list", "watch"]},
+]
+USER_ROLES = {"admin": POOL_ADMIN_RULES, "view": POOL_VIEWER_RULES}  # built-in role aggregated into -> rules
+
 # Cluster-scoped resources: a namespaced install still needs a ClusterRole for these.
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"),
                   ("kopf.dev", "clusterkopfpeerings")}

@@ -27,13 +27,19 @@ def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 def test_chart_rbac_file_is_generated_from_the_operator_list():
     sync = load_sync_module()
-    want = sync.rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED)
+    want = sync.rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES)
     assert (CHART / "files" / "rbac.yaml").read_text() == want, "run `python charts/kvpool/hack/sync.py --write`"
+
+
+def operator_role(docs: list[dict]) -> dict:
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["labels"].get(
+        "app.kubernetes.io/component") == "operator"]
+    return role
 
 
 def test_cluster_wide_mode_grants_exactly_the_operator_rules():
     docs = render()
-    role = one(docs, "ClusterRole")
+    role = operator_role(docs)
     assert role["rules"] == rbac.RBAC_RULES
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
     binding = one(docs, "ClusterRoleBinding")
@@ -45,7 +51,7 @@ def test_cluster_wide_mode_grants_exactly_the_operator_rules():
 
 def test_namespaced_mode_splits_the_list_without_adding_or_losing_a_grant():
     docs = render({"watch.namespaces": WATCHED})
-    cluster_role = one(docs, "ClusterRole")
+    cluster_role = operator_role(docs)
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == WATCHED
     for role in roles:
@@ -70,8 +76,30 @@ def test_split_rules_splits_a_mixed_rule():
 
 
 def test_rbac_create_false_renders_no_rbac():
-    docs = render({"rbac.create": False})
+    docs = render({"rbac.create": False, "rbac.aggregateRoles": False})
     assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
+    docs = render({"rbac.create": False})  # the people's roles do not depend on the operator's
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole") == [
+        "kvpool-pools-admin", "kvpool-pools-view"]
+
+
+@pytest.mark.parametrize("values", [{}, {"watch.namespaces": WATCHED}], ids=["cluster-wide", "namespaced"])
+def test_people_get_pools_through_admin_and_view_never_edit(values):
+    roles = {d["metadata"]["name"]: d for d in render(values) if d["kind"] == "ClusterRole"}
+    admin, view = roles["kvpool-pools-admin"], roles["kvpool-pools-view"]
+    aggregation = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k: v for k, v in admin["metadata"]["labels"].items() if k.startswith(aggregation)} == {
+        aggregation + "admin": "true"}
+    assert {k: v for k, v in view["metadata"]["labels"].items() if k.startswith(aggregation)} == {
+        aggregation + "view": "true"}
+    assert not [r for r in roles.values() if aggregation + "edit" in r["metadata"]["labels"]]
+    assert admin["rules"] == rbac.POOL_ADMIN_RULES and view["rules"] == rbac.POOL_VIEWER_RULES
+    assert triples(admin["rules"]) == {("kvpool.dev", "kvcachepools", v) for v in (
+        "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")} | {
+        ("kvpool.dev", "kvcachepools/scale", v) for v in ("get", "update", "patch")} | {
+        ("kvpool.dev", "kvcachepools/status", "get")}
+    assert {v for _, _, v in triples(view["rules"])} == {"get", "list", "watch"}  # read only
+    assert {g for g, _, _ in triples(admin["rules"] + view["rules"])} == {"kvpool.dev"}  # pools, nothing else
 
 
 def _plural(kind: str) -> str:

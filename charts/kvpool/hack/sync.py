@@ -66,12 +66,14 @@ def split_rules(rules: list[dict], cluster_scoped: set[tuple[str, str]]) -> tupl
     return cluster, namespaced
 
 
-def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]]) -> str:
-    """files/rbac.yaml: the operator's rules verbatim (cluster-wide mode) and split (namespaced mode)."""
+def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]], user_roles: dict[str, list[dict]]) -> str:
+    """files/rbac.yaml: the operator's rules verbatim (cluster-wide mode) and split (namespaced
+    mode), and the people's roles aggregated into the built-in admin and view ClusterRoles."""
     cluster, namespaced = split_rules(rules, cluster_scoped)
     # A JSON round trip unshares the verb lists, so the YAML carries no anchors/aliases.
-    doc = json.loads(json.dumps({"all": rules, "clusterScoped": cluster, "namespaced": namespaced}))
-    return GENERATED.format(source="kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED)") + yaml.safe_dump(
+    doc = json.loads(json.dumps({"all": rules, "clusterScoped": cluster, "namespaced": namespaced,
+                                 "userRoles": user_roles}))
+    return GENERATED.format(source="kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED, USER_ROLES)") + yaml.safe_dump(
         doc, sort_keys=False
     )
 
@@ -84,7 +86,7 @@ def expected_files(repo: Path = REPO) -> dict[Path, str]:
         out[chart / "files" / "crds" / crd.name] = crd.read_text()
     from kvpool_operator import rbac
 
-    out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED)
+    out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES)
     lua = (chart / "health" / "kvcachepool.lua").read_text()
     out[repo / "examples" / "gitops" / "argocd" / "argocd-cm-health.yaml"] = argocd_cm_patch(lua)
     return out
