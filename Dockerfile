@@ -4,6 +4,11 @@
 #   docker build --target connector -t ghcr.io/kvpool/kvpool-vllm:0.1.0 .
 # Package versions come from pyproject.toml (the extras `operator` and `connector`); the vLLM base
 # tag must match the vLLM API the connector targets (tests/operator/test_images.py checks both).
+# Pin the bases by digest for reproducible, tamper-evident builds (a tag can be moved, a digest
+# cannot), keeping the tag for humans:
+#   docker build --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0@sha256:<digest> --target connector ...
+# and deploy the built images by digest too (chart image.digest, operator.settings.*Image
+# `repo@sha256:...`, spec.model.image).
 
 ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0

@@ -114,14 +114,15 @@ def test_connector_base_is_the_vllm_release_the_connector_targets():
     pins = [r for r in PYPROJECT["project"]["optional-dependencies"]["test"] if re.match(r"vllm(-cpu)?==", r)]
     assert len(pins) == 1, pins
     dist, version = pins[0].split("==")
-    assert STAGES["connector"].base == f"vllm/vllm-openai:v{version}"
+    # the tag, optionally pinned by digest (--build-arg VLLM_IMAGE=...:vX@sha256:...)
+    assert re.fullmatch(rf"vllm/vllm-openai:v{re.escape(version)}(@sha256:[a-f0-9]{{64}})?", STAGES["connector"].base)
     installed = importlib.metadata.version(dist).split("+")[0]
     assert installed == version, "the vLLM the tests run differs from the one the image is built on"
 
 
 def test_python_base_satisfies_requires_python():
     base = STAGES["operator"].base
-    m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?", base)
+    m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", base)
     assert m, f"operator base must be a fully pinned slim Python image, got {base}"
     floor = re.fullmatch(r">=(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"])
     assert (int(m.group(1)), int(m.group(2))) >= (int(floor.group(1)), int(floor.group(2)))
@@ -246,3 +247,16 @@ def test_documented_build_tags_are_what_the_chart_and_operator_pull():
     docs = (REPO / "docs" / "helm.md").read_text()
     for target, tag in tags.items():
         assert f"docker build --target {target}" in docs and tag in docs
+
+
+def test_bases_can_be_pinned_by_digest():
+    """The Dockerfile documents pinning its bases by digest; the stages and checks accept it."""
+    text = DOCKERFILE.read_text()
+    assert "@sha256:<digest>" in text
+    digest = "@sha256:" + "d" * 64
+    pinned = text.replace(f"ARG VLLM_IMAGE={ARGS['VLLM_IMAGE']}", f"ARG VLLM_IMAGE={ARGS['VLLM_IMAGE']}{digest}")
+    pinned = pinned.replace(f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}", f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}{digest}")
+    _, stages = parse_dockerfile(pinned)
+    assert stages["connector"].base == ARGS["VLLM_IMAGE"] + digest
+    assert stages["operator"].base == stages["operator-build"].base == ARGS["PYTHON_IMAGE"] + digest
+    assert re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", stages["operator"].base)
