@@ -151,6 +151,8 @@ class S3TierConfig(_TierBase):
     presence_cache_seconds: float = Field(10.0, ge=0, description="how long an object known to "
                                           "exist is remembered by contains_prefix")
     verify_tls: bool = True
+    tls_ca_file: str | None = Field(None, description="CA bundle that signs the endpoint's "
+                                    "certificate (https://), e.g. a mounted Secret's ca.crt")
 
 
 class SecurityConfig(_Strict):

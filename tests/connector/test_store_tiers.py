@@ -439,6 +439,37 @@ def test_redis_over_tls(tmp_path, namespace):
         proc.wait(10)
 
 
+def test_s3_over_tls_with_a_ca_file(tmp_path, namespace, monkeypatch):
+    """https:// against a real S3 server (moto) with a self-signed certificate: trusted
+    through tls_ca_file, refused with the system CAs."""
+    from kvpool_connector.testbed.servers import free_port, wait_port
+    from tests.conftest import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port),
+                             "-c", str(cert), "-k", str(key)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc=proc)
+        monkeypatch.setenv("TLS_AK", "test")
+        monkeypatch.setenv("TLS_SK", "test")
+        tier = {"type": "s3", "endpoint": f"https://127.0.0.1:{port}", "bucket": "tls-bucket",
+                "create_bucket": True, "access_key_env": "TLS_AK", "secret_key_env": "TLS_SK"}
+        s = build(namespace, {**tier, "tls_ca_file": str(cert)})
+        k = os.urandom(32)
+        s.put_many([k], [b"over tls"])
+        assert bytes(s.get_many([k])[0]) == b"over tls"
+        s.close()
+        untrusted = build(namespace, tier)
+        assert untrusted.get_many([k]) == [None]
+        assert untrusted.stats()["tiers"]["s3"]["errors"] == 1
+        untrusted.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_s3_presence_cache_saves_requests(tier_cfgs, namespace, s3_server):
     """Repeated lookups of one prefix: the first asks S3, the next ones do not; an object
     deleted behind the store's back is then a miss at read time, never wrong bytes."""

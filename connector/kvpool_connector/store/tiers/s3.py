@@ -91,7 +91,7 @@ class S3Tier(Tier):
             "s3", endpoint_url=cfg.endpoint, region_name=cfg.region, config=conf,
             aws_access_key_id=secret(cfg.access_key_env, None, "access_key"),
             aws_secret_access_key=secret(cfg.secret_key_env, None, "secret_key"),
-            verify=cfg.verify_tls,
+            verify=(cfg.tls_ca_file or True) if cfg.verify_tls else False,
         )
         self.bucket = cfg.bucket
         self.pool = ThreadPoolExecutor(cfg.max_connections, thread_name_prefix="kvpool-s3")
