@@ -26,6 +26,7 @@ from .config import (
     check_hash_algo,
     load_connector_config,
 )
+from .events import kv_events_enabled
 from .keys import KeySpace, model_config_hash
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
@@ -102,6 +103,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                                        is_async=not self.cfg.layerwise,
                                        load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
             self.sched._block_ids = self._request_block_ids
+            if kv_events_enabled(vllm_config):
+                self.sched.enable_events(chunk_bytes)
         else:
             self.worker = None  # created in register_kv_caches, once the layout is known
 
@@ -122,7 +125,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
         store = open_store(self.cfg.store_config(), layout=full_fp)
         self.worker = WorkerSide(store, self.bpc, self.cfg.layerwise, audit=KVAudit.from_env(),
-                                 staging_bytes=self.cfg.staging_bytes)
+                                 staging_bytes=self.cfg.staging_bytes,
+                                 events=kv_events_enabled(self._vllm_config))
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.bpc), self.cfg.chunk_tokens,
@@ -233,6 +237,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self.sched is not None:
             wm = connector_output.kv_connector_worker_meta
             self.sched.on_worker_meta(wm if isinstance(wm, KVPoolWorkerMetadata) else None)
+
+    def take_events(self):
+        """BlockStored/BlockRemoved of the cpu and disk tiers (vLLM publishes them with its own)."""
+        events = self.sched.events if self.sched is not None else None
+        return events.take() if events is not None else ()
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

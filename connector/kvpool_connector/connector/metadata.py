@@ -3,8 +3,9 @@
 Scheduler -> workers (`KVPoolMetadata`, once per step) says which chunks to load into which
 blocks and which freshly computed chunks to save. Workers -> scheduler
 (`KVPoolWorkerMetadata`) says which chunks reached the store (so the scheduler process,
-which has no access to the worker's cpu tier, can count them as hits) and which save copies
-are done (so blocks of finished requests are freed only after their copy).
+which has no access to the worker's cpu tier, can count them as hits), which save copies
+are done (so blocks of finished requests are freed only after their copy) and, with vLLM's
+KV events on, what the local tiers stored and evicted (events.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
     dropped_keys: list[bytes] = field(default_factory=list)  # saves that never got stored
     copied_saves: dict[str, int] = field(default_factory=dict)  # req_id -> save jobs copied
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)  # req_id -> chunk keys
+    # with vLLM KV events on: (tier type, stored or removed, chunk key) of the local tiers
+    tier_events: list[tuple[str, bool, bytes]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVPoolWorkerMetadata)
@@ -66,4 +69,5 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         for r, k in other.failed_loads.items():
             failed[r] = list(dict.fromkeys(failed.get(r, []) + k))
         return KVPoolWorkerMetadata(stored_keys=keys, dropped_keys=dropped, copied_saves=copied,
-                                    failed_loads=failed)
+                                    failed_loads=failed,
+                                    tier_events=self.tier_events + other.tier_events)

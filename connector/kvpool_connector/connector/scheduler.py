@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
+from .events import KVEvents
 from .keys import chunk_keys
 from .stats import KVPoolConnectorStats
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
@@ -109,6 +110,17 @@ class SchedulerSide:
         remote = {"redis", "s3"} & {t.type for t in cfg.tiers}
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
+        self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
+
+    def enable_events(self, chunk_bytes: int) -> None:
+        """Publish the local tiers' contents as vLLM KV events (events.py); a pool whose
+        first tier is remote has nothing local to announce."""
+        types = [t.type for t in self.cfg.tiers]
+        if types[0] not in ("cpu", "disk"):
+            return
+        local = sum(t.size for t in self.cfg.tiers if t.type in ("cpu", "disk"))
+        self.events = KVEvents(types, self.block_size, self.bpc,
+                               capacity_chunks=local // max(1, chunk_bytes) + 1024)
 
     def close(self) -> None:
         if self._lookup_pool is not None:
@@ -222,6 +234,9 @@ class SchedulerSide:
             chunks.append(ChunkLoad(key, [b - c * self.bpc for b in range(lo, hi)],
                                     [block_ids[b] for b in range(lo, hi)]))
         st.load = LoadJob(request.request_id, chunks, self.is_async)
+        if self.events is not None:  # a lower-tier hit is promoted into the cpu tier
+            for c, key in enumerate(keys):
+                self.events.remember(request, c, key)
         self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
         # Chunks the store already holds need no save.
         st.next_save = max(st.next_save, st.hit_chunks)
@@ -274,6 +289,8 @@ class SchedulerSide:
             out_keys.append(key)
             out_blocks.append(list(ids))
             self.inflight.add(key)
+            if self.events is not None:
+                self.events.remember(req, c, key)
         if not out_keys:
             return None
         st.pending_copies += self.world_size
@@ -295,6 +312,8 @@ class SchedulerSide:
             self.inflight.discard(k)
         for req_id, keys in wm.failed_loads.items():
             self._load_failed(req_id, keys)
+        if self.events is not None:
+            self.events.on_worker_meta(wm.stored_keys, wm.dropped_keys, wm.tier_events)
         for req_id, n in wm.copied_saves.items():
             st = self.reqs.get(req_id)
             if st is not None:

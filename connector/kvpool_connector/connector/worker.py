@@ -67,8 +67,12 @@ class _Load:
 
 class WorkerSide:
     def __init__(self, store, blocks_per_chunk: int, layerwise: bool,
-                 audit: KVAudit | None = None, staging_bytes: int = 1 << 30):
+                 audit: KVAudit | None = None, staging_bytes: int = 1 << 30,
+                 events: bool = False):
         self.store = store
+        self.events = events  # vLLM KV events on: report the local tiers' stores/evictions
+        if events:
+            store.enable_events()
         self.audit = audit
         self.staging_bytes = staging_bytes
         self._save_pool: BufferPool | None = None
@@ -386,10 +390,11 @@ class WorkerSide:
             dropped, self._dropped = self._dropped, []
             copied, self._copied = dict(self._copied), defaultdict(int)
         failed, self._failed_keys = self._failed_keys, {}
-        if not (stored or dropped or copied or failed):
+        tier_events = self.store.take_events() if self.events else []
+        if not (stored or dropped or copied or failed or tier_events):
             return None
         return KVPoolWorkerMetadata(stored_keys=stored, dropped_keys=dropped, copied_saves=copied,
-                                    failed_loads=failed)
+                                    failed_loads=failed, tier_events=tier_events)
 
     def _inc(self, metric: str, value: float = 1, label: str = "") -> None:
         with self._slock:

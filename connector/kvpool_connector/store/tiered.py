@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
@@ -35,6 +36,9 @@ from .tiers import Tier, tier_class
 log = logging.getLogger("kvpool.store")
 _STOP = object()
 _NOT_WRITTEN = object()
+LOCAL_TIERS = ("cpu", "disk")  # the tiers whose contents tell a router where a prefix is
+EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
+EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
 
 
 class Health:
@@ -282,6 +286,7 @@ class TieredStore:
         shared = [t.type for t in cfg.tiers if t.type != "cpu"]
         self.keyring = Keyring.from_config(cfg.security, needs_key=bool(shared))
         self._closed = False
+        self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
         self.runners: list[TierRunner] = []
         try:
             for i, (name, tcfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
@@ -336,6 +341,7 @@ class TieredStore:
         lay = self._layout(layout)
         cur = self.keyring.current
         records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
+        self._remember_names(keys, records)
         self._write(records)
 
     def _write(self, records: list[Record]) -> None:
@@ -395,6 +401,9 @@ class TieredStore:
         if not hits:
             return
         cur = self.keyring.current
+        if self._event_keys is not None:
+            for _, i, rec in hits:
+                self._remember_names([keys[i]], [rec])
         for ti, i, rec in hits:
             if ti == len(self.runners):  # found under the previous key: rotate it
                 fresh = self._record(keys[i], lay, rec.payload, cur).freeze()
@@ -490,6 +499,42 @@ class TieredStore:
             names = [pool_key.object_name(k) for k in keys]
             for r in self.runners:
                 r.tier.forget_absent(names)
+
+    # -- events of the local tiers (vLLM KV events, see connector/events.py) -------------------
+    def enable_events(self) -> None:
+        """From now on, record what the local tiers (cpu, disk) store and evict."""
+        self._event_keys = OrderedDict()
+        for r in self.runners:
+            if r.tier.type in LOCAL_TIERS:
+                r.tier.events = deque(maxlen=EVENTS_MAX)
+
+    def _remember_names(self, keys: list[bytes], records: list[Record]) -> None:
+        names = self._event_keys
+        if names is None:
+            return
+        for k, rec in zip(keys, records):
+            names[rec.name] = k
+            names.move_to_end(rec.name)
+        while len(names) > EVENT_NAMES_MAX:
+            names.popitem(last=False)
+
+    def take_events(self) -> list[tuple[str, bool, bytes]]:
+        """(tier type, stored (True) or removed, key) since the last call, the last one per
+        object and tier; objects this store never wrote (another process's, on a shared
+        disk) are left out: their keys are unknown here."""
+        names = self._event_keys
+        if names is None:
+            return []
+        out: dict[tuple[str, bytes], bool] = {}
+        for r in self.runners:
+            ev = r.tier.events
+            while ev:
+                stored, name = ev.popleft()
+                key = names.get(name)
+                if key is not None:
+                    out.pop((r.tier.type, key), None)  # the last state wins, in its order
+                    out[(r.tier.type, key)] = stored
+        return [(t, stored, k) for (t, k), stored in out.items()]
 
     def object_names(self, keys: Sequence[bytes]) -> list[bytes]:
         """The names the tiers store these keys under (current pool key)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from typing import Any
 
 from ..format import Record, Status, open_blob
@@ -31,6 +32,9 @@ class Tier:
     blocking: bool = False
     #: put_many needs Record.blob (one contiguous sealed buffer)
     needs_blob: bool = True
+    #: (stored, object name) of what a local tier took in (True) or let go (False), while
+    #: someone listens (TieredStore.enable_events); None: nothing is recorded
+    events: deque | None = None
 
     def __init__(self, cfg: Any, namespace: str, stats: TierStats, *,
                  timeout: float = 0.5, max_object_size: int = 1 << 30) -> None:
@@ -69,6 +73,11 @@ class Tier:
 
     def close(self) -> None:
         pass
+
+    def note(self, stored: bool, names) -> None:
+        """Record stores/removals for a listener (cpu and disk tiers call this)."""
+        if self.events is not None:
+            self.events.extend((stored, n) for n in names)
 
     def read_limit(self, name: bytes, out: memoryview | None) -> int:
         """The largest object this read accepts: one that fits `out`, else the store's bound."""

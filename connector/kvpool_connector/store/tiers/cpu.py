@@ -94,6 +94,7 @@ class CpuTier(Tier):
         e = self._index.pop(key)
         self._free.extend(e.slots)
         self._policy.remove(key, evicted)
+        self.note(False, (key,))
 
     def put_many(self, records: list[Record]) -> None:
         for rec in records:
@@ -123,6 +124,7 @@ class CpuTier(Tier):
                 arena[s * ss:s * ss + len(chunk)] = chunk
             self._index[rec.name] = _Entry(slots, n, rec.layout)
             self._policy.insert(rec.name, units)
+            self.note(True, (rec.name,))
         self.stats.inc("bytes_in", n)
 
     def _lookup(self, key: bytes, layout: bytes) -> _Entry | None:

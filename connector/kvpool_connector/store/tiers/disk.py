@@ -236,6 +236,7 @@ class DiskTier(Tier):
             except OSError as e:
                 log.debug("disk tier: eviction of %s failed: %s", k.hex()[:16], e)
         self.stats.inc("evictions", len(names))
+        self.note(False, names)
 
     def _forget(self, name: bytes) -> None:
         with self._lock:
@@ -290,6 +291,7 @@ class DiskTier(Tier):
             raise
         self._written[rec.name] = same
         self.stats.inc("bytes_in", len(body))
+        self.note(True, (rec.name,))
 
     def _write_file(self, tmp: str, parts: list, size: int) -> None:
         fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
@@ -466,6 +468,7 @@ class DiskTier(Tier):
         for k in names:
             self._forget(k)
             self._unlink(k)
+        self.note(False, names)
 
     def usage(self) -> dict:
         with self._lock:

@@ -1,0 +1,137 @@
+"""vLLM KV cache events for what the connector keeps in its engine's local tiers.
+
+With `--kv-events-config '{"enable_kv_cache_events": true, ...}'` vLLM publishes the paged
+cache's `BlockStored`/`BlockRemoved` (medium "GPU") on its ZMQ stream; this adds the same
+events for kvpool's cpu tier (medium "CPU") and local disk tier ("STORAGE"), so a precise
+router (llm-d's kv-cache scorer, vllm-router's kv_aware) also scores prefixes that were
+offloaded out of the paged cache. The shared Redis/S3 tiers are not announced: every engine
+of a pool reads them alike, so they do not tell a router where to send a request.
+
+A chunk (`chunk_tokens` tokens, `blocks_per_chunk` vLLM blocks) is announced the way vLLM's
+own events describe blocks: the chunk's block hashes, the hash of the block before it,
+its token ids, vLLM's block size, LoRA and per-block extra keys. Tiers report object
+names in the worker process; the worker translates them back to chunk keys (its store
+remembers the names it wrote) and sends them in the per-step worker metadata. The
+scheduler side snapshots what an event needs while the request is alive (saves planned,
+loads planned: a load from a lower tier is promoted into the cpu tier) and publishes:
+  - first tier: stored when the workers report a chunk copied out (the moment the
+    lookup index counts it; loads are served from the save buffer until the tier has it),
+    removed when the tier evicts or deletes it, or the save is dropped;
+  - other local tiers (disk below cpu): stored when the write reached the tier, removed
+    when it is evicted.
+Each chunk is announced once per medium until it is removed. The snapshots are bounded;
+a chunk pushed out of them while announced is withdrawn (BlockRemoved), so a router never
+keeps believing in something this engine can no longer describe.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
+
+from .keys import block_hash_bytes
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.request import Request
+
+MEDIUM = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}  # local tiers, by type
+MAX_CHUNKS = 1 << 15  # snapshots kept at most (token ids as 4-byte ints: ~1 KiB per 256)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    hashes: list
+    parent: Any
+    tokens: array
+    extra_keys: list | None
+    lora_id: int | None
+    lora_name: str | None
+    session_id: str | None
+    media: set[str] = field(default_factory=set)  # where it is announced now
+
+
+class KVEvents:
+    """Scheduler side: snapshots, dedup per medium, the events of the last steps."""
+
+    def __init__(self, tier_types: list[str], block_size: int, blocks_per_chunk: int,
+                 capacity_chunks: int = MAX_CHUNKS):
+        self.first = MEDIUM.get(tier_types[0])
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.capacity = max(1, min(capacity_chunks, MAX_CHUNKS))
+        self.chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
+        self.pending: list[KVCacheEvent] = []
+
+    # -- snapshots (while the request is alive) -----------------------------------------------
+    def remember(self, request: "Request", chunk: int, key: bytes) -> None:
+        if key in self.chunks:
+            self.chunks.move_to_end(key)
+            return
+        lo, hi = chunk * self.bpc, (chunk + 1) * self.bpc
+        raw = request.block_hashes
+        if hi > len(raw):
+            return
+        tok = self.block_size
+        extra = [generate_block_hash_extra_keys(request, b * tok, (b + 1) * tok, 0)[0]
+                 for b in range(lo, hi)]
+        lora = request.lora_request
+        self.chunks[key] = _Chunk(
+            hashes=[maybe_convert_block_hash(block_hash_bytes(h)) for h in raw[lo:hi]],
+            parent=maybe_convert_block_hash(block_hash_bytes(raw[lo - 1])) if lo else None,
+            tokens=array("l", request.all_token_ids[lo * tok:hi * tok]),
+            extra_keys=to_event_extra_keys(extra),
+            lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+            session_id=getattr(request, "session_id", None))
+        while len(self.chunks) > self.capacity:
+            _, old = self.chunks.popitem(last=False)
+            for medium in sorted(old.media):  # withdrawn: we could not describe it again
+                self.pending.append(BlockRemoved(block_hashes=list(old.hashes), medium=medium,
+                                                 group_idx=0))
+
+    # -- what the workers reported ------------------------------------------------------------
+    def stored(self, key: bytes, medium: str | None) -> None:
+        c = self.chunks.get(key)
+        if c is None or medium is None or medium in c.media:
+            return
+        c.media.add(medium)
+        self.pending.append(BlockStored(
+            block_hashes=list(c.hashes), parent_block_hash=c.parent,
+            token_ids=c.tokens.tolist(), block_size=self.block_size, lora_id=c.lora_id,
+            medium=medium, lora_name=c.lora_name, extra_keys=c.extra_keys, group_idx=0,
+            session_id=c.session_id))
+
+    def removed(self, key: bytes, medium: str | None) -> None:
+        c = self.chunks.get(key)
+        if c is None or medium not in c.media:
+            return
+        c.media.discard(medium)
+        self.pending.append(BlockRemoved(block_hashes=list(c.hashes), medium=medium,
+                                         group_idx=0))
+
+    def on_worker_meta(self, stored_keys: list[bytes], dropped_keys: list[bytes],
+                       tier_events: list[tuple[str, bool, bytes]]) -> None:
+        for k in stored_keys:
+            self.stored(k, self.first)
+        for k in dropped_keys:
+            self.removed(k, self.first)
+        for tier_type, is_stored, k in tier_events:
+            (self.stored if is_stored else self.removed)(k, MEDIUM.get(tier_type))
+
+    def take(self) -> list["KVCacheEvent"]:
+        out, self.pending = self.pending, []
+        return out
+
+
+def kv_events_enabled(vllm_config) -> bool:
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and cfg.enable_kv_cache_events)

@@ -1,0 +1,102 @@
+"""vLLM's KV event stream with kvpool's local tiers in it: a real OpenAI server with
+`--kv-events-config` (ZMQ publisher) and a real ZMQ subscriber decoding its msgpack batches.
+vLLM's own events for the paged cache (medium GPU) are the oracle: the cpu and disk tiers'
+events must name the same block hashes, parents and tokens, chunk by chunk."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from kvpool_connector.testbed.engine import VllmServer
+from kvpool_connector.testbed.kv_events import KVEventSubscriber
+from tests.e2e.conftest import kv_config, token_prompt
+
+BPC = 2           # 256-token chunks of 128-token blocks (vLLM's block size on CPU)
+CHUNK_BYTES = 128 * 1024  # tiny model: 2 layers x K,V x 2 heads x 32 x bf16 x 256 tokens
+CPU_CHUNKS = 8
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory, namespace):
+    # ipc: the publisher binds a local socket (a tcp host:port endpoint would make it connect)
+    endpoint = f"ipc://{tmp_path_factory.mktemp('zmq')}/kv-events"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "topic": "kvpool-test"}
+    tiers = [{"type": "cpu", "size": CPU_CHUNKS * CHUNK_BYTES},
+             {"type": "disk", "path": str(tmp_path_factory.mktemp("disk")), "size": "64Mi"}]
+    server = VllmServer(tiny_model, kv_transfer_config=kv_config(tiers, namespace),
+                        extra_args=["--kv-events-config", json.dumps(events)], max_model_len=4096)
+    with server:
+        sub = KVEventSubscriber(endpoint, topic="kvpool-test")
+        server.subscriber = sub
+        yield server
+        sub.close()
+
+
+def complete(server, prompt: list[int]) -> dict:
+    body = json.dumps({"model": "local", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    req = urllib.request.Request(server.base_url + "/v1/completions", data=body.encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def of(events, kind: str, medium: str) -> list[dict]:
+    return [e for e in events if e["type"] == kind and e.get("medium") == medium]
+
+
+def hashes(events) -> list:
+    return [h for e in events for h in e["block_hashes"]]
+
+
+@pytest.mark.vllm
+def test_cpu_and_disk_tiers_are_announced_like_the_paged_cache(engine):
+    sub = engine.subscriber
+    sub.poll(1.0)  # the SUB socket joins before anything is published (ZMQ slow joiner)
+    prompt = token_prompt(1100, seed=501)  # 8 full blocks: 4 chunks
+    complete(engine, prompt)
+    sub.wait_for(lambda ev: len(of(ev, "BlockStored", "CPU")) >= 4, 60, "4 CPU BlockStored")
+    gpu, cpu = of(sub.events, "BlockStored", "GPU"), of(sub.events, "BlockStored", "CPU")
+    assert len(cpu) == 4
+    assert hashes(cpu) == hashes(gpu)[:4 * BPC]  # the same blocks, named the same way
+    for c, e in enumerate(cpu):
+        assert e["block_size"] == 128 and e["token_ids"] == prompt[c * 256:(c + 1) * 256]
+        assert e["parent_block_hash"] == (hashes(gpu)[c * BPC - 1] if c else None)
+    # the disk tier's writes are reported by the step after they land: drive steps
+    def disk_done(ev):
+        if len(of(ev, "BlockStored", "STORAGE")) < 4:
+            complete(engine, token_prompt(8, seed=502))
+            return False
+        return True
+    sub.wait_for(disk_done, 120, "4 STORAGE BlockStored")
+    assert sorted(map(str, hashes(of(sub.events, "BlockStored", "STORAGE")))) == \
+        sorted(map(str, hashes(cpu)))
+    assert sub.seqs == sorted(sub.seqs)
+
+
+@pytest.mark.vllm
+def test_cpu_tier_evictions_are_announced(engine):
+    sub = engine.subscriber
+    first = token_prompt(1100, seed=601)
+    complete(engine, first)
+    sub.wait_for(lambda ev: any(e["token_ids"] == first[:256]
+                                for e in of(ev, "BlockStored", "CPU")), 60, "first prompt stored")
+    first_hashes = next(e for e in of(sub.events, "BlockStored", "CPU")
+                        if e["token_ids"] == first[:256])["block_hashes"]
+    for seed in range(602, 602 + CPU_CHUNKS // 4 + 1):  # more than the cpu tier holds
+        complete(engine, token_prompt(1100, seed=seed))
+
+    def evicted(ev):
+        if not any(e["block_hashes"] == first_hashes for e in of(ev, "BlockRemoved", "CPU")):
+            complete(engine, token_prompt(8, seed=700))  # evictions are reported next step
+            return False
+        return True
+    sub.wait_for(evicted, 120, "a CPU BlockRemoved of the first prompt's first chunk")
+    # an eviction from the cpu tier is not one from the disk: that one still holds it
+    assert not any(e["block_hashes"] == first_hashes for e in of(sub.events, "BlockRemoved", "STORAGE"))
+    # every removed chunk had been announced before
+    stored = {tuple(e["block_hashes"]) for e in of(sub.events, "BlockStored", "CPU")}
+    assert all(tuple(e["block_hashes"]) in stored for e in of(sub.events, "BlockRemoved", "CPU"))
