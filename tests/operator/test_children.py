@@ -142,3 +142,14 @@ def test_refresh_status_writes_nothing_before_the_first_reconcile(settings):
     status = refresh_status(kube, reconciled, settings, "2026-01-01T00:00:00Z")
     assert status is not None and status["observedGeneration"] == 1  # the generation reconciled, not the new one
     assert {c["observedGeneration"] for c in status["conditions"]} == {1}
+
+
+def test_a_secret_the_spec_names_is_never_pruned(settings):
+    """Switching to keysSecretRef: <name>-kvpool-keys keeps the generated Secret as the user's own."""
+    pool = load_example("tiered-emptydir")
+    live = _live(render(pool, settings), "u1")
+    pool["spec"]["security"] = {"keysSecretRef": {"name": "tiered-emptydir-kvpool-keys"}}
+    desired = [with_owner(m, {"uid": "u1"}) for m in render(pool, settings)]
+    key = ("v1", "Secret", "tiered-emptydir-kvpool-keys")
+    assert plan(desired, live, "u1").prune == [key]  # no longer rendered, owned: pruned...
+    assert plan(desired, live, "u1", keep=frozenset({key})).prune == []  # ...unless the spec uses it

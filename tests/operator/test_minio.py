@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import kubernetes_validate
-import pytest
 import yaml
 
 from kvpool_operator.golden import GOLDEN_SETTINGS
@@ -180,8 +179,6 @@ def test_minio_tls():
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
-@pytest.mark.xfail(strict=True, reason="connector: S3TierConfig has no tls_ca_file yet (requested); "
-                   "until then engines refuse a TLS MinIO config at start, naming the field")
 def test_connector_accepts_the_s3_ca_file():
     from kvpool_connector.config import S3TierConfig
 

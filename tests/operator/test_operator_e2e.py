@@ -630,3 +630,17 @@ async def test_host_path_refused_by_default_names_the_field(server):
         assert cond["message"].startswith("spec.tiers.disk.volume.hostPath: refused by this operator")
         await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
         assert child_writes(server) == []
+
+
+async def test_taking_over_the_generated_keys_keeps_them(server, op_settings):
+    """keysSecretRef naming the generated Secret: it stays (in use), nothing is regenerated."""
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        keys = await eventually(lambda: child(server, "v1/secrets", "tiered-full-kvpool-keys"), message="keys")
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"security": {"keysSecretRef": {"name": "tiered-full-kvpool-keys"}}}})
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 2, message="reconciled")
+        assert conditions(server)["ConfigValid"]["status"] == "True"
+        assert child(server, "v1/secrets", "tiered-full-kvpool-keys")["data"] == keys["data"]
+        assert [r.method for r in writes_to(server, "secrets", "tiered-full-kvpool-keys")] == ["POST"]

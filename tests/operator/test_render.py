@@ -421,3 +421,12 @@ def test_external_redis_with_a_private_ca_and_acl_user(settings):
     assert tier["username"] == "kv" and tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
     volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["redis-ca"]["secret"]["items"] == [{"key": "root.pem", "path": "ca.crt"}]
+
+
+@pytest.mark.parametrize("name", example_ids())
+def test_no_example_renders_a_secret_value(name, settings):
+    """Not a value from a Secret (generated ones exist only at apply time) in any child or status."""
+    from tests.operator.test_hypothesis import assert_no_secret_values
+
+    pool = load_example(name)
+    assert_no_secret_values(pool, render(pool, settings, "kvpool"))

@@ -104,8 +104,9 @@ class Plan:
     prune: list[Key] = field(default_factory=list)
 
 
-def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_uid: str) -> Plan:
-    """Pure: which children to apply, which are already right, which to delete."""
+def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_uid: str,
+         keep: frozenset[Key] = frozenset()) -> Plan:
+    """Pure: which children to apply, which are already right, which to delete (never `keep`)."""
     out = Plan()
     wanted = set()
     for manifest in desired:
@@ -124,7 +125,8 @@ def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_u
             out.unchanged.append(key)
         else:
             out.apply.append(manifest)
-    out.prune = sorted(k for k, obj in live.items() if k not in wanted and owner_uid and owned_by(obj, owner_uid))
+    out.prune = sorted(k for k, obj in live.items()
+                       if k not in wanted and k not in keep and owner_uid and owned_by(obj, owner_uid))
     return out
 
 
@@ -234,7 +236,9 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     assert pool is not None
     ref = owner_reference(body)
     desired = [with_owner(m, ref) for m in render_pool(pool)]
-    steps = plan(desired, live, uid)
+    # a Secret the spec now names (say keysSecretRef: <name>-kvpool-keys) is in use, never pruned
+    in_use = frozenset((*SECRET, r.name) for r in referenced_secrets(pool))
+    steps = plan(desired, live, uid, keep=in_use)
     if steps.conflicts:  # someone else's Secret stands where ours belongs: touch nothing, look again later
         invalid = "; ".join(steps.conflicts)
         status = compute_status(_observation(body, pool, live, invalid=invalid), now)
