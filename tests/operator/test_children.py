@@ -153,3 +153,36 @@ def test_a_secret_the_spec_names_is_never_pruned(settings):
     key = ("v1", "Secret", "tiered-emptydir-kvpool-keys")
     assert plan(desired, live, "u1").prune == [key]  # no longer rendered, owned: pruned...
     assert plan(desired, live, "u1", keep=frozenset({key})).prune == []  # ...unless the spec uses it
+
+
+class _RacedKube(_ListingKube):
+    """A cluster where every generated Secret appears between reading and creating it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[str] = []
+
+    def get(self, api_version, kind, namespace, name):
+        return None
+
+    def create(self, manifest):
+        from kubernetes.client import ApiException
+
+        raise ApiException(status=409, reason="Conflict")
+
+    def apply(self, manifest):
+        self.applied.append(manifest["kind"])
+        return manifest
+
+
+def test_a_secret_created_meanwhile_is_not_an_error(settings):
+    """The drift timer runs beside the create handler: both may try to create a Secret; the loser
+    gets 409, which is neither an error (no Degraded, no ApplyFailed) nor a reason to overwrite."""
+    from kvpool_operator.reconcile.children import reconcile
+
+    pool = {**load_example("tiered-full"), "metadata": {"name": "tiered-full", "namespace": "ml", "uid": "u1",
+                                                         "generation": 1}}
+    kube = _RacedKube()
+    outcome = reconcile(kube, pool, settings, "2026-01-01T00:00:00Z")
+    assert outcome.errors == [] and not [a for a in outcome.applied if "Secret" in a]
+    assert "Deployment" in kube.applied and outcome.status["phase"] != "Degraded"

@@ -248,6 +248,10 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
         try:
             outcome.applied.append(execute(kube, action))
         except ApiException as exc:
+            if exc.status == 409 and action.create:
+                # created since we looked (a concurrent pass: the drift timer runs beside the handlers,
+                # or its owner): never overwritten, planned again from what the next pass reads
+                continue
             outcome.errors.append(f"Secret/{action.name}: {exc.status} {exc.reason}: {_api_message(exc)}")
     for manifest in steps.apply:
         key = key_of(manifest)
