@@ -66,6 +66,13 @@ def _kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait(10)
 
 
+def metric_total(samples: list[dict], name: str, **labels: str) -> float:
+    """Sum of `name`'s values over the series whose labels include `labels` (pure; samples
+    from OfflineEngine.metric_samples, counter names without `_total`)."""
+    return sum(s.get("value") or 0 for s in samples if s["name"] == name
+               and all(s["labels"].get(k) == v for k, v in labels.items()))
+
+
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
 
@@ -193,6 +200,15 @@ class OfflineEngine:
                                           "logprobs": logprobs}) + "\n")
         self.proc.stdin.flush()
         return self._reply(timeout)["outputs"]
+
+    def metric_samples(self, timeout: float = 60) -> list[dict]:
+        """vLLM's metrics of this engine so far (start it with `disable_log_stats=False`):
+        [{"name", "labels", "value"} (counters, gauges) or {"count", "sum"} (histograms)];
+        see metric_total."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"metrics": True}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout)["metrics"]
 
     def log_tail(self, n: int = 60) -> str:
         return _tail(self.log_path, n)

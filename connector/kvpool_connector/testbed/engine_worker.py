@@ -16,6 +16,23 @@ def _reply(msg: dict) -> None:
     sys.stdout.flush()
 
 
+def metrics_snapshot(llm) -> list[dict]:
+    """vLLM's Prometheus metrics of this engine (`LLM.get_metrics`, needs
+    `disable_log_stats=False`) as JSON: counters and gauges with `value`, histograms with
+    `count` and `sum`."""
+    out = []
+    for m in llm.get_metrics():
+        entry = {"name": m.name, "labels": dict(m.labels)}
+        if hasattr(m, "value"):
+            entry["value"] = m.value
+        elif hasattr(m, "count"):
+            entry.update(count=m.count, sum=m.sum)
+        else:
+            entry["values"] = list(getattr(m, "values", []))
+        out.append(entry)
+    return out
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -30,6 +47,9 @@ def main() -> None:
             continue
         try:
             req = json.loads(line)
+            if req.get("metrics"):
+                _reply({"metrics": metrics_snapshot(llm)})
+                continue
             params = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0,
                                     ignore_eos=True, logprobs=req.get("logprobs") or None)
             # a prompt: token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
