@@ -258,7 +258,6 @@ class Bench:
         variants = ["mac"] if kind == "cpu" else list(VARIANTS)
         stores = {v: self.open_variant(tier, v) for v in variants}
         outs = [memoryview(bytearray(self.size)) for _ in range(n)]
-        native = kind in ("cpu", "disk")
         keys: dict[str, list[bytes]] = {v: [] for v in variants}
         written: dict[str, list[bytes]] = {v: [] for v in variants}
 
@@ -270,8 +269,7 @@ class Bench:
         def reader(v):
             def read(sp: range) -> None:
                 ks = keys[v][sp.start:sp.stop]
-                got = (stores[v].get_many_into(ks, outs[sp.start:sp.stop]) if native
-                       else stores[v].get_many(ks))
+                got = stores[v].get_many_into(ks, outs[sp.start:sp.stop])  # as the connector
                 if any(g is None for g in got):
                     raise RuntimeError(f"{kind}/{v}: store missed objects it just wrote")
             return read
@@ -295,8 +293,7 @@ class Bench:
                         fns[op][who](sp)
                         samples[(who, op)].append(len(sp) * self.size /
                                                   (time.perf_counter() - t0))
-        if native:
-            assert all(o == v for o, v in zip(outs, vals)), "read back wrong bytes"
+        assert all(o == v for o, v in zip(outs, vals)), "read back wrong bytes"
         for v, store in stores.items():
             st = store.stats()["tiers"][kind]
             if st["errors"] or st["drops"] or st["timeouts"] or st["corrupt"]:
@@ -314,8 +311,7 @@ class Bench:
                    "raw_gbps": rate["raw"] / 1e9,
                    **{f"{v}_gbps": rate[v] / 1e9 for v in variants},
                    "ratio": rate["mac"] / rate["raw"],
-                   "api": ("put_many" if op == "write" else
-                           "get_many_into" if native else "get_many")}
+                   "api": "put_many" if op == "write" else "get_many_into"}
             row["meets_goal"] = row["ratio"] >= RATIO_GOAL
             if kind != "cpu":
                 row["aes_ratio"] = rate["aes"] / rate["raw"]

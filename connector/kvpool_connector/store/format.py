@@ -28,6 +28,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 from cryptography.exceptions import InvalidTag
 
@@ -94,6 +95,12 @@ def _torch_view(t) -> memoryview:
     if not t.is_contiguous():
         raise ValueError("tensor payloads must be contiguous")
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def uninitialized(n: int) -> memoryview:
+    """n writable bytes without zero-filling them first: every byte is written next, and a
+    zeroed bytearray costs a memset over freshly faulted pages (2.5x slower for 2 MiB)."""
+    return memoryview(np.empty(n, dtype=np.uint8))
 
 
 @dataclass(frozen=True)
@@ -177,28 +184,27 @@ class Record:
         if self.encrypt:
             salt = os.urandom(SALT_SIZE)
             hdr = pack_header(self.name, self.layout, n, True, salt)
-            buf = bytearray(len(hdr) + n + TAG_SIZE)
+            buf = uninitialized(len(hdr) + n + TAG_SIZE)
             buf[:len(hdr)] = hdr
-            self.key.encrypt_into(salt, hdr, self.payload, memoryview(buf)[len(hdr):])
+            self.key.encrypt_into(salt, hdr, self.payload, buf[len(hdr):])
         else:
             hdr, body, tag = self.parts()
-            buf = bytearray(len(hdr) + n + len(tag))
-            mv = memoryview(buf)
-            mv[:len(hdr)] = hdr
-            mv[len(hdr):len(hdr) + n] = body
-            mv[len(hdr) + n:] = tag
-        self.blob = memoryview(buf).toreadonly()
+            buf = uninitialized(len(hdr) + n + len(tag))
+            buf[:len(hdr)] = hdr
+            buf[len(hdr):len(hdr) + n] = body
+            buf[len(hdr) + n:] = tag
+        self.blob = buf.toreadonly()
         h = len(hdr)
         self._parts = (hdr, self.blob[h:h + n], bytes(self.blob[h + n:]))
         if not self.encrypt:
             self.payload = self._parts[1]  # the caller's memory is no longer referenced
         return self
 
-    def blob_buffer(self) -> bytes | bytearray:
-        """The sealed object as bytes or bytearray (what clients like boto3 take), no copy
-        when the blob is a whole buffer of its own."""
+    def blob_bytes(self) -> bytes:
+        """The sealed object as `bytes` (what clients like boto3 take): one copy, unless the
+        object was read as bytes in the first place."""
         b = self.freeze().blob
-        if isinstance(b.obj, (bytes, bytearray)) and len(b) == len(b.obj):
+        if isinstance(b.obj, bytes) and len(b) == len(b.obj):
             return b.obj
         return bytes(b)
 
@@ -220,7 +226,7 @@ def open_blob(blob, name: bytes, layout: bytes, key: PoolKey,
     if out is not None and n > len(out):
         return Status.CORRUPT, None
     if h.encrypted:
-        target = out[:n] if out is not None else memoryview(bytearray(n))
+        target = out[:n] if out is not None else uninitialized(n)
         try:
             key.decrypt_into(h.salt, h.raw, mv[hs:], target)
         except (InvalidTag, ValueError):

@@ -36,7 +36,7 @@ from collections import OrderedDict
 import xxhash
 from cryptography.exceptions import InvalidTag
 
-from ..format import Header, Record, Status, check_header, header_size
+from ..format import Header, Record, Status, check_header, header_size, uninitialized
 from ..sealing import TAG_SIZE, PoolKey
 from ..guard import current_guard
 from .base import Tier, log
@@ -385,7 +385,7 @@ class DiskTier(Tier):
             st = h.status
             if st is Status.OK:
                 n = h.payload_len
-                target = out[:n] if out is not None else memoryview(bytearray(n))
+                target = out[:n] if out is not None else uninitialized(n)
                 tag = os.pread(fd, TAG_SIZE, hs + n)
                 st = self._read_verified(fd, h, key, tag, target)
         finally:

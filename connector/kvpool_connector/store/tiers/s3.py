@@ -123,7 +123,7 @@ class S3Tier(Tier):
 
     def _put(self, rec: Record) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self.object_key(rec.name),
-                               Body=rec.blob_buffer())
+                               Body=rec.blob_bytes())
 
     def put_many(self, records: list[Record]) -> None:
         self._ensure_bucket()
