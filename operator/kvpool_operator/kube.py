@@ -27,6 +27,10 @@ PLURALS = {
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 
+# (connect, read) seconds of every call: a handler thread stuck on a silent API server would block
+# kopf's shutdown and every later pass of that pool; a timeout becomes an ApiError kopf retries.
+TIMEOUT = (5.0, 15.0)
+
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
 
@@ -75,6 +79,7 @@ class Kube:
             auth_settings=["BearerToken"],
             _return_http_data_only=True,
             _preload_content=True,
+            _request_timeout=TIMEOUT,
         )
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -186,3 +186,18 @@ def test_a_secret_created_meanwhile_is_not_an_error(settings):
     outcome = reconcile(kube, pool, settings, "2026-01-01T00:00:00Z")
     assert outcome.errors == [] and not [a for a in outcome.applied if "Secret" in a]
     assert "Deployment" in kube.applied and outcome.status["phase"] != "Degraded"
+
+
+def test_every_api_call_is_bounded_in_time():
+    """A silent API server must not hold a handler thread (and kopf's shutdown) forever."""
+    from kvpool_operator.kube import TIMEOUT, Kube
+
+    seen = {}
+
+    class Recorder:
+        def call_api(self, *args, **kwargs):
+            seen.update(kwargs)
+            return {}
+
+    Kube(Recorder()).get("v1", "Secret", "ml", "x")
+    assert seen["_request_timeout"] == TIMEOUT and all(0 < t <= 30 for t in TIMEOUT)

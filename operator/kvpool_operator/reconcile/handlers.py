@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 from kubernetes.client import ApiException
+from urllib3.exceptions import HTTPError
 
 from kvpool_operator import models
 from kvpool_operator.kube import Kube
@@ -65,6 +66,8 @@ def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kop
     except ApiException as exc:  # listing/reading failed: the API is unwell, retry with backoff
         raise kopf.TemporaryError(f"Kubernetes API error {exc.status} {exc.reason}",
                                   delay=settings.retry_delay) from exc
+    except HTTPError as exc:  # no answer within kube.TIMEOUT, connection lost
+        raise kopf.TemporaryError(f"Kubernetes API unreachable: {exc}", delay=settings.retry_delay) from exc
     previous = dict(body.get("status") or {})
     if not is_subset(outcome.status, previous):  # no write when nothing changed
         patch.status.update(outcome.status)
@@ -131,8 +134,8 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
             status = refresh_status(kube, pool, settings, now())
             if status is not None and not is_subset(status, pool.get("status") or {}):
                 kube.patch_status(namespace, owner_name, status)
-        except ApiException as exc:
-            logger.warning("status refresh of %s/%s failed: %s", namespace, owner_name, exc.reason)
+        except (ApiException, HTTPError) as exc:
+            logger.warning("status refresh of %s/%s failed: %s", namespace, owner_name, getattr(exc, "reason", exc))
 
     for plural in ("deployments", "statefulsets"):
         kopf.on.event("apps", "v1", plural, labels=child_labels, registry=registry, id=f"status-{plural}")(
