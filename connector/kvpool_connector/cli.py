@@ -3,6 +3,7 @@
   kvpool demo [...]            the main job on one machine: vLLM + kvpool connector, chat workload
   kvpool bench store [...]     tier throughput against raw baselines
   kvpool bench e2e [...]       TTFT: recompute vs hits from each tier vs ExampleConnector
+  kvpool bench fleet [...]     routing policies (vllm-router) in front of engines sharing Redis
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
@@ -20,6 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvpool_connector.demo", "run vLLM with the kvpool connector on a chat workload"),
     "bench store": ("kvpool_connector.bench.store_bench", "tier throughput vs raw baselines"),
     "bench e2e": ("kvpool_connector.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
+    "bench fleet": ("kvpool_connector.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
     "render": ("kvpool_operator.cli", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_connector.testbed.localmodel", "generate the local demo/bench model"),

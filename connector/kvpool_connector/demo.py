@@ -288,14 +288,17 @@ def redis_from_env(url: str | None) -> tuple[dict[str, Any], dict[str, str]] | N
 # -- I/O shell ------------------------------------------------------------------------------
 
 
-def _chat_turn(client, history: list[dict[str, str]], max_tokens: int) -> tuple[str, dict]:
+def _chat_turn(client, history: list[dict[str, str]], max_tokens: int,
+               extra_headers: dict | None = None, extra_body: dict | None = None
+               ) -> tuple[str, dict]:
     t0 = time.perf_counter()
     ttft = None
     text = []
     usage = None
     stream = client.chat.completions.create(
         model="local", messages=history, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True}, extra_headers=extra_headers,
+        extra_body=extra_body)
     for chunk in stream:
         if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
             if ttft is None:
