@@ -59,6 +59,20 @@ Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PositiveSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 
 
+_USERINFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@")
+_CREDENTIAL_QUERY = re.compile(r"(?i)[?&](password|username)=")
+
+
+def no_credentials(url: str, field: str) -> None:
+    """Secrets never travel in a URL (configs land in ConfigMaps, logs and status)."""
+    if _USERINFO.search(url):
+        raise ValueError(f"{field}: must not contain credentials (user:password@ or user@); "
+                         "use username and password_env/password_file")
+    if _CREDENTIAL_QUERY.search(url):
+        raise ValueError(f"{field}: must not carry password= or username= in its query; use "
+                         "username and password_env/password_file")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -122,9 +136,8 @@ class RedisTierConfig(_TierBase):
                           "client discovers the others), keys spread over the slot owners")
 
     @model_validator(mode="after")
-    def _no_inline_password(self):
-        if re.match(r"^rediss?://[^/@]*:[^/@]+@", self.url):
-            raise ValueError("url: must not contain a password; use password_env or password_file")
+    def _checked_url(self):
+        no_credentials(self.url, "url")
         if self.cluster and not re.match(r"^rediss?://[^/]+(/0?)?$", self.url):
             raise ValueError("url: a cluster is reached over redis:// or rediss:// host:port, "
                              "database 0 (Redis Cluster has no other)")
@@ -153,6 +166,13 @@ class S3TierConfig(_TierBase):
     verify_tls: bool = True
     tls_ca_file: str | None = Field(None, description="CA bundle that signs the endpoint's "
                                     "certificate (https://), e.g. a mounted Secret's ca.crt")
+
+
+    @model_validator(mode="after")
+    def _no_endpoint_credentials(self):
+        if self.endpoint:
+            no_credentials(self.endpoint, "endpoint")
+        return self
 
 
 class SecurityConfig(_Strict):

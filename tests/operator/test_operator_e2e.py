@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import datetime
 import json
 import logging
 import re
@@ -549,6 +550,11 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"]["secretKeyRef"] == {
             "name": "tiered-full-kvpool-keys", "key": "previousPoolKey", "optional": True}
 
+        # kubectl refuses a second `rollout restart` within the second of the first one
+        # (restartedAt has whole seconds); people run these steps minutes apart
+        restarted_at = template["metadata"]["annotations"][restart]
+        await eventually(lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+                         > restarted_at[:19], message="the restart's second is over")
         await bash(drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
         done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
