@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import kubernetes_validate
+import yaml
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from kvpool_connector.connector.config import load_connector_config
 from kvpool_operator.reconcile.secrets import generated_values
 from kvpool_operator.render import InvalidPool, load_pool, render
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
@@ -101,6 +103,15 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
     for manifest in manifests:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
     assert_no_secret_values(obj, manifests)
+    assert_connector_accepts(manifests)
+
+
+def assert_connector_accepts(manifests):
+    """What the CRD accepts, the connector accepts: the rendered config file loads with the
+    connector's own loader (sizes, URLs, keys and all)."""
+    data = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]
+    if "connector.yaml" in data:
+        load_connector_config(yaml.safe_load(data["connector.yaml"]))
 
 
 def assert_no_secret_values(obj, manifests):

@@ -201,7 +201,7 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"tiers": {"cpu": {"size": "32Gi"}}}})
         await eventually(lambda: checksum(server) != before, message="checksum changes")
         cm = child(server, "v1/configmaps", "tiered-full-kvpool")
-        assert "size: 32Gi" in cm["data"]["connector.yaml"]
+        assert f"size: {32 << 30}" in cm["data"]["connector.yaml"]
         await eventually(lambda: pool_obj(server)["status"]["observedGeneration"] == 2)
         assert child_writes(server)[-1].data["metadata"]["name"] in ("tiered-full", "tiered-full-kvpool")
 

@@ -73,8 +73,8 @@ def test_tiered_full_connector_contract(settings):
         "namespace": "kvpool.tiered-full",
         "chunk_tokens": 256,
         "tiers": [
-            {"type": "cpu", "size": "64Gi", "eviction": "lru"},
-            {"type": "disk", "path": "/var/lib/kvpool/disk", "size": "500Gi"},
+            {"type": "cpu", "size": 64 << 30, "eviction": "lru"},  # sizes in bytes: the model parsed them
+            {"type": "disk", "path": "/var/lib/kvpool/disk", "size": 500 << 30},
             {"type": "redis", "url": "redis://tiered-full-redis.kvpool.svc:6379/0", "key_prefix": "kvpool:",
              "username": "kvpool-engine", "password_env": "KVPOOL_REDIS_PASSWORD"},
             {
@@ -83,9 +83,9 @@ def test_tiered_full_connector_contract(settings):
                 "secret_key_env": "KVPOOL_S3_SECRET_KEY", "path_style": True, "create_bucket": False,
             },
         ],
-        "queue_bytes": "1Gi",
+        "queue_bytes": 1 << 30,
         "security": {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS", "encrypt": False},
-        "staging_bytes": "1Gi",
+        "staging_bytes": 1 << 30,
         "require_cache_salt": False,
     }
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
@@ -132,7 +132,7 @@ def test_external_backends_use_the_users_secrets(settings):
     assert tiers["redis"]["url"] == "redis://redis.infra.svc:6379/0"
     assert tiers["s3"]["bucket"] == "kv-cache-prod" and tiers["s3"]["create_bucket"] is False
     # TP=4: the per-pod CPU tier is split across ranks so the pod never pins more than asked for
-    assert tiers["cpu"]["size"] == str(128 * 2**30 // 4)
+    assert tiers["cpu"]["size"] == 128 * 2**30 // 4
     assert not [x for x in m if x["kind"] == "StatefulSet"]
     assert [x["metadata"]["name"] for x in m if x["kind"] == "Secret"] == ["tiered-external-kvpool-keys"]
     assert "initContainers" not in by_kind(m, "Deployment")["spec"]["template"]["spec"]
@@ -237,7 +237,7 @@ def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
     # cpu 16Gi + disk write queue 1Gi + staging 1Gi + default shm 2Gi + overhead 8Gi
     m = rendered("tiered-emptydir", settings)
     assert engine(m)["resources"]["requests"]["memory"] == engine(m)["resources"]["limits"]["memory"] == "28Gi"
-    assert store_config(m)["queue_bytes"] == "1Gi" and store_config(m)["staging_bytes"] == "1Gi"
+    assert store_config(m)["queue_bytes"] == store_config(m)["staging_bytes"] == 1 << 30
     pool = load_example("tiered-emptydir")
     pool["spec"]["model"] |= {"shmSize": "512Mi", "memoryOverhead": "1536Mi"}
     pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier, no queue: staging + shm + overhead
@@ -250,7 +250,7 @@ def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
     assert full["requests"]["memory"] == "78Gi" and full["limits"]["memory"] == "96Gi"  # 64 + 3 queues + 1 + 2 + 8
     # tensor parallelism: each rank's store gets its share of the same per-pod budget
     external = store_config(rendered("tiered-external", settings))  # TP=4
-    assert external["queue_bytes"] == str(2**30 // 4) and external["staging_bytes"] == str(2**30 // 4)
+    assert external["queue_bytes"] == external["staging_bytes"] == 2**30 // 4
     native = engine(rendered("native-cpu", settings))["resources"]  # no kvpool store: cpu 32 + 2 + 8
     assert native["requests"]["memory"] == "42Gi"
 

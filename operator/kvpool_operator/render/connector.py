@@ -4,7 +4,8 @@ tiered: kvpool's KVPoolConnector reads every tier from /etc/kvpool/connector.yam
 native: vLLM's OffloadingConnector (`cpu_bytes_to_use`, `eviction_policy`, `block_size`); a disk
 tier becomes TieringOffloadingSpec's `fs` secondary tier, Redis/S3 become kvpool's secondary tier
 (`kvpool_connector.vllm_tiers`) which reads the same store config file.
-Secrets never appear here: the store config names environment variables instead. Every shared
+The store config is built from the connector's own pydantic models (one schema, one size
+grammar). Secrets never appear here: the store config names environment variables instead. Every shared
 tier is keyed: `security.key_env` names the pool key (and the previous one during a rotation).
 """
 
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 from typing import Any
+
+from kvpool_connector.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig
+from kvpool_connector.connector.config import ConnectorConfig
 
 from kvpool_operator import models
 from kvpool_operator.render.common import (
@@ -59,10 +63,10 @@ STAGING_BYTES = "1Gi"
 
 def buffer_bytes(pool: Pool) -> int:
     """Bytes of write queues and staging a pod's stores may hold: part of its memory request."""
-    store = store_config(pool)
-    if store is None:
+    cfg = connector_config(pool)
+    if cfg is None:
         return 0
-    queues = (len(store["tiers"]) - 1) * models.size_bytes(QUEUE_BYTES)  # every tier after the first
+    queues = (len(cfg.tiers) - 1) * models.size_bytes(QUEUE_BYTES)  # every tier after the first
     return queues + (models.size_bytes(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
 
 
@@ -92,10 +96,10 @@ def s3_endpoint(pool: Pool) -> str:
     return f"{scheme}://{pool.svc_host(pool.minio)}:{MINIO_PORT}"
 
 
-def _redis_tier(pool: Pool) -> dict[str, Any]:
+def _redis_tier(pool: Pool) -> RedisTierConfig:
     redis = pool.spec.tiers.redis
     assert redis is not None
-    tier: dict[str, Any] = {"type": "redis", "url": redis_url(pool), "key_prefix": REDIS_KEY_PREFIX}
+    tier: dict[str, Any] = {"url": redis_url(pool), "key_prefix": REDIS_KEY_PREFIX}
     username = redis.external.username if redis.external is not None else REDIS_ENGINE_USER
     if username:
         tier["username"] = username
@@ -103,7 +107,7 @@ def _redis_tier(pool: Pool) -> dict[str, Any]:
         tier["password_env"] = REDIS_PASSWORD_ENV
     if backend_ca(pool, "redis") is not None:
         tier["tls_ca_file"] = ca_file("redis")
-    return tier
+    return RedisTierConfig(type="redis", **tier)
 
 
 def backend_ca(pool: Pool, tier: str) -> tuple[str, str] | None:
@@ -117,60 +121,56 @@ def backend_ca(pool: Pool, tier: str) -> tuple[str, str] | None:
     return None
 
 
-def _s3_tier(pool: Pool) -> dict[str, Any]:
+def _s3_tier(pool: Pool) -> S3TierConfig:
     s3 = pool.spec.tiers.s3
     assert s3 is not None
     ca = {"tls_ca_file": ca_file("s3")} if backend_ca(pool, "s3") is not None else {}
     if s3.managed is not None:  # the bucket exists before the engines can reach MinIO (its bootstrap)
-        return {
-            "type": "s3",
-            "endpoint": s3_endpoint(pool),
-            "bucket": MINIO_BUCKET,
-            "prefix": "",
-            "region": "us-east-1",
-            "access_key_env": S3_ACCESS_KEY_ENV,
-            "secret_key_env": S3_SECRET_KEY_ENV,
-            "path_style": True,
-            "create_bucket": False,
-            **ca,
-        }
+        return S3TierConfig(type="s3", endpoint=s3_endpoint(pool), bucket=MINIO_BUCKET, prefix="", region="us-east-1",
+                            access_key_env=S3_ACCESS_KEY_ENV, secret_key_env=S3_SECRET_KEY_ENV,
+                            path_style=True, create_bucket=False, **ca)
     ext = s3.external
     assert ext is not None
-    tier = {
-        "type": "s3",
-        "endpoint": ext.endpoint,
-        "bucket": ext.bucket,
-        "prefix": ext.prefix,
-        "region": ext.region,
-    }
-    if ext.credentials_secret_ref is not None:
-        tier |= {"access_key_env": S3_ACCESS_KEY_ENV, "secret_key_env": S3_SECRET_KEY_ENV}
-    return tier | {"path_style": ext.path_style, "create_bucket": False, **ca}
+    credentials = ({"access_key_env": S3_ACCESS_KEY_ENV, "secret_key_env": S3_SECRET_KEY_ENV}
+                   if ext.credentials_secret_ref is not None else {})
+    return S3TierConfig(type="s3", endpoint=ext.endpoint, bucket=ext.bucket, prefix=ext.prefix, region=ext.region,
+                        **credentials, path_style=ext.path_style, create_bucket=False, **ca)
 
 
-def store_config(pool: Pool) -> dict[str, Any] | None:
-    """The YAML mounted at /etc/kvpool/connector.yaml, or None when the mode needs none."""
+def connector_config(pool: Pool) -> ConnectorConfig | None:
+    """The connector's own config model for this pool, or None when the mode needs none.
+
+    Built from kvpool_connector's pydantic models (the single source of the config's schema),
+    so a field the connector does not know, or a value it would refuse, fails here, at
+    render time, not at engine start."""
     tiers = pool.spec.tiers
-    out: list[dict[str, Any]] = []
+    out: list[Any] = []
     if pool.spec.connector == "tiered":
         if tiers.cpu:
-            out.append({"type": "cpu", "size": _per_rank(pool, tiers.cpu.size), "eviction": tiers.cpu.eviction_policy})
+            out.append(CpuTierConfig(type="cpu", size=_per_rank(pool, tiers.cpu.size), eviction=tiers.cpu.eviction_policy))
         if tiers.disk:
-            out.append({"type": "disk", "path": DISK_PATH, "size": _per_rank(pool, tiers.disk.size)})
+            out.append(DiskTierConfig(type="disk", path=DISK_PATH, size=_per_rank(pool, tiers.disk.size)))
     if tiers.redis:
         out.append(_redis_tier(pool))
     if tiers.s3:
         out.append(_s3_tier(pool))
     if not out:
         return None
-    security = {"key_env": POOL_KEY_ENV, "previous_key_env": PREVIOUS_POOL_KEY_ENV,
-                "encrypt": pool.spec.security.encryption}
-    config = {"namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out,
-              "queue_bytes": _per_rank(pool, QUEUE_BYTES), "security": security}
+    fields: dict[str, Any] = {
+        "namespace": store_namespace(pool), "chunk_tokens": pool.spec.chunk_tokens, "tiers": out,
+        "queue_bytes": _per_rank(pool, QUEUE_BYTES),
+        "security": SecurityConfig(key_env=POOL_KEY_ENV, previous_key_env=PREVIOUS_POOL_KEY_ENV,
+                                   encrypt=pool.spec.security.encryption)}
     if pool.spec.connector == "tiered":  # KVPoolConnector keys: the native tier saves no requests itself
-        config["staging_bytes"] = _per_rank(pool, STAGING_BYTES)
-        config["require_cache_salt"] = pool.spec.security.require_cache_salt
-    return config
+        fields |= {"staging_bytes": _per_rank(pool, STAGING_BYTES),
+                   "require_cache_salt": pool.spec.security.require_cache_salt}
+    return ConnectorConfig(**fields)
+
+
+def store_config(pool: Pool) -> dict[str, Any] | None:
+    """The YAML mounted at /etc/kvpool/connector.yaml (the fields set above, sizes in bytes)."""
+    cfg = connector_config(pool)
+    return None if cfg is None else cfg.model_dump(mode="json", exclude_unset=True)
 
 
 def kv_transfer_config(pool: Pool) -> dict[str, Any]:
@@ -209,7 +209,7 @@ def secret_envs(pool: Pool) -> list[dict[str, Any]]:
     """Keys and credentials reach the engine only as env valueFrom.secretKeyRef."""
     tiers = pool.spec.tiers
     env: list[dict[str, Any]] = []
-    if store_config(pool) is not None:  # the store keys every object; the previous key is optional
+    if connector_config(pool) is not None:  # the store keys every object; the previous key is optional
         env.append(secret_env(POOL_KEY_ENV, pool.keys_secret, POOL_KEY))
         env.append(secret_env(PREVIOUS_POOL_KEY_ENV, pool.keys_secret, PREVIOUS_POOL_KEY, optional=True))
     if tiers.redis and tiers.redis.managed:
