@@ -48,14 +48,18 @@ def test_bench_fleet_quick(repo_root, tiny_model, tmp_path):
         assert r["prompt_tokens"] > 0
         assert set(r["tokens_by_source"]) == {"device", "host", "external_unspecified", "computed"}
         assert sum(r["tokens_by_source"].values()) == pytest.approx(r["prompt_tokens"])
-        routed = r["requests_per_engine"]
-        assert len(routed) == s["engines"] and sum(routed.values()) == n, routed
+        routed = r["requests_per_engine"]  # engines the router never chose are absent
+        assert 1 <= len(routed) <= s["engines"] and sum(routed.values()) == n, routed
     # cache_aware really matched token prefixes (the engines render chats for it)
     decisions = report["runs"]["cache_aware"]["router_decisions"]
     assert decisions.get("prefix_hit", 0) > 0 and not decisions.get("missing_tokens"), decisions
     # round robin alternates: every engine gets the same share
-    assert len(set(report["runs"]["round_robin"]["requests_per_engine"].values())) == 1
-    # a turn that lands on the other engine finds its history in the shared Redis
+    rr = report["runs"]["round_robin"]["requests_per_engine"]
+    assert len(rr) == s["engines"] and len(set(rr.values())) == 1, rr
+    # with the quick run's fixed order, round robin moves conversations 1 and 3 to the other
+    # engine for their second turn: their history comes from the shared Redis
+    order = [fleet_bench.turn_order(s["conversations"], k) for k in range(2)]
+    assert [c for c in range(4) if order[0].index(c) % 2 != order[1].index(c) % 2] == [1, 3]
     assert report["runs"]["round_robin"]["tokens_by_source"]["external_unspecified"] > 0
     ratios = report["comparison"]["ratios"]
     assert set(ratios) == {"cache_aware", "consistent_hash"}

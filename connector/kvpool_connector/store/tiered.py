@@ -287,6 +287,7 @@ class TieredStore:
         self.keyring = Keyring.from_config(cfg.security, needs_key=bool(shared))
         self._closed = False
         self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
+        self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
         self.runners: list[TierRunner] = []
         try:
             for i, (name, tcfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
@@ -512,11 +513,12 @@ class TieredStore:
         names = self._event_keys
         if names is None:
             return
-        for k, rec in zip(keys, records):
-            names[rec.name] = k
-            names.move_to_end(rec.name)
-        while len(names) > EVENT_NAMES_MAX:
-            names.popitem(last=False)
+        with self._event_lock:
+            for k, rec in zip(keys, records):
+                names[rec.name] = k
+                names.move_to_end(rec.name)
+            while len(names) > EVENT_NAMES_MAX:
+                names.popitem(last=False)
 
     def take_events(self) -> list[tuple[str, bool, bytes]]:
         """(tier type, stored (True) or removed, key) since the last call, the last one per
@@ -530,7 +532,8 @@ class TieredStore:
             ev = r.tier.events
             while ev:
                 stored, name = ev.popleft()
-                key = names.get(name)
+                with self._event_lock:
+                    key = names.get(name)
                 if key is not None:
                     out.pop((r.tier.type, key), None)  # the last state wins, in its order
                     out[(r.tier.type, key)] = stored
