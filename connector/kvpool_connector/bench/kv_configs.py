@@ -12,6 +12,9 @@ from typing import Any
 KVPOOL_MODULE = "kvpool_connector.vllm"
 TIMED_MODULE = "kvpool_connector.bench.timed_connector"
 POOL_KEY_ENV = "KVPOOL_POOL_KEY"  # the engines' pool key (object names, MACs, encryption)
+# vLLM's native offloading with kvpool's spec (runs on the CPU platform too)
+NATIVE_SPEC = {"spec_name": "KVPoolOffloadingSpec", "spec_module_path": "kvpool_connector.native"}
+NATIVE_TIER_MODULE = "kvpool_connector.vllm_tiers"
 
 
 def pool_key_env() -> dict[str, str]:
@@ -42,6 +45,36 @@ def kvpool_config(tiers: list[dict[str, Any]], namespace: str, chunk_tokens: int
                                       "chunk_tokens": chunk_tokens,
                                       "security": {"key_env": POOL_KEY_ENV}, **connector_keys},
     }
+
+
+def native_config(cpu_bytes: int, chunk_tokens: int = 256,
+                  secondary_tiers: list[dict[str, Any]] | None = None, timed: bool = False,
+                  **extra: Any) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with `KVPoolOffloadingSpec`: vLLM's host tier of `cpu_bytes`
+    (chunks of `chunk_tokens`), vLLM's scheduler and eviction, optional secondary tiers (see
+    native_kvpool_tier); `extra` are further vLLM offloading keys."""
+    cfg: dict[str, Any] = {
+        "kv_connector": "TimedOffloadingConnector" if timed else "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**NATIVE_SPEC, "cpu_bytes_to_use": int(cpu_bytes),
+                                      "block_size": chunk_tokens, **extra},
+    }
+    if timed:
+        cfg["kv_connector_module_path"] = TIMED_MODULE
+    if secondary_tiers:
+        cfg["kv_connector_extra_config"]["secondary_tiers"] = list(secondary_tiers)
+    return cfg
+
+
+def native_kvpool_tier(tiers: list[dict[str, Any]], namespace: str,
+                       security: dict[str, Any] | None = None, **store_keys: Any
+                       ) -> dict[str, Any]:
+    """kvpool's secondary tier of native mode over the given store tiers (disk, redis, s3),
+    keyed by the pool key in POOL_KEY_ENV unless `security` says otherwise."""
+    return {"type": "kvpool", "module_path": NATIVE_TIER_MODULE, "namespace": namespace,
+            "tiers": list(tiers), "security": security or {"key_env": POOL_KEY_ENV},
+            **store_keys}
 
 
 def example_config(storage_path: str, timed: bool = False) -> dict[str, Any]:
