@@ -95,6 +95,14 @@ def test_summary_and_comparison_against_round_robin():
     assert "cpu tokens vs rr" in text and "2.00x" in text and "[met ]" in text
 
 
+def test_passes_of_a_policy_merge_into_one_run():
+    a = ([{"ttft_s": 1.0}], 2.0, {"cached:host": 10.0}, {"routed:a": 1.0})
+    b = ([{"ttft_s": 3.0}], 4.0, {"cached:host": 5.0, "prompt_tokens": 1.0}, {"routed:b": 1.0})
+    assert fleet_bench.merge([a, b]) == ([{"ttft_s": 1.0}, {"ttft_s": 3.0}], 6.0,
+                                         {"cached:host": 15.0, "prompt_tokens": 1.0},
+                                         {"routed:a": 1.0, "routed:b": 1.0})
+
+
 def test_turn_order_is_a_seeded_shuffle_shared_by_every_policy():
     a = fleet_bench.turn_order(9, 2, seed=0)
     assert sorted(a) == list(range(9)) and a == fleet_bench.turn_order(9, 2, seed=0)

@@ -210,7 +210,8 @@ def render(report: dict[str, Any]) -> str:
     out = [f"kvpool bench fleet: {s['engines']} engines ({s['preset']} model, cpu tier "
            f"{s['cpu_tier']} each, shared {report['shared']}) behind vllm-router "
            f"{report['router_version']}; {s['conversations']} conversations x {s['turns']} turns, "
-           f"concurrency {s['concurrency']}, engine KV cache {s['kv_cache_tokens']} tokens", "",
+           f"concurrency {s['concurrency']}, engine KV cache {s['kv_cache_tokens']} tokens, "
+           f"{report.get('repeat', 1)} pass(es) per policy in alternating order", "",
            f"{'':<26}" + "".join(f"{n:<{w}}" for n in names)]
     out += [f"{label:<26}" + "".join(f"{c:<{w}}" for c in cells) for label, cells in rows]
     out += ["", "goals:"]
@@ -286,8 +287,9 @@ class Fleet:
 
 
 def run_policy(fleet: Fleet, policy: str, workload: list[dict[str, Any]], s: Settings,
-               seed: int, workdir: Path) -> dict[str, Any]:
-    """The whole workload through a fresh router with `policy`, under its own cache_salt."""
+               seed: int, workdir: Path) -> tuple[list[dict], float, dict, dict]:
+    """The whole workload through a fresh router with `policy`, under its own cache_salt:
+    (turns, wall seconds, engine counter deltas, router counters)."""
     from openai import OpenAI
 
     from ..demo import _chat_turn
@@ -324,7 +326,18 @@ def run_policy(fleet: Fleet, policy: str, workload: list[dict[str, Any]], s: Set
     for u, b in zip(urls, before):
         for k, v in delta(_scrape(u), b).items():
             engines[k] = engines.get(k, 0.0) + v
-    return summarize(policy, turns, wall, engines, routed)
+    return turns, wall, engines, routed
+
+
+def merge(passes: list[tuple[list[dict], float, dict, dict]]) -> tuple[list[dict], float, dict, dict]:
+    """One policy's passes as one run: turns pooled, seconds and counters added (pure)."""
+    turns = [t for p in passes for t in p[0]]
+    totals: tuple[dict, dict] = ({}, {})
+    for p in passes:
+        for total, part in zip(totals, p[2:]):
+            for k, v in part.items():
+                total[k] = total.get(k, 0.0) + v
+    return turns, sum(p[1] for p in passes), totals[0], totals[1]
 
 
 def _warm_up(fleet: Fleet, s: Settings) -> None:
@@ -352,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-cluster", action="store_true",
                     help="share a 3-master Redis Cluster instead of one Redis")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=None, help="passes over the policies, every other "
+                    "one in reverse order, pooled per policy (default 2; --quick: 1)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     args = ap.parse_args(argv)
 
@@ -369,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     s = Settings.quick() if args.quick else Settings()
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 2
     overrides = {k: v for k in ("conversations", "turns", "engines", "concurrency")
                  if (v := getattr(args, k)) is not None}
     if overrides:
@@ -383,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-fleet-"))
     import importlib.metadata as md
 
-    report: dict[str, Any] = {"settings": asdict(s), "router_version": md.version("vllm-router"),
+    report: dict[str, Any] = {"settings": asdict(s), "repeat": args.repeat,
+                              "router_version": md.version("vllm-router"),
                               "shared": "redis-cluster" if args.redis_cluster else "redis",
                               "runs": {}, "logs": str(workdir)}
     t0 = time.monotonic()
@@ -396,11 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _log(f"engines up in {time.monotonic() - t0:.0f}s; warming up")
         _warm_up(fleet, s)
-        for policy in policies:
-            r = run_policy(fleet, policy, workload, s, args.seed, workdir)
-            report["runs"][policy] = r
-            _log(f"{policy}: TTFT p50 {r['ttft_p50_s']:.3f}s, cpu-tier tokens "
-                 f"{r['tokens_by_source']['host']:.0f}, {r['wall_s']:.0f}s")
+        passes: dict[str, list] = {p: [] for p in policies}
+        for rep in range(args.repeat):  # every other pass in reverse: no policy always first
+            for policy in (policies if rep % 2 == 0 else policies[::-1]):
+                passes[policy].append(run_policy(fleet, policy, workload, s, args.seed, workdir))
+                r = summarize(policy, *passes[policy][-1])
+                _log(f"pass {rep + 1} {policy}: TTFT p50 {r['ttft_p50_s']:.3f}s, cpu-tier "
+                     f"tokens {r['tokens_by_source']['host']:.0f}, {r['wall_s']:.0f}s")
+        report["runs"] = {p: summarize(p, *merge(passes[p])) for p in policies}
     finally:
         fleet.stop()
     report["comparison"] = compare(report["runs"])
