@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=None, help="passes over the policies, every other "
                     "one in reverse order, pooled per policy (default 2; --quick: 1)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    ap.add_argument("--workdir", default=None, help="keep the engine and router logs here "
+                    "(default: a temporary directory, removed at the end)")
     args = ap.parse_args(argv)
 
     from ..testbed.localmodel import ensure_model
@@ -397,13 +400,14 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     workload = build_workload(s, lambda text: len(tok.encode(text).ids), seed=args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="kvpool-fleet-"))
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-fleet-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     import importlib.metadata as md
 
     report: dict[str, Any] = {"settings": asdict(s), "repeat": args.repeat,
                               "router_version": md.version("vllm-router"),
                               "shared": "redis-cluster" if args.redis_cluster else "redis",
-                              "runs": {}, "logs": str(workdir)}
+                              "runs": {}, "logs": str(workdir) if args.workdir else None}
     t0 = time.monotonic()
     _log(f"starting {s.engines} engines ({s.preset}) and the shared tier ...")
     try:
@@ -424,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"] = {p: summarize(p, *merge(passes[p])) for p in policies}
     finally:
         fleet.stop()
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
     report["comparison"] = compare(report["runs"])
     report["wall_s"] = time.monotonic() - t0
     print(render(report))
