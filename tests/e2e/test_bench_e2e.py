@@ -47,6 +47,33 @@ def test_bench_e2e_quick_json(repo_root, tiny_model):
     assert all(g["met"] is None or isinstance(g["met"], bool) for g in goals.values())
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_e2e_native_rows_json(repo_root, tiny_model):
+    """The native rows (not in --quick): vLLM's OffloadingConnector with kvpool's spec, a host
+    hit in the seeding engine and a Redis hit (kvpool's secondary tier) in a fresh one."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--json",
+         "--configs", "native-cpu,native-redis", "--sizes", "512,2048",
+         "--model", str(tiny_model)],
+        cwd=repo_root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert [e["name"] for e in report["engines"]] == ["native-seed", "native-redis"]
+    summary = report["summary"]
+    assert summary["baseline"] == "native-cold"
+    for row in summary["rows"]:
+        assert set(row["configs"]) == {"native-cold", "native-cpu", "native-redis"}
+        assert row["configs"]["native-cold"]["num_cached_tokens"] == 0
+        for name in ("native-cpu", "native-redis"):
+            entry = row["configs"][name]
+            assert 0 < entry["ttft_s"] < 120 and entry["outputs_close"] is True, name
+            # every whole 256-token chunk came back (vLLM then recomputes the last token)
+            assert entry["num_cached_tokens"] >= row["tokens"] // 256 * 256 > 0, name
+    for name in ("native-seed", "native-redis"):
+        assert report["scheduler"][name]["steps"] > 0, name
+
+
 # -- the pure parts (no engine) --------------------------------------------------------------
 
 
@@ -55,13 +82,52 @@ def test_plan_starts_one_engine_per_fresh_tier():
 
     full = plan(list(ALL_CONFIGS))
     assert [e.name for e in full] == ["recompute", "kvpool-seed", "kvpool-disk", "kvpool-redis",
-                                      "kvpool-s3", "example"]
+                                      "kvpool-s3", "native-seed", "native-redis", "example"]
     seed = full[1]
     assert seed.tiers == ["cpu", "disk", "redis", "s3"] and seed.passes == ["kvpool-cold", "cpu"]
     assert [e.tiers for e in full[2:5]] == [["disk"], ["redis"], ["s3"]]
     assert plan(["redis"])[0].passes == ["kvpool-cold"]   # no cpu tier: no same-process hit
     with pytest.raises(ValueError, match="--configs"):
         plan(["cpu", "nvme"])
+
+
+def test_plan_native_rows_seed_redis_through_the_kvpool_tier():
+    from kvpool_connector.bench.e2e_bench import backend_tiers, plan
+
+    both = plan(["native-cpu", "native-redis"])
+    assert [(e.name, e.kind, e.passes, e.tiers) for e in both] == [
+        ("native-seed", "native", ["native-cold", "native-cpu"], ["redis"]),
+        ("native-redis", "native", ["native-redis"], ["redis"])]
+    assert both[0].seeds_lower_tiers and not plan(["native-cpu"])[0].seeds_lower_tiers
+    assert plan(["native-cpu"])[0].tiers == []
+    assert backend_tiers(["native-redis", "disk"]) == {"redis", "disk"}
+    assert backend_tiers(["native-cpu", "cpu"]) == {"cpu"}
+
+
+def test_native_engines_get_kvpools_spec_and_tier(tmp_path):
+    from kvpool_connector.bench import kv_configs
+    from kvpool_connector.bench.e2e_bench import Backends, EngineSpec, transfer_config
+
+    backends = Backends({"redis"}, tmp_path)  # a real redis-server: its URL goes in the tier
+    try:
+        cfg = transfer_config(EngineSpec("native-redis", "native", ["native-redis"], ["redis"]),
+                              backends)
+        seed = transfer_config(EngineSpec("native-seed", "native", ["native-cold"], []),
+                               backends)
+    finally:
+        backends.close()
+    extra = cfg["kv_connector_extra_config"]
+    assert cfg["kv_connector"] == "TimedOffloadingConnector"
+    assert cfg["kv_connector_module_path"] == kv_configs.TIMED_MODULE
+    assert {k: extra[k] for k in ("spec_name", "spec_module_path", "block_size")} == {
+        "spec_name": "KVPoolOffloadingSpec", "spec_module_path": "kvpool_connector.native",
+        "block_size": 256}
+    [tier] = extra["secondary_tiers"]
+    assert tier["type"] == "kvpool" and tier["module_path"] == "kvpool_connector.vllm_tiers"
+    assert tier["namespace"] == backends.namespace
+    assert tier["security"] == {"key_env": kv_configs.POOL_KEY_ENV}
+    assert tier["tiers"] == [backends.tier("redis")]
+    assert "secondary_tiers" not in seed["kv_connector_extra_config"]
 
 
 def _m(config, tokens, ttft, tokens_out=(1, 2)):

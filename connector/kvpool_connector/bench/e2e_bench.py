@@ -1,5 +1,6 @@
 """`kvpool bench e2e`: time to first token, recompute vs a hit from each kvpool tier vs
-vLLM's in-tree ExampleConnector, on real engines, all in one run.
+vLLM's native offloading (kvpool's spec) vs vLLM's in-tree ExampleConnector, on real engines,
+all in one run.
 
 Engines (each a fresh process, one at a time; prefix caching off so every hit is the
 connector's):
@@ -7,12 +8,16 @@ connector's):
   seed        kvpool with every selected tier, cpu first     -> "kvpool-cold" (miss + save),
                                                                 then "cpu" (hit, same process)
   disk/redis/s3  kvpool with only that tier, a new process   -> hit from that tier
+  native-seed vLLM's OffloadingConnector + KVPoolOffloadingSpec (host tier; with native-redis
+              also the kvpool secondary tier on Redis) -> "native-cold", then "native-cpu"
+  native-redis  the same with only Redis behind an empty host tier, a new process
+                                                             -> hit from the kvpool tier
   example     ExampleConnector                               -> "example-cold", then "example"
 `--repeat N` keeps the best of N runs of every measurement but the cold passes (the machine
-may be shared). That is 6 engine starts for the full run (2 with --quick, cpu and disk: the seed engine's cold pass stands
-in for recompute). Every hit's output is compared with the baseline's by logprob closeness (testbed.oracle):
-the cold and hit passes have different prefill schedules, so greedy tokens may swap at
-near ties.
+may be shared). That is 8 engine starts for the full run (2 with --quick, cpu and disk: the
+seed engine's cold pass stands in for recompute). Every hit's output is compared with the
+baseline's by logprob closeness (testbed.oracle): the cold and hit passes have different
+prefill schedules, so greedy tokens may swap at near ties.
 Scheduler-side cost: every connector runs inside `timed_connector`, which adds up the time
 the scheduler spends in it; reported per step and as a share of the step time.
 The cold passes are recomputes too, inside connector engines; the table prints them next to
@@ -41,9 +46,12 @@ from .timed_connector import TIMING_ENV, read_timings
 
 FULL_SIZES = (2048, 8192, 16384)
 QUICK_SIZES = (512, 2048)
-ALL_CONFIGS = ("recompute", "cpu", "disk", "redis", "s3", "example")
-QUICK_CONFIGS = ("cpu", "disk")  # the smoke run; the full run adds recompute, redis, s3, example
+ALL_CONFIGS = ("recompute", "cpu", "disk", "redis", "s3", "native-cpu", "native-redis",
+               "example")
+QUICK_CONFIGS = ("cpu", "disk")  # the smoke run; the full run adds all the others
 KVPOOL_TIERS = ("cpu", "disk", "redis", "s3")
+NATIVE_CONFIGS = ("native-cpu", "native-redis")
+NATIVE_HOST_BYTES = 2 << 30  # vLLM's host tier in native engines: the kvpool cpu tier's size
 MAX_TOKENS = 4
 WARMUP_TOKENS = 600   # > 2 chunks of 256, so something is stored and loaded
 REDIS_PASSWORD_ENV = "KVPOOL_BENCH_REDIS_PASSWORD"
@@ -56,9 +64,14 @@ GOAL_SCHED_SHARE = 0.01                             # connector < 1% of schedule
 @dataclass
 class EngineSpec:
     name: str
-    kind: str                       # "none" | "kvpool" | "example"
+    kind: str                       # "none" | "kvpool" | "native" | "example"
     passes: list[str]               # result labels, in order; each runs every prompt size
-    tiers: list[str] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # kvpool: store tiers; native: secondary
+
+    @property
+    def seeds_lower_tiers(self) -> bool:
+        """Its cold pass writes tiers a later engine reads (written behind the forward)."""
+        return any(t != "cpu" for t in self.tiers)
 
 
 @dataclass
@@ -89,9 +102,22 @@ def plan(configs: list[str]) -> list[EngineSpec]:
         for t in tiers:
             if t != "cpu":
                 engines.append(EngineSpec(f"kvpool-{t}", "kvpool", [t], [t]))
+    if any(c in configs for c in NATIVE_CONFIGS):
+        secondary = ["redis"] if "native-redis" in configs else []
+        passes = ["native-cold"] + (["native-cpu"] if "native-cpu" in configs else [])
+        engines.append(EngineSpec("native-seed", "native", passes, secondary))
+        if "native-redis" in configs:
+            engines.append(EngineSpec("native-redis", "native", ["native-redis"], ["redis"]))
     if "example" in configs:
         engines.append(EngineSpec("example", "example", ["example-cold", "example"]))
     return engines
+
+
+def backend_tiers(configs: list[str]) -> set[str]:
+    """Which storage the run must start: the kvpool tiers asked for, and Redis for the native
+    secondary tier (pure)."""
+    return {t for t in configs if t in KVPOOL_TIERS} | (
+        {"redis"} if "native-redis" in configs else set())
 
 
 def make_prompt(n_tokens: int, seed: int, vocab_size: int) -> list[int]:
@@ -105,7 +131,10 @@ def _output(m: Measurement) -> dict[str, Any]:
 
 
 def baseline_label(results: list[Measurement]) -> str:
-    return "recompute" if any(m.config == "recompute" for m in results) else "kvpool-cold"
+    """What the ratios divide by: a plain recompute, else the first cold pass measured."""
+    present = {m.config for m in results}
+    return next((c for c in ("recompute", "kvpool-cold", "native-cold") if c in present),
+                "recompute")
 
 
 def summarize(results: list[Measurement], sizes: list[int]) -> dict[str, Any]:
@@ -172,6 +201,7 @@ def render(report: dict[str, Any]) -> str:
     base = summary["baseline"]
     # the cold passes recompute too, inside connector engines: shown next to the baseline
     configs = [c for c in dict.fromkeys((base, "kvpool-cold", "cpu", "disk", "redis", "s3",
+                                         "native-cold", *NATIVE_CONFIGS,
                                          "example-cold", "example"))
                if any(c in r["configs"] for r in summary["rows"])]
     out = [f"kvpool bench e2e: model {report['model']}, greedy {MAX_TOKENS} tokens, "
@@ -293,6 +323,10 @@ def transfer_config(spec: EngineSpec, backends: Backends) -> dict[str, Any] | No
         return kv_configs.kvpool_config([backends.tier(t) for t in spec.tiers],
                                         backends.namespace, timed=True,
                                         **getattr(backends, "connector_keys", {}))
+    if spec.kind == "native":
+        secondary = [kv_configs.native_kvpool_tier([backends.tier(t) for t in spec.tiers],
+                                                   backends.namespace)] if spec.tiers else None
+        return kv_configs.native_config(NATIVE_HOST_BYTES, secondary_tiers=secondary, timed=True)
     if spec.kind == "example":
         return kv_configs.example_config(str(backends.example_path), timed=True)
     return None
@@ -350,7 +384,7 @@ def run_engine(spec: EngineSpec, model: Path, prompts: dict[int, list[int]],
                                            out["logprobs"]))
                 _log(f"{spec.name}/{label} {n} tokens: TTFT {out['ttft']:.3f}s, "
                      f"cached {out['num_cached_tokens']}")
-            if label == "kvpool-cold" and len(spec.tiers) > 1:
+            if label.endswith("-cold") and spec.seeds_lower_tiers:
                 # the saves go on to the lower tiers in the background: let them finish,
                 # so the next pass is timed alone and the fresh engines find everything
                 _log(f"lower tiers settled at {backends.settle()} "
@@ -366,7 +400,8 @@ def run_engine(spec: EngineSpec, model: Path, prompts: dict[int, list[int]],
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpool bench e2e", description=(
-        "TTFT on real engines: recompute vs a hit from each kvpool tier vs ExampleConnector"))
+        "TTFT on real engines: recompute vs a hit from each kvpool tier vs vLLM's native "
+        "offloading (kvpool's spec) vs ExampleConnector"))
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, prompts of 512/2048 tokens, configs cpu,disk")
     ap.add_argument("--configs", default=None,
@@ -405,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     _log(f"{len(engines)} engines ({', '.join(e.name for e in engines)}), sizes {sizes}, "
          f"model {model.name}")
-    backends = Backends(set(configs), workdir)
+    backends = Backends(backend_tiers(configs), workdir)
     backends.connector_keys = {"layerwise": True} if args.layerwise else {}
     results: list[Measurement] = []
     scheduler: dict[str, Any] = {}

@@ -72,6 +72,10 @@ def __getattr__(name: str) -> type:
     """Built on first use, so importing this module never needs the wrapped connector."""
     if name == "TimedKVPoolConnector":
         from kvpool_connector.vllm import KVPoolConnector as base
+    elif name == "TimedOffloadingConnector":  # vLLM's native offloading
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector as base,
+        )
     elif name == "TimedExampleConnector":
         from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
             ExampleConnector as base,
