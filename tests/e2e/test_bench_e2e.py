@@ -13,14 +13,19 @@ import sys
 
 import pytest
 
+def bench_report(repo_root, *args: str, timeout: float) -> dict:
+    """`kvpool bench e2e --json ARGS` in a subprocess; fails with its log tail on an error."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--json", *args],
+        cwd=repo_root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_e2e_quick_json(repo_root, tiny_model):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--quick", "--json"],
-        cwd=repo_root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = bench_report(repo_root, "--quick", timeout=600)
 
     assert [e["name"] for e in report["engines"]] == ["kvpool-seed", "kvpool-disk"]
     summary = report["summary"]
@@ -52,13 +57,8 @@ def test_bench_e2e_quick_json(repo_root, tiny_model):
 def test_bench_e2e_native_rows_json(repo_root, tiny_model):
     """The native rows (not in --quick): vLLM's OffloadingConnector with kvpool's spec, a host
     hit in the seeding engine and a Redis hit (kvpool's secondary tier) in a fresh one."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--json",
-         "--configs", "native-cpu,native-redis", "--sizes", "512,2048",
-         "--model", str(tiny_model)],
-        cwd=repo_root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = bench_report(repo_root, "--configs", "native-cpu,native-redis",
+                          "--sizes", "512,2048", "--model", str(tiny_model), timeout=900)
     assert [e["name"] for e in report["engines"]] == ["native-seed", "native-redis"]
     summary = report["summary"]
     assert summary["baseline"] == "native-cold"
