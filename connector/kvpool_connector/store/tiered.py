@@ -4,10 +4,11 @@ queues served by writer threads, reads probing tiers in order and promoting hits
 Every call into a tier goes through its `TierRunner`, which owns the tier's health, kept
 apart for writes and reads (a full or read-only disk still serves what it holds): an error
 or a timeout marks that side unhealthy; it is skipped until its backoff expires, then one
-call probes it again (success makes it healthy). Blocking tiers (disk, Redis, S3) run on a
-small pool so the caller waits at most the deadline even when a backend or a mount hangs;
-a call given up on may no longer write into the caller's buffers (`CallGuard`). Nothing
-raises into the caller except misuse (wrong argument types or lengths).
+call probes it again (success makes it healthy). Reads and lookups of blocking tiers (disk,
+Redis, S3) run on a small pool so the caller waits at most the deadline even when a backend
+or a mount hangs; a call given up on may no longer write into the caller's buffers
+(`CallGuard`). Nothing raises into the caller except misuse (wrong argument types or
+lengths).
 
 Keys become object names with the pool key (sealing.py); lower-tier writes carry sealed
 objects. With a previous key configured (a rotation), a miss under the current key is
@@ -97,7 +98,7 @@ class TierRunner:
         self._queued = 0  # bytes of sealed objects waiting in the queue
         self._qlock = threading.Lock()
         self._workers: list[threading.Thread] = []
-        if not first or tier.remote:  # lower tiers, and promotions into a remote first tier
+        if not first or tier.blocking:  # lower tiers; promotions into a blocking first tier
             self.queue = queue.Queue(maxsize=tcfg.queue_size or cfg.queue_size)
             for i in range(tcfg.workers):
                 t = threading.Thread(target=self._work, daemon=True,
@@ -126,12 +127,17 @@ class TierRunner:
             self.stats.set_healthy(self.healthy)
 
     def call(self, op: str, fn: Callable, *args, default=None, timeout: float | None = None):
-        """fn(*args) within the timeout; errors and timeouts count, mark unhealthy, -> default."""
+        """fn(*args) within the timeout; errors and timeouts count, mark unhealthy, -> default.
+
+        Reads, lookups and remote writes of a blocking tier run on its pool with a deadline;
+        a local tier's writes run in the caller's thread (the connector's saver, never the
+        scheduler or a loader: promotions into a local first tier go through its queue), so
+        a large batch of chunks is written whole instead of being cut off at the deadline."""
         if not self._health(op).available():
             return default
         t0 = time.perf_counter()
         try:
-            if self._pool is not None:
+            if self._pool is not None and (op != "put" or self.tier.remote):
                 guard = CallGuard()
                 fut = self._pool.submit(run_guarded, guard, fn, args)
                 try:
