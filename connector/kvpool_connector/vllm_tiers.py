@@ -116,11 +116,14 @@ def store_config(options: dict[str, Any]):
     except ValueError as exc:
         raise ValueError(f"secondary_tiers (kvpool tier): {exc}") from None
     assert cfg is not None  # the connector config requires at least one tier
+    from .store.tiers import tier_class
+
     for i, tier in enumerate(cfg.tiers):
-        if tier.type == "cpu":
+        if tier_class(tier.type).hit_source == "host":
             raise ValueError(
-                f"secondary_tiers (kvpool tier): tiers.{i}.type: 'cpu' is not allowed here; "
-                "vLLM's primary tier already is host memory (size it with cpu_bytes_to_use)")
+                f"secondary_tiers (kvpool tier): tiers.{i}.type: {tier.type!r} is not allowed "
+                "here; vLLM's primary tier already is host memory (size it with "
+                "cpu_bytes_to_use)")
     return cfg
 
 

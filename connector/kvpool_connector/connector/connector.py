@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..store import open_store
+from ..store.tiers import tier_class
 from .audit import KVAudit
 from .config import (
     ConnectorConfig,
@@ -96,7 +97,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             spec = groups[0].kv_cache_spec
             chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.bpc
-            lower_cfg = self.cfg.store_config(drop_types=("cpu",))
+            # the tiers of the workers' own memory are out of this process's reach
+            unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
+            lower_cfg = self.cfg.store_config(drop_types=unshared)
             lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size, self.bpc,
                                        chunk_bytes, size, lower,
@@ -216,10 +219,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0 or self.sched is None:
             return {}
         local, _ = self.sched.hit_sources(request)
-        types = [t.type for t in self.cfg.tiers]
-        first = CacheHitSource.HOST if types[0] == "cpu" else CacheHitSource.DISK
-        lower_types = {t for t in types if t != "cpu"}
-        lower = (CacheHitSource.DISK if lower_types == {"disk"}
+        tiers = [tier_class(t.type) for t in self.cfg.tiers]
+        first = CacheHitSource(tiers[0].hit_source)
+        # the tiers the scheduler's lookups reach: one source when they all name the same
+        lower_sources = {CacheHitSource(t.hit_source) for t in tiers if t.shared}
+        lower = (lower_sources.pop() if len(lower_sources) == 1
                  else CacheHitSource.EXTERNAL_UNSPECIFIED)
         n_first = min(num_external_tokens, local * self.cfg.chunk_tokens)
         out: dict[CacheHitSource, int] = {}

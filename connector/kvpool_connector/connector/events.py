@@ -38,14 +38,21 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from ..store.tiers import tier_class
 from .keys import block_hash_bytes
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
 
-MEDIUM = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}  # local tiers, by type
+MEDIUM = {"host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}  # local tiers, by their hit source
 MAX_CHUNKS = 1 << 15  # snapshots kept at most (token ids as 4-byte ints: ~1 KiB per 256)
+
+
+def tier_medium(tier_type: str) -> str | None:
+    """The medium a local tier's events name; None for a shared tier (not announced)."""
+    tier = tier_class(tier_type)
+    return MEDIUM.get(tier.hit_source) if tier.local else None
 
 
 @dataclass(slots=True)
@@ -65,7 +72,8 @@ class KVEvents:
 
     def __init__(self, tier_types: list[str], block_size: int, blocks_per_chunk: int,
                  capacity_chunks: int = MAX_CHUNKS):
-        self.first = MEDIUM.get(tier_types[0])
+        self.media = {t: tier_medium(t) for t in tier_types}  # tier type -> medium
+        self.first = self.media[tier_types[0]]
         self.block_size = block_size
         self.bpc = blocks_per_chunk
         self.capacity = max(1, min(capacity_chunks, MAX_CHUNKS))
@@ -125,7 +133,7 @@ class KVEvents:
         for k in dropped_keys:
             self.removed(k, self.first)
         for tier_type, is_stored, k in tier_events:
-            (self.stored if is_stored else self.removed)(k, MEDIUM.get(tier_type))
+            (self.stored if is_stored else self.removed)(k, self.media.get(tier_type))
 
     def take(self) -> list["KVCacheEvent"]:
         out, self.pending = self.pending, []

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..store.tiers import tier_class
 from .config import ConnectorConfig
 from .events import KVEvents
 from .keys import chunk_keys
@@ -96,18 +97,19 @@ class SchedulerSide:
         self.is_async = is_async
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
-        local_bytes = cfg.tiers[0].size if cfg.tiers[0].type in ("cpu", "disk") else 0
+        first_local = tier_class(cfg.tiers[0].type).local
+        local_bytes = cfg.tiers[0].size if first_local else 0
         self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
         # The index holds what the workers copied out and hand to a local first tier (cpu or
         # disk; a lower tier's own index may lag behind). With a remote first tier the
         # scheduler asks the tier itself, so a failed write is never taken for a hit.
-        self.track_stored = cfg.tiers[0].type in ("cpu", "disk")
+        self.track_stored = first_local
         self.reqs: dict[str, _Req] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
         self.stats = KVPoolConnectorStats()
-        remote = {"redis", "s3"} & {t.type for t in cfg.tiers}
+        remote = any(tier_class(t.type).remote for t in cfg.tiers)
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
@@ -116,9 +118,9 @@ class SchedulerSide:
         """Publish the local tiers' contents as vLLM KV events (events.py); a pool whose
         first tier is remote has nothing local to announce."""
         types = [t.type for t in self.cfg.tiers]
-        if types[0] not in ("cpu", "disk"):
+        if not tier_class(types[0]).local:
             return
-        local = sum(t.size for t in self.cfg.tiers if t.type in ("cpu", "disk"))
+        local = sum(t.size for t in self.cfg.tiers if tier_class(t.type).local)
         self.events = KVEvents(types, self.block_size, self.bpc,
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
 

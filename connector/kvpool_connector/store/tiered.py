@@ -37,7 +37,6 @@ from .tiers import Tier, tier_class
 log = logging.getLogger("kvpool.store")
 _STOP = object()
 _NOT_WRITTEN = object()
-LOCAL_TIERS = ("cpu", "disk")  # the tiers whose contents tell a router where a prefix is
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
 EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
 
@@ -137,7 +136,7 @@ class TierRunner:
             return default
         t0 = time.perf_counter()
         try:
-            if self._pool is not None and (op != "put" or self.tier.remote):
+            if self._pool is not None and (op != "put" or not self.tier.local):
                 guard = CallGuard()
                 fut = self._pool.submit(run_guarded, guard, fn, args)
                 try:
@@ -289,8 +288,8 @@ class TieredStore:
         self.cfg = cfg
         self.namespace = cfg.namespace
         self.layout = layout_digest(layout)
-        shared = [t.type for t in cfg.tiers if t.type != "cpu"]
-        self.keyring = Keyring.from_config(cfg.security, needs_key=bool(shared))
+        shared = any(tier_class(t.type).shared for t in cfg.tiers)
+        self.keyring = Keyring.from_config(cfg.security, needs_key=shared)
         self._closed = False
         self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
@@ -377,7 +376,7 @@ class TieredStore:
             for ti, runner in enumerate(self.runners):
                 if not pending or self._remaining(deadline) <= 0:
                     break
-                if gen and runner.tier.type == "cpu":
+                if gen and not runner.tier.shared:
                     continue  # an in-process tier only ever held current-key objects
                 args: tuple = ([names[i] for i in pending], lay, pool_key)
                 if outs is None:
@@ -512,7 +511,7 @@ class TieredStore:
         """From now on, record what the local tiers (cpu, disk) store and evict."""
         self._event_keys = OrderedDict()
         for r in self.runners:
-            if r.tier.type in LOCAL_TIERS:
+            if r.tier.local:
                 r.tier.events = deque(maxlen=EVENTS_MAX)
 
     def _remember_names(self, keys: list[bytes], records: list[Record]) -> None:

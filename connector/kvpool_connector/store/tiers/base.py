@@ -10,10 +10,11 @@ a corrupt or forged object is deleted, an authentic object of another layout is 
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 from ..format import Record, Status, open_blob
 from ..guard import current_guard
@@ -23,15 +24,38 @@ from ..sealing import PoolKey
 log = logging.getLogger("kvpool.store")
 
 
-class Tier:
-    type: str = ""
-    #: shared with other hosts (Redis, S3): lookups may take a network round trip
-    remote: bool = False
+class Tier(abc.ABC):
+    """A storage backend of the tiered store.
+
+    A new tier is one module with a subclass of this class (its five abstract methods, the
+    capability attributes below where the defaults do not fit) plus one `register_tier`
+    call (`tiers/__init__.py`), and its config model in the `TierConfig` union of
+    `kvpool_connector.config`. The store and the connector decide by the capability
+    attributes, never by a tier's type name.
+    """
+
+    #: the config `type` this class serves; labels logs and the tier events
+    type: ClassVar[str] = ""
+    #: node-local (cpu, disk): writes run in the caller's thread (the connector's saver);
+    #: what it holds tells a router where a prefix is (vLLM KV events); as a first tier,
+    #: the scheduler tracks what the workers stored in it. Its config has a `size` (bytes).
+    local: ClassVar[bool] = False
+    #: shared with other hosts (Redis, S3): lookups may take a network round trip, so the
+    #: scheduler runs them off its step loop
+    remote: ClassVar[bool] = False
+    #: other processes read what it holds (disk, Redis, S3): objects are sealed, so a store
+    #: with such a tier needs the pool key; it may hold objects under a previous pool key,
+    #: and the connector's scheduler process opens it for lookups. An unshared tier (cpu)
+    #: lives in one process's memory only.
+    shared: ClassVar[bool] = True
+    #: where vLLM reports a hit served by this tier (a `CacheHitSource` value: "host",
+    #: "disk", "external_unspecified"), in the connector's hit metrics
+    hit_source: ClassVar[str] = "external_unspecified"
     #: calls may block on I/O (a hung NFS mount, a FIFO, a network): the orchestrator runs
     #: them on a pool and gives up at the store's deadline
-    blocking: bool = False
+    blocking: ClassVar[bool] = False
     #: put_many needs Record.blob (one contiguous sealed buffer)
-    needs_blob: bool = True
+    needs_blob: ClassVar[bool] = True
     #: (stored, object name) of what a local tier took in (True) or let go (False), while
     #: someone listens (TieredStore.enable_events); None: nothing is recorded
     events: deque | None = None
@@ -44,24 +68,29 @@ class Tier:
         self.timeout = timeout
         self.max_object_size = max_object_size
 
+    @abc.abstractmethod
     def put_many(self, records: list[Record]) -> None:
-        raise NotImplementedError
+        """Store each record under its name (replacing an older object of that name). A
+        tier may refuse (count `rejected`) or evict what does not fit; raises on a backend
+        error (the orchestrator counts and drops the batch)."""
 
+    @abc.abstractmethod
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
-        raise NotImplementedError
+        """Each name's record if present, authentic and of `layout`; None otherwise."""
 
+    @abc.abstractmethod
     def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
         """Each hit's payload into its output buffer, verified before a byte lands there."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def contains_many(self, names: list[bytes]) -> list[bool]:
         """Presence per name; may answer False for names after the first missing one
         (callers only need the present prefix)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def delete_many(self, names: list[bytes]) -> None:
-        raise NotImplementedError
+        """Remove these objects where present."""
 
     def forget_absent(self, names: list[bytes]) -> None:
         """These objects were just written elsewhere (another process): a tier that caches
@@ -72,10 +101,10 @@ class Tier:
         return {}
 
     def close(self) -> None:
-        pass
+        """Release connections, threads and memory; the tier is not called afterwards."""
 
     def note(self, stored: bool, names) -> None:
-        """Record stores/removals for a listener (cpu and disk tiers call this)."""
+        """Record stores/removals for a listener (local tiers call this)."""
         if self.events is not None:
             self.events.extend((stored, n) for n in names)
 

@@ -69,6 +69,9 @@ class _Entry:
 
 class CpuTier(Tier):
     type = "cpu"
+    local = True
+    shared = False  # the arena lives in the engine's own process
+    hit_source = "host"
     needs_blob = False
 
     def __init__(self, cfg, namespace, stats, **kw) -> None:

@@ -88,6 +88,8 @@ def _checked_dir_fd(name: str, parent_fd: int | None, what: str, create: bool = 
 
 class DiskTier(Tier):
     type = "disk"
+    local = True
+    hit_source = "disk"
     blocking = True
     needs_blob = False
 
