@@ -289,15 +289,14 @@ class KVPoolTier(SecondaryTierManager):
                                  ) -> dict[str, OffloadingMetricMetadata]:
         """Per store tier counters, named as the kvpool connector names them, so one
         dashboard serves both modes."""
-        from .connector.stats import METRICS, TIER_FIELDS
+        from .store.metrics import TIER_METRICS
 
-        return {name: OffloadingCounterMetadata(documentation=METRICS[name][0],
-                                                labelnames=("tier",))
-                for name in sorted(set(TIER_FIELDS.values()))}
+        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+                for name, doc in sorted(TIER_METRICS.items())}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Store counter increases since the last call (hits, misses, corrupt, drops...)."""
-        from .connector.stats import tier_deltas
+        from .store.metrics import tier_deltas
 
         snapshot = self.store.stats()
         deltas = tier_deltas(self._last_stats, snapshot)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpool_connector.connector.stats import KVPoolConnectorStats, KVPoolPromMetrics, tier_deltas
+from kvpool_connector.connector.stats import KVPoolConnectorStats, KVPoolPromMetrics
+from kvpool_connector.store.metrics import tier_deltas
 
 
 def test_aggregate_sums_labelled_counters_and_reduce_flattens():

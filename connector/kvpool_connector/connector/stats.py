@@ -16,13 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from ..store.metrics import TIER_METRICS
+
 # metric name -> (help text, label name or None)
 METRICS: dict[str, tuple[str, str | None]] = {
-    "kvpool_tier_hit_chunks": ("Chunks served by each store tier to the connector", "tier"),
-    "kvpool_tier_miss_chunks": ("Chunk reads each store tier could not serve", "tier"),
-    "kvpool_tier_errors": ("Errors of each store tier (backend down, timeouts)", "tier"),
-    "kvpool_tier_corrupt": ("Objects rejected by checksum or layout check, per tier", "tier"),
-    "kvpool_tier_drops": ("Writes dropped by backpressure or failures, per tier", "tier"),
+    **{name: (doc, "tier") for name, doc in TIER_METRICS.items()},
     "kvpool_loaded_chunks": ("Chunks loaded into the paged KV cache", None),
     "kvpool_loaded_bytes": ("Bytes loaded into the paged KV cache", None),
     "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", None),
@@ -33,12 +31,6 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "kvpool_lookups": ("Scheduler lookups of prompt prefixes", None),
     "kvpool_lookup_seconds": ("Scheduler time spent in lookups", None),
 }
-
-# store.stats() field -> our per-tier metric
-TIER_FIELDS = {"hits": "kvpool_tier_hit_chunks", "misses": "kvpool_tier_miss_chunks",
-               "errors": "kvpool_tier_errors", "corrupt": "kvpool_tier_corrupt",
-               "foreign_layout": "kvpool_tier_corrupt", "drops": "kvpool_tier_drops"}
-
 
 @dataclass
 class KVPoolConnectorStats(KVConnectorStats):
@@ -69,25 +61,6 @@ class KVPoolConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(any(v for v in labels.values()) for labels in self.data.values())
-
-
-def tier_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per-tier counter increases between two `store.stats()` snapshots."""
-    out: dict[str, dict[str, float]] = {}
-    tiers = after.get("tiers", after) if isinstance(after, dict) else {}
-    tiers_before = before.get("tiers", before) if isinstance(before, dict) else {}
-    for tier, fields in tiers.items():
-        if not isinstance(fields, dict):
-            continue
-        prev = tiers_before.get(tier, {}) if isinstance(tiers_before.get(tier), dict) else {}
-        for field, metric in TIER_FIELDS.items():
-            v = fields.get(field)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                d = v - (prev.get(field, 0) or 0)
-                if d > 0:
-                    out.setdefault(metric, {})
-                    out[metric][tier] = out[metric].get(tier, 0) + d
-    return out
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):

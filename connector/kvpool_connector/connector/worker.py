@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..store.metrics import tier_deltas
 from .audit import KVAudit
 from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
-from .stats import KVPoolConnectorStats, tier_deltas
+from .stats import KVPoolConnectorStats
 
 log = logging.getLogger("kvpool.connector")
 

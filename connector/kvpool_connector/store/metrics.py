@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -29,6 +30,40 @@ _LATENCY = Histogram("kvpool_store_op_seconds", "Latency of one batched call to 
                      buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 5))
 _HEALTHY = Gauge("kvpool_store_tier_healthy", "1 when the tier is serving, 0 while backing off",
                  ["store", "tier"])
+
+
+# Per-tier counters as the connector and the vLLM secondary tier export them (one dashboard
+# for both modes): metric name -> help text, and the stats() field each one counts.
+TIER_METRICS = {
+    "kvpool_tier_hit_chunks": "Chunks served by each store tier to the connector",
+    "kvpool_tier_miss_chunks": "Chunk reads each store tier could not serve",
+    "kvpool_tier_errors": "Errors of each store tier (backend down, timeouts)",
+    "kvpool_tier_corrupt": "Objects rejected by checksum or layout check, per tier",
+    "kvpool_tier_drops": "Writes dropped by backpressure or failures, per tier",
+}
+TIER_FIELDS = {"hits": "kvpool_tier_hit_chunks", "misses": "kvpool_tier_miss_chunks",
+               "errors": "kvpool_tier_errors", "corrupt": "kvpool_tier_corrupt",
+               "foreign_layout": "kvpool_tier_corrupt", "drops": "kvpool_tier_drops"}
+
+
+def tier_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per-tier counter increases (TIER_FIELDS, by metric then tier) between two
+    `store.stats()` snapshots."""
+    out: dict[str, dict[str, float]] = {}
+    tiers = after.get("tiers", after) if isinstance(after, dict) else {}
+    tiers_before = before.get("tiers", before) if isinstance(before, dict) else {}
+    for tier, fields in tiers.items():
+        if not isinstance(fields, dict):
+            continue
+        prev = tiers_before.get(tier, {}) if isinstance(tiers_before.get(tier), dict) else {}
+        for field, metric in TIER_FIELDS.items():
+            v = fields.get(field)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                d = v - (prev.get(field, 0) or 0)
+                if d > 0:
+                    out.setdefault(metric, {})
+                    out[metric][tier] = out[metric].get(tier, 0) + d
+    return out
 
 
 class _UsageCollector:
