@@ -69,3 +69,13 @@ def test_render_is_the_operator_renderer():
     assert ours == theirs
     kinds = {d["kind"] for d in yaml.safe_load_all(ours) if d}
     assert {"Deployment", "Service", "StatefulSet", "ConfigMap"} <= kinds
+
+
+def test_the_connector_never_imports_the_operator():
+    """Only the CLI's lazy tables name kvpool_operator (as strings, imported on use)."""
+    package = REPO / "connector" / "kvpool_connector"
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if "kvpool_operator" in p.read_text() and p.name != "cli.py"]
+    assert offenders == []
+    cli_text = (package / "cli.py").read_text()
+    assert "import kvpool_operator" not in cli_text and "from kvpool_operator" not in cli_text

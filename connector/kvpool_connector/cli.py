@@ -9,13 +9,16 @@
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
 
 Each subcommand lives in its own module and is imported only when used, so the CLI starts
-fast and works in images that lack the other parts (no vLLM in the operator image).
+fast and works in images that lack the other parts (no vLLM in the operator image). The
+tables below are the only place where this package names the operator's: the connector
+never imports it.
 """
 
 from __future__ import annotations
 
 import sys
 from importlib import import_module
+from typing import Any, Callable
 
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvpool_connector.demo", "run vLLM with the kvpool connector on a chat workload"),
@@ -26,6 +29,24 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_connector.testbed.localmodel", "generate the local demo/bench model"),
 }
+
+# Document kinds `kvpool validate` leaves to another package: kind -> "module:function"
+# taking the document and returning (what it is, error message or None).
+_VALIDATORS: dict[str, str] = {
+    "KVCachePool": "kvpool_operator.cli:check_pool",
+}
+
+
+def _load(target: str) -> Any:
+    """The function a "module:function" target names ("module" alone: its main)."""
+    module_name, _, func_name = target.partition(":")
+    return getattr(import_module(module_name), func_name or "main")
+
+
+def validator(kind: Any) -> Callable[[dict], tuple[str, str | None]] | None:
+    """The checker of a document kind that another package owns; None for the others."""
+    target = _VALIDATORS.get(kind) if isinstance(kind, str) else None
+    return _load(target) if target is not None else None
 
 
 def _usage() -> str:
@@ -52,17 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     name, rest = found
-    target = _COMMANDS[name][0]
-    module_name, _, func_name = target.partition(":")
     try:
-        module = import_module(module_name)
+        command = _load(_COMMANDS[name][0])
     except ImportError as exc:
         print(f"kvpool {name}: needs a component that is not installed ({exc}); "
               f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
         return 2
     if name == "render":  # one implementation: the operator's own offline renderer
         rest = ["render", *rest]
-    rc = getattr(module, func_name or "main")(rest)
+    rc = command(rest)
     return int(rc or 0)
 
 

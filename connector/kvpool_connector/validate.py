@@ -1,7 +1,8 @@
 """`kvpool validate FILE...`: check configs before they reach an engine or a cluster.
 
-A YAML/JSON document with `kind: KVCachePool` is checked against the operator's models
-(the source of the CRD); anything else is read as a KVPoolConnector config (the
+A YAML/JSON document with `kind: KVCachePool` is checked by the operator's package (its
+models are the source of the CRD; `kvpool_connector.cli` names the checker, imported only
+when such a document is met); anything else is read as a KVPoolConnector config (the
 `kv_connector_extra_config` keys, or a whole `--kv-transfer-config` object). Errors name
 the field; the exit code is 1 when any document is invalid, 2 when a file cannot be read.
 """
@@ -19,15 +20,11 @@ import yaml
 
 def check_document(doc: dict[str, Any]) -> tuple[str, str | None]:
     """Return (what it is, error message or None). Pure: no I/O beyond a config_file."""
-    if doc.get("kind") == "KVCachePool":
-        from kvpool_operator.models import format_error, parse_spec
+    from kvpool_connector.cli import validator
 
-        name = (doc.get("metadata") or {}).get("name", "<unnamed>")
-        try:
-            parse_spec(doc.get("spec") or {})
-        except Exception as exc:  # pydantic ValidationError or a rule's ValueError
-            return f"KVCachePool {name}", format_error(exc)
-        return f"KVCachePool {name}", None
+    check = validator(doc.get("kind"))
+    if check is not None:
+        return check(doc)
 
     from kvpool_connector.connector.config import ConnectorConfigError, load_connector_config
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from kvpool_operator import crd, yamlio
+from kvpool_operator.models import format_error, parse_spec
 from kvpool_operator.render import InvalidPool, render
 from kvpool_operator.settings import Settings
 
@@ -64,6 +65,16 @@ def render_file(path: str, namespace: str | None, settings: Settings) -> str:
         if doc:
             out.extend(render(doc, settings, namespace))
     return yamlio.dump_all(out)
+
+
+def check_pool(doc: dict) -> tuple[str, str | None]:
+    """`kvpool validate` on a KVCachePool document: (what it is, error message or None)."""
+    name = (doc.get("metadata") or {}).get("name", "<unnamed>")
+    try:
+        parse_spec(doc.get("spec") or {})
+    except Exception as exc:  # pydantic ValidationError or a rule's ValueError
+        return f"KVCachePool {name}", format_error(exc)
+    return f"KVCachePool {name}", None
 
 
 def _render(args: argparse.Namespace) -> int:
