@@ -162,7 +162,7 @@ def summarize(results: list[Measurement], sizes: list[int]) -> dict[str, Any]:
 
 
 def evaluate_goals(summary: dict[str, Any], scheduler: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 4's goals against the measured numbers (None = not measured in this run)."""
+    """The GOALS against the measured numbers (None = not measured in this run)."""
     goals = []
     at = {r["tokens"]: r["configs"] for r in summary["rows"]}
     for tier, limit in GOALS.items():
@@ -229,7 +229,7 @@ def render(report: dict[str, Any]) -> str:
         if s.get("steps") and s.get("share") is not None:
             out.append(f"  {name:<14} {s['us_per_step']:8.1f} us/step over {s['steps']} steps, "
                        f"{s['share']:.3%} of step time")
-    out += ["", "goals (issue 4):"]
+    out += ["", "goals:"]
     for g in report["goals"]:
         mark = {True: "met ", False: "MISS", None: "n/a "}[g["met"]]
         val = "-" if g["value"] is None else f"{g['value']:.4g}"

@@ -295,9 +295,10 @@ class Bench:
                                                   (time.perf_counter() - t0))
         assert all(o == v for o, v in zip(outs, vals)), "read back wrong bytes"
         for v, store in stores.items():
-            st = store.stats()["tiers"][kind]
-            if st["errors"] or st["drops"] or st["timeouts"] or st["corrupt"]:
-                raise RuntimeError(f"{kind}/{v}: store reported errors during the benchmark: {st}")
+            tier_stats = store.stats()["tiers"][kind]
+            if any(tier_stats[k] for k in ("errors", "drops", "timeouts", "corrupt")):
+                raise RuntimeError(f"{kind}/{v}: store reported errors during the benchmark: "
+                                   f"{tier_stats}")
         contains_us = self.time_contains(stores["mac"], keys["mac"])
         for v, store in stores.items():
             store.delete_many(written[v])

@@ -76,7 +76,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 f"KVPoolConnector supports one KV cache group, this model has {len(groups)}; "
                 "start vLLM with --disable-hybrid-kv-cache-manager")
         self.block_size = vllm_config.cache_config.block_size
-        self.bpc = check_block_size(self.cfg, self.block_size)
+        self.blocks_per_chunk = check_block_size(self.cfg, self.block_size)
         if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
             log.warning("KVPoolConnector: kv_load_failure_policy is %r; set it to 'recompute' "
                         "so a chunk that cannot be loaded is recomputed instead of failing "
@@ -96,12 +96,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             spec = groups[0].kv_cache_spec
-            chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.bpc
+            chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.blocks_per_chunk
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
             lower_cfg = self.cfg.store_config(drop_types=unshared)
             lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
-            self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size, self.bpc,
+            self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
+                                       self.blocks_per_chunk,
                                        chunk_bytes, size, lower,
                                        is_async=not self.cfg.layerwise,
                                        load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
@@ -127,12 +128,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kcc.num_blocks, backend)
         full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
         store = open_store(self.cfg.store_config(), layout=full_fp)
-        self.worker = WorkerSide(store, self.bpc, self.cfg.layerwise, audit=KVAudit.from_env(),
+        self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
+                                 audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,
                                  events=kv_events_enabled(self._vllm_config))
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
-                 len(layout.layers), layout.chunk_nbytes(self.bpc), self.cfg.chunk_tokens,
+                 len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),
+                 self.cfg.chunk_tokens,
                  [t.type for t in self.cfg.tiers])
 
     def _meta(self) -> KVPoolMetadata | None:
@@ -198,7 +201,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: "Request") -> None:
         if self.sched is not None:
-            self.sched._state(request)
+            self.sched.request_record(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -239,8 +242,9 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         if self.sched is not None:
-            wm = connector_output.kv_connector_worker_meta
-            self.sched.on_worker_meta(wm if isinstance(wm, KVPoolWorkerMetadata) else None)
+            worker_meta = connector_output.kv_connector_worker_meta
+            self.sched.on_worker_meta(
+                worker_meta if isinstance(worker_meta, KVPoolWorkerMetadata) else None)
 
     def take_events(self):
         """BlockStored/BlockRemoved of the cpu and disk tiers (vLLM publishes them with its own)."""

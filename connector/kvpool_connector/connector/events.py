@@ -75,7 +75,7 @@ class KVEvents:
         self.media = {t: tier_medium(t) for t in tier_types}  # tier type -> medium
         self.first = self.media[tier_types[0]]
         self.block_size = block_size
-        self.bpc = blocks_per_chunk
+        self.blocks_per_chunk = blocks_per_chunk
         self.capacity = max(1, min(capacity_chunks, MAX_CHUNKS))
         self.chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
         self.pending: list[KVCacheEvent] = []
@@ -85,7 +85,7 @@ class KVEvents:
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return
-        lo, hi = chunk * self.bpc, (chunk + 1) * self.bpc
+        lo, hi = chunk * self.blocks_per_chunk, (chunk + 1) * self.blocks_per_chunk
         raw = request.block_hashes
         if hi > len(raw):
             return

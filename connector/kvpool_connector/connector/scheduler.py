@@ -44,19 +44,22 @@ LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's
 
 
 @dataclass
-class _Req:
+class _RequestRecord:
+    """What the scheduler side keeps about one live request."""
+
     request: Any
     hit_chunks: int = 0             # leading chunks the store had at lookup
     lookup: tuple[int, int, float] | None = None  # (n block hashes, hit chunks, time)
     next_save: int = 0              # first chunk not yet planned for saving
     pending_copies: int = 0         # save jobs whose block copy is not confirmed
     load: LoadJob | None = None
-    hit_local_index: int = 0        # of hit_chunks, how many came from the cpu-tier index
-    pending: tuple[int, int, Future] | None = None  # (n block hashes, local hits, remote count)
+    hit_local_index: int = 0        # of hit_chunks, how many came from the KeyIndex
+    # a remote lookup in flight: (n block hashes, local hits, Future of the remote hit count)
+    pending: tuple[int, int, Future] | None = None
 
 
 class KeyIndex:
-    """Bounded LRU set of keys the workers stored in their cpu tier."""
+    """Bounded LRU set of keys the workers stored in their local first tier (cpu or disk)."""
 
     def __init__(self, capacity: int):
         self.capacity = max(1, capacity)
@@ -90,7 +93,7 @@ class SchedulerSide:
         self.cfg = cfg
         self.prefix = prefix
         self.block_size = block_size
-        self.bpc = blocks_per_chunk
+        self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = cfg.chunk_tokens
         self.world_size = world_size
         self.lower = lower_store
@@ -104,7 +107,7 @@ class SchedulerSide:
         # disk; a lower tier's own index may lag behind). With a remote first tier the
         # scheduler asks the tier itself, so a failed write is never taken for a hit.
         self.track_stored = first_local
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, _RequestRecord] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
@@ -121,7 +124,7 @@ class SchedulerSide:
         if not tier_class(types[0]).local:
             return
         local = sum(t.size for t in self.cfg.tiers if tier_class(t.type).local)
-        self.events = KVEvents(types, self.block_size, self.bpc,
+        self.events = KVEvents(types, self.block_size, self.blocks_per_chunk,
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
 
     def close(self) -> None:
@@ -129,16 +132,16 @@ class SchedulerSide:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookups -----------------------------------------------------------------------
-    def _state(self, request: "Request") -> _Req:
-        st = self.reqs.get(request.request_id)
-        if st is None:
-            st = self.reqs[request.request_id] = _Req(request)
+    def request_record(self, request: "Request") -> _RequestRecord:
+        record = self.reqs.get(request.request_id)
+        if record is None:
+            record = self.reqs[request.request_id] = _RequestRecord(request)
         else:
-            st.request = request
-        return st
+            record.request = request
+        return record
 
     def _count_hits(self, keys: list[bytes]) -> tuple[int, int]:
-        """(leading chunks present anywhere, of which leading ones in the cpu-tier index)."""
+        """(leading chunks present anywhere, of which leading ones in the KeyIndex)."""
         local = self.index.prefix_len(keys)
         n = local
         while n < len(keys) and self.lower is not None:
@@ -154,19 +157,20 @@ class SchedulerSide:
         return self.cfg.require_cache_salt and not getattr(request, "cache_salt", None)
 
     def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        st = self._state(request)
+        record = self.request_record(request)
         if not self.load_enabled or self._isolated(request):
             return 0, False
         hashes = request.block_hashes
         now = time.monotonic()
-        if st.lookup and st.lookup[0] == len(hashes) and now - st.lookup[2] < LOOKUP_TTL_S:
-            hit = st.lookup[1]
+        last = record.lookup
+        if last and last[0] == len(hashes) and now - last[2] < LOOKUP_TTL_S:
+            hit = record.lookup[1]
         else:
-            found = self._lookup(st, hashes, now)
+            found = self._lookup(record, hashes, now)
             if found is None:
                 return None, False  # a remote lookup is in flight: ask again next step
             hit = found
-        st.hit_chunks = hit
+        record.hit_chunks = hit
         # Never claim the last prompt token: vLLM must compute it to sample.
         limit = (request.num_tokens - 1) // self.block_size * self.block_size
         hit_tokens = min(hit * self.chunk_tokens, limit)
@@ -174,36 +178,37 @@ class SchedulerSide:
             return 0, False
         return hit_tokens - num_computed_tokens, self.is_async
 
-    def _lookup(self, st: _Req, hashes: list, now: float) -> int | None:
+    def _lookup(self, record: _RequestRecord, hashes: list, now: float) -> int | None:
         """Leading chunks present; None while a remote part of the lookup is running."""
         t0 = time.perf_counter()
-        if st.pending is not None:
-            n_hashes, local, fut = st.pending
+        if record.pending is not None:
+            n_hashes, local, fut = record.pending
             if not fut.done():
                 return None
-            st.pending = None
+            record.pending = None
             try:
                 more = fut.result()
             except Exception:  # the store never raises; a broken pool is a miss
                 more = 0
-            keys = chunk_keys(self.prefix, hashes[:n_hashes], self.bpc)
+            keys = chunk_keys(self.prefix, hashes[:n_hashes], self.blocks_per_chunk)
             hit = local + more
             if more:
                 hit += self.index.prefix_len(keys[hit:])
-            st.hit_local_index = local
+            record.hit_local_index = local
         else:
-            keys = chunk_keys(self.prefix, hashes, self.bpc)
+            keys = chunk_keys(self.prefix, hashes, self.blocks_per_chunk)
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
-                st.pending = (len(hashes), local, self._lookup_pool.submit(self._remote_prefix, rest))
+                record.pending = (len(hashes), local,
+                                  self._lookup_pool.submit(self._remote_prefix, rest))
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 return None
-            hit, st.hit_local_index = self._count_hits(keys)
+            hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
         self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
         self.stats.inc("kvpool_lookups")
-        st.lookup = (n_hashes, hit, now)
+        record.lookup = (n_hashes, hit, now)
         return hit
 
     def _remote_prefix(self, keys: list[bytes]) -> int:
@@ -219,65 +224,69 @@ class SchedulerSide:
         return n
 
     def after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
-        st = self._state(request)
+        record = self.request_record(request)
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        hit_tokens = min(st.hit_chunks * self.chunk_tokens,
+        hit_tokens = min(record.hit_chunks * self.chunk_tokens,
                          (request.num_tokens - 1) // self.block_size * self.block_size)
         first_block = (hit_tokens - num_external_tokens) // self.block_size
         last_block = hit_tokens // self.block_size  # exclusive
-        keys = chunk_keys(self.prefix, request.block_hashes, self.bpc, limit=st.hit_chunks)
+        keys = chunk_keys(self.prefix, request.block_hashes, self.blocks_per_chunk,
+                          limit=record.hit_chunks)
         chunks: list[ChunkLoad] = []
         for c, key in enumerate(keys):
-            lo, hi = max(first_block, c * self.bpc), min(last_block, (c + 1) * self.bpc)
+            lo = max(first_block, c * self.blocks_per_chunk)
+            hi = min(last_block, (c + 1) * self.blocks_per_chunk)
             if lo >= hi:
                 continue
-            chunks.append(ChunkLoad(key, [b - c * self.bpc for b in range(lo, hi)],
+            chunks.append(ChunkLoad(key, [b - c * self.blocks_per_chunk for b in range(lo, hi)],
                                     [block_ids[b] for b in range(lo, hi)]))
-        st.load = LoadJob(request.request_id, chunks, self.is_async)
-        if self.events is not None:  # a lower-tier hit is promoted into the cpu tier
+        record.load = LoadJob(request.request_id, chunks, self.is_async)
+        if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
                 self.events.remember(request, c, key)
         self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
         # Chunks the store already holds need no save.
-        st.next_save = max(st.next_save, st.hit_chunks)
+        record.next_save = max(record.next_save, record.hit_chunks)
 
     # -- per-step plan -----------------------------------------------------------------
-    def build_meta(self, so) -> KVPoolMetadata:
+    def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        for st in self.reqs.values():
-            if st.load is not None:
-                meta.loads.append(st.load)
-                st.load = None
-        for req_id, n_sched in so.num_scheduled_tokens.items():
-            st = self.reqs.get(req_id)
-            if st is None:
+        for record in self.reqs.values():
+            if record.load is not None:
+                meta.loads.append(record.load)
+                record.load = None
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            record = self.reqs.get(req_id)
+            if record is None:
                 continue
-            job = self._plan_save(st, n_sched)
+            job = self._plan_save(record, n_sched)
             if job is not None:
                 meta.saves.append(job)
         meta.await_saves = set(self.await_saves)
         self.await_saves.clear()
-        meta.preempted = set(getattr(so, "preempted_req_ids", None) or ())
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
-    def _plan_save(self, st: _Req, n_sched: int) -> SaveJob | None:
-        if not self.save_enabled or self._isolated(st.request):
+    def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
+        if not self.save_enabled or self._isolated(record.request):
             return None
-        req = st.request
+        req = record.request
         done_tokens = req.num_computed_tokens + n_sched
         if not self.cfg.save_decode_tokens:
             done_tokens = min(done_tokens, req.num_prompt_tokens)
-        n_chunks = min(done_tokens // self.chunk_tokens, len(req.block_hashes) // self.bpc)
-        if n_chunks <= st.next_save:
+        n_chunks = min(done_tokens // self.chunk_tokens,
+                       len(req.block_hashes) // self.blocks_per_chunk)
+        if n_chunks <= record.next_save:
             return None
-        if st.next_save < st.hit_chunks:
-            st.next_save = st.hit_chunks
-        keys = chunk_keys(self.prefix, req.block_hashes, self.bpc, start=st.next_save,
+        if record.next_save < record.hit_chunks:
+            record.next_save = record.hit_chunks
+        keys = chunk_keys(self.prefix, req.block_hashes, self.blocks_per_chunk,
+                          start=record.next_save,
                           limit=n_chunks)
-        first = st.next_save
-        st.next_save = n_chunks
+        first = record.next_save
+        record.next_save = n_chunks
         assert self._block_ids is not None
         block_ids = self._block_ids(req.request_id)
         out_keys, out_blocks = [], []
@@ -285,8 +294,8 @@ class SchedulerSide:
             if key in self.index or key in self.inflight:
                 continue  # another request already stores this chunk
             c = first + i
-            ids = block_ids[c * self.bpc:(c + 1) * self.bpc]
-            if len(ids) < self.bpc:
+            ids = block_ids[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]
+            if len(ids) < self.blocks_per_chunk:
                 break
             out_keys.append(key)
             out_blocks.append(list(ids))
@@ -295,31 +304,32 @@ class SchedulerSide:
                 self.events.remember(req, c, key)
         if not out_keys:
             return None
-        st.pending_copies += self.world_size
+        record.pending_copies += self.world_size
         return SaveJob(req.request_id, out_keys, out_blocks)
 
     _block_ids = None  # set by the connector: req_id -> block ids of the first KV group
 
     # -- worker feedback ---------------------------------------------------------------
-    def on_worker_meta(self, wm: KVPoolWorkerMetadata | None) -> None:
-        if wm is None:
+    def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
+        if worker_meta is None:
             return
-        for k in wm.stored_keys:
+        for k in worker_meta.stored_keys:
             if self.track_stored:
                 self.index.add(k)
             self.inflight.discard(k)
-        if wm.stored_keys and self.lower is not None:
-            self.lower.forget_absent(wm.stored_keys)  # no stale "missing" for a new chunk
-        for k in wm.dropped_keys:
+        if worker_meta.stored_keys and self.lower is not None:
+            self.lower.forget_absent(worker_meta.stored_keys)  # no stale "missing" for a new chunk
+        for k in worker_meta.dropped_keys:
             self.inflight.discard(k)
-        for req_id, keys in wm.failed_loads.items():
+        for req_id, keys in worker_meta.failed_loads.items():
             self._load_failed(req_id, keys)
         if self.events is not None:
-            self.events.on_worker_meta(wm.stored_keys, wm.dropped_keys, wm.tier_events)
-        for req_id, n in wm.copied_saves.items():
-            st = self.reqs.get(req_id)
-            if st is not None:
-                st.pending_copies -= n
+            self.events.on_worker_meta(worker_meta.stored_keys, worker_meta.dropped_keys,
+                                       worker_meta.tier_events)
+        for req_id, n in worker_meta.copied_saves.items():
+            record = self.reqs.get(req_id)
+            if record is not None:
+                record.pending_copies -= n
             elif req_id in self.delayed:
                 self.delayed[req_id] -= n
                 if self.delayed[req_id] <= 0:
@@ -329,32 +339,34 @@ class SchedulerSide:
         """Chunks that could not be loaded are recomputed: save them again afterwards."""
         for k in keys:
             self.index.discard(k)
-        st = self.reqs.get(req_id)
-        if st is None:
+        record = self.reqs.get(req_id)
+        if record is None:
             return
-        all_keys = chunk_keys(self.prefix, st.request.block_hashes, self.bpc, limit=st.hit_chunks)
+        all_keys = chunk_keys(self.prefix, record.request.block_hashes, self.blocks_per_chunk,
+                              limit=record.hit_chunks)
         bad = set(keys)
         first = next((i for i, k in enumerate(all_keys) if k in bad), None)
         if first is not None:
-            st.hit_chunks = min(st.hit_chunks, first)
-            st.next_save = min(st.next_save, first)
-            st.lookup = None
+            record.hit_chunks = min(record.hit_chunks, first)
+            record.next_save = min(record.next_save, first)
+            record.lookup = None
 
     def finished(self, request: "Request") -> bool:
         """True: keep the blocks until the workers report their save copies done."""
-        st = self.reqs.pop(request.request_id, None)
-        if st is None or st.pending_copies <= 0:
+        record = self.reqs.pop(request.request_id, None)
+        if record is None or record.pending_copies <= 0:
             return False
-        self.delayed[request.request_id] = st.pending_copies
+        self.delayed[request.request_id] = record.pending_copies
         self.await_saves.add(request.request_id)
         return True
 
     def hit_sources(self, request: "Request") -> tuple[int, int]:
-        """(chunks from the workers' cpu tier, chunks from lower tiers) of the last lookup."""
-        st = self.reqs.get(request.request_id)
-        if st is None:
+        """(chunks from the workers' local first tier, chunks from lower tiers) of the last
+        lookup."""
+        record = self.reqs.get(request.request_id)
+        if record is None:
             return 0, 0
-        return st.hit_local_index, st.hit_chunks - st.hit_local_index
+        return record.hit_local_index, record.hit_chunks - record.hit_local_index
 
     def take_stats(self) -> KVPoolConnectorStats | None:
         if self.stats.is_empty():

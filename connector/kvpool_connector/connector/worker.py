@@ -78,7 +78,7 @@ class WorkerSide:
         self.staging_bytes = staging_bytes
         self._save_pool: BufferPool | None = None
         self._load_pool: BufferPool | None = None
-        self.bpc = blocks_per_chunk
+        self.blocks_per_chunk = blocks_per_chunk
         self.layerwise = layerwise
         self.layout: KVLayout | None = None
         self.cuda = False
@@ -99,7 +99,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_keys: dict[str, list[bytes]] = {}
         self._stats = KVPoolConnectorStats()
-        self._slock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._store_stats_prev: dict = {}
         self._store_stats_at = 0.0
         self._sample_store = False
@@ -114,7 +114,7 @@ class WorkerSide:
         self.cuda = layout.device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
-        chunk = layout.chunk_nbytes(self.bpc)
+        chunk = layout.chunk_nbytes(self.blocks_per_chunk)
         # loads: one batch in flight (one loader thread); saves: the rest of the budget
         self._load_pool = BufferPool(chunk, LOAD_BATCH_CHUNKS, self.cuda)
         self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
@@ -179,7 +179,7 @@ class WorkerSide:
         """The chunk left the paged KV cache: its blocks may be reused, and (served from its
         save buffer until the store holds it) it counts as stored right away."""
         if self.audit is not None and p.queued:
-            self.audit.saved(self.layout, p.job.keys, p.chunks(), self.bpc)
+            self.audit.saved(self.layout, p.job.keys, p.chunks(), self.blocks_per_chunk)
         with self._lock:
             self._copies_by_req[p.job.req_id] -= 1
             if self._copies_by_req[p.job.req_id] <= 0:
@@ -231,29 +231,29 @@ class WorkerSide:
     def submit_loads(self, meta: KVPoolMetadata) -> None:
         n_layers = len(self.layout.layers) if self.layout else 0
         for job in meta.loads:
-            ld = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
+            load = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
             if job.is_async:
-                self._async_loads[job.req_id] = ld
+                self._async_loads[job.req_id] = load
             else:
-                self._sync_loads.append(ld)
-            self._load_q.put(ld)
+                self._sync_loads.append(load)
+            self._load_q.put(load)
 
     def _loader(self) -> None:
         while not self._stop:
-            ld = self._load_q.get()
-            if ld is None:
+            load = self._load_q.get()
+            if load is None:
                 return
             try:
-                self._run_load(ld)
+                self._run_load(load)
             except Exception:
-                log.exception("kvpool: load for %s failed", ld.job.req_id)
-                ld.failed_blocks.update(b for c in ld.job.chunks for b in c.block_ids)
+                log.exception("kvpool: load for %s failed", load.job.req_id)
+                load.failed_blocks.update(b for c in load.job.chunks for b in c.block_ids)
             finally:
-                for e in ld.layer_done:
+                for e in load.layer_done:
                     e.set()
-                ld.done.set()
+                load.done.set()
 
-    def _run_load(self, ld: _Load) -> None:
+    def _run_load(self, load: _Load) -> None:
         """Batches of LOAD_BATCH_CHUNKS chunks through the load buffers, each batch read
         with the store's own time bound (a long prompt from a slow tier loads as long as it
         makes progress) and scattered before the next is read; after a missing chunk vLLM
@@ -261,10 +261,10 @@ class WorkerSide:
         batch layer by layer, so its copies overlap the forward's first layers."""
         lay = self.layout
         assert lay is not None and self._load_pool is not None
-        chunks = ld.job.chunks
+        chunks = load.job.chunks
         if not chunks:
             return
-        expect = lay.chunk_nbytes(self.bpc)
+        expect = lay.chunk_nbytes(self.blocks_per_chunk)
         bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
         assert bufs is not None, "one loader thread owns the load buffers"
         try:
@@ -272,16 +272,16 @@ class WorkerSide:
                 part = chunks[start:start + LOAD_BATCH_CHUNKS]
                 last = start + LOAD_BATCH_CHUNKS >= len(chunks)
                 good = self._read_batch(part, bufs, expect)
-                ld.nbytes += expect * len(good)
-                ld.chunks_ok += len(good)
-                layered = last and not ld.job.is_async and self.layerwise
-                self._scatter(good, ld if layered else None)
+                load.nbytes += expect * len(good)
+                load.chunks_ok += len(good)
+                layered = last and not load.job.is_async and self.layerwise
+                self._scatter(good, load if layered else None)
                 if self.audit is not None:
                     self._audit_loads(good)
                 if len(good) < len(part):
                     ok = {id(c) for c, _ in good}
                     failed = [c for c in part if id(c) not in ok] + chunks[start + len(part):]
-                    ld.failed_blocks.update(b for c in failed for b in c.block_ids)
+                    load.failed_blocks.update(b for c in failed for b in c.block_ids)
                     break
         finally:
             self._load_pool.give(bufs)
@@ -317,7 +317,7 @@ class WorkerSide:
         with ctx:
             for layer in layers:
                 for c, src in good:
-                    lay.scatter(src, self.bpc, c.rows, c.block_ids, layer=layer)
+                    lay.scatter(src, self.blocks_per_chunk, c.rows, c.block_ids, layer=layer)
                 if self.cuda:
                     self.copy_stream.synchronize()  # loader thread only; frees the buffers
                 if layer is not None:
@@ -338,28 +338,28 @@ class WorkerSide:
         if not self._sync_loads or self.layout is None:
             return
         i = self.layout.layer_index(layer_name)
-        for ld in self._sync_loads:
-            if i is None or not ld.layer_done:
-                ld.done.wait()
+        for load in self._sync_loads:
+            if i is None or not load.layer_done:
+                load.done.wait()
             else:
-                ld.layer_done[i].wait()
+                load.layer_done[i].wait()
 
     def finish_sync_loads(self) -> None:
         """End of the forward: sync loads are complete; collect their failures."""
-        for ld in self._sync_loads:
-            ld.done.wait()
-            self._account(ld)
+        for load in self._sync_loads:
+            load.done.wait()
+            self._account(load)
         self._sync_loads = []
 
-    def _account(self, ld: _Load) -> None:
-        self._load_errors.update(ld.failed_blocks)
-        failed = [c.key for c in ld.job.chunks if set(c.block_ids) & ld.failed_blocks]
+    def _account(self, load: _Load) -> None:
+        self._load_errors.update(load.failed_blocks)
+        failed = [c.key for c in load.job.chunks if set(c.block_ids) & load.failed_blocks]
         if failed:
-            self._failed_keys[ld.job.req_id] = failed
+            self._failed_keys[load.job.req_id] = failed
         self._inc("kvpool_load_error_chunks", len(failed))
-        self._inc("kvpool_loaded_chunks", ld.chunks_ok)
+        self._inc("kvpool_loaded_chunks", load.chunks_ok)
         self._sample_store = True  # tier hits of this load go out with this step's stats
-        self._inc("kvpool_loaded_bytes", ld.nbytes)
+        self._inc("kvpool_loaded_bytes", load.nbytes)
 
     # -- per-step reports --------------------------------------------------------------
     def get_finished(self, meta: KVPoolMetadata | None) -> tuple[set[str], set[str]]:
@@ -368,10 +368,10 @@ class WorkerSide:
         if meta is not None:
             self._await.update(meta.await_saves)
         recving = set()
-        for req_id, ld in list(self._async_loads.items()):
-            if ld.done.is_set():
+        for req_id, load in list(self._async_loads.items()):
+            if load.done.is_set():
                 del self._async_loads[req_id]
-                self._account(ld)
+                self._account(load)
                 recving.add(req_id)
         sending = set()
         with self._lock:
@@ -398,7 +398,7 @@ class WorkerSide:
                                     failed_loads=failed, tier_events=tier_events)
 
     def _inc(self, metric: str, value: float = 1, label: str = "") -> None:
-        with self._slock:
+        with self._stats_lock:
             self._stats.inc(metric, value, label)
 
     def take_stats(self) -> KVPoolConnectorStats | None:
@@ -413,7 +413,7 @@ class WorkerSide:
                 for tier, v in by_tier.items():
                     self._inc(metric, v, tier)
             self._store_stats_prev = now
-        with self._slock:
+        with self._stats_lock:
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, KVPoolConnectorStats()

@@ -115,9 +115,9 @@ class HostCopyWorker(OffloadingWorker):
             assert host.dtype == torch.int8 and host.shape[1] == page * blocks_per_chunk, \
                 (tuple(host.shape), page, blocks_per_chunk)
             # (chunk, sub-block, byte): sub-blocks are uniformly strided only inside a chunk.
-            # numpy views of the same memory: np.copyto is a plain single-threaded memcpy
-            # (~10 GB/s here), where torch's copy_ hands each slice to the intra-op thread
-            # pool that the forward pass already keeps busy (0.3-3 GB/s on 2 shared cores).
+            # numpy views of the same memory: np.copyto is a plain single-threaded memcpy,
+            # where torch's copy_ hands each slice to the intra-op thread pool that the
+            # forward pass already keeps busy (several times slower on a few shared cores).
             self._paged.append(paged.numpy())
             self._host.append(host.as_strided(
                 (host.shape[0], blocks_per_chunk, page),
@@ -128,15 +128,15 @@ class HostCopyWorker(OffloadingWorker):
     def _copy(self, job_id: int, paged_spec: GPULoadStoreSpec, host_spec: "LoadStoreSpec",
               to_host: bool) -> bool:
         """One memcpy per run and KV tensor (torch's index_select/index_put_ over the same
-        blocks ran at about 1 GB/s here)."""
+        blocks is an order of magnitude slower)."""
         t0 = time.perf_counter()
         nbytes = 0
-        bpc = self.blocks_per_chunk
         for copy in plan_copies(paged_spec.block_ids, host_spec.block_ids,
-                                paged_spec.group_sizes, paged_spec.block_indices, bpc):
+                                paged_spec.group_sizes, paged_spec.block_indices,
+                                self.blocks_per_chunk):
             refs = [(self._paged[r.tensor_idx], self._host[r.tensor_idx], r.page_size_bytes)
                     for r in self.group_refs[copy.group]]
-            for run in runs(copy, bpc):
+            for run in runs(copy, self.blocks_per_chunk):
                 blocks = slice(run.paged_start, run.paged_start + run.length)
                 subs = slice(run.sub_start, run.sub_start + run.length)
                 for paged, host, size in refs:  # the un-padded page: what vLLM's worker copies

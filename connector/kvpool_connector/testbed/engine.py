@@ -3,7 +3,7 @@ engine driven over a pipe.
 
 Each engine is a separate process tree, so tests and benchmarks can check what a *fresh*
 engine gets from a shared cache, and a crash never takes the caller down. Engines run on
-whatever platform vLLM detects (the CPU platform on build machines).
+whatever platform vLLM detects (the CPU platform when there is no accelerator).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Generate small Llama-architecture models with random weights, fully offline.
 
 The demo, the benchmarks and the tests need a model vLLM can serve with text prompts,
-and this fleet's build machines cannot reach a model hub. A random-weight model is
+and they must run offline, without a model hub. A random-weight model is
 enough to measure prefill cost and to check that cache hits are token-identical to
 recompute (greedy decoding is deterministic whatever the weights).
 """

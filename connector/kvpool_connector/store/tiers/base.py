@@ -122,15 +122,15 @@ class Tier(abc.ABC):
         """The record in blob if it is authentic and ours (payload copied or decrypted into
         `out` when given); else count it, delete it if corrupt, and return None."""
         if out is None:
-            st, rec = open_blob(blob, name, layout, key)
+            status, rec = open_blob(blob, name, layout, key)
         else:
             with current_guard().writing() as ok:
                 if not ok:  # the caller gave up on this call: its buffers are not ours
                     return None
-                st, rec = open_blob(blob, name, layout, key, out)
-        if st is Status.OK:
+                status, rec = open_blob(blob, name, layout, key, out)
+        if status is Status.OK:
             return rec
-        self.reject(name, st)
+        self.reject(name, status)
         return None
 
     def verify_all(self, names: list[bytes], layout: bytes, key: PoolKey, blobs: list,
@@ -149,13 +149,13 @@ class Tier(abc.ABC):
         self.stats.inc("bytes_out", sum(len(r.payload) for r in out if r is not None))
         return out
 
-    def reject(self, name: bytes, st: Status) -> None:
-        self.stats.inc(st.value)
-        if st is Status.FOREIGN_LAYOUT:  # authentic, another engine's layout: not ours to drop
+    def reject(self, name: bytes, status: Status) -> None:
+        self.stats.inc(status.value)
+        if status is Status.FOREIGN_LAYOUT:  # authentic, another engine's layout: not ours to drop
             log.info("%s tier: object %s was written for another KV layout (a miss here)",
                      self.type, name.hex()[:16])
             return
-        log.warning("%s tier: %s object %s removed", self.type, st.value, name.hex()[:16])
+        log.warning("%s tier: %s object %s removed", self.type, status.value, name.hex()[:16])
         try:
             self.delete_many([name])
         except Exception as e:  # the next reader will find it again and retry

@@ -71,12 +71,12 @@ def _checked_dir_fd(name: str, parent_fd: int | None, what: str, create: bool = 
             raise UnsafeDirectory(f"disk tier: {what} is not a real directory (a symlink or a "
                                   f"file is in its place)") from None
         raise
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
         os.close(fd)
-        raise UnsafeDirectory(f"disk tier: {what} is owned by uid {st.st_uid}, not by this "
+        raise UnsafeDirectory(f"disk tier: {what} is owned by uid {info.st_uid}, not by this "
                               f"process (uid {os.geteuid()}); refusing to use it")
-    if stat.S_IMODE(st.st_mode) != _DIR_MODE:
+    if stat.S_IMODE(info.st_mode) != _DIR_MODE:
         try:
             os.fchmod(fd, _DIR_MODE)
         except OSError as e:  # a read-only volume: nobody can plant anything there either
@@ -167,11 +167,11 @@ class DiskTier(Tier):
                             continue
                         try:
                             key = bytes.fromhex(name[:-len(_SUFFIX)])
-                            st = ent.stat(follow_symlinks=False)
+                            info = ent.stat(follow_symlinks=False)
                         except (ValueError, OSError):
                             continue
-                        if stat.S_ISREG(st.st_mode):
-                            found.append((st.st_mtime, key, st.st_size))
+                        if stat.S_ISREG(info.st_mode):
+                            found.append((info.st_mtime, key, info.st_size))
             except (OSError, UnsafeDirectory) as e:
                 log.warning("disk tier: shard %s skipped: %s", shard, e)
         found.sort()
@@ -384,21 +384,21 @@ class DiskTier(Tier):
                 return None
             hs = header_size(name)
             h = check_header(os.pread(fd, hs, 0), name, layout, size)
-            st = h.status
-            if st is Status.OK:
+            status = h.status
+            if status is Status.OK:
                 n = h.payload_len
                 target = out[:n] if out is not None else uninitialized(n)
                 tag = os.pread(fd, TAG_SIZE, hs + n)
-                st = self._read_verified(fd, h, key, tag, target)
+                status = self._read_verified(fd, h, key, tag, target)
         finally:
             os.close(fd)
-        if st is not Status.OK:
+        if status is not Status.OK:
             if target is not None and out is not None:
                 with current_guard().writing() as ok:
                     if ok:  # no unverified byte stays in the caller's buffer
                         target[:] = bytes(len(target))
-            if st is not None:
-                self.reject(name, st)
+            if status is not None:
+                self.reject(name, status)
             return None
         self._learn(name, size)
         self.stats.inc("bytes_out", len(target))
@@ -457,12 +457,12 @@ class DiskTier(Tier):
                 if shard_fd is None:
                     break
                 try:
-                    st = os.stat(fname, dir_fd=shard_fd, follow_symlinks=False)
+                    info = os.stat(fname, dir_fd=shard_fd, follow_symlinks=False)
                 except OSError:
                     break
-                if not stat.S_ISREG(st.st_mode):
+                if not stat.S_ISREG(info.st_mode):
                     break
-                self._learn(k, st.st_size)
+                self._learn(k, info.st_size)
             out.append(True)
         return out + [False] * (len(names) - len(out))
 
