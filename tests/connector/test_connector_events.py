@@ -151,11 +151,11 @@ def test_the_decoder_reads_positional_events_too():
 def test_no_events_work_unless_vllm_asks(tmp_path):
     cfg = load_connector_config({"namespace": "t", "tiers": [{"type": "cpu", "size": "64Mi"}]})
     s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=None,
-                      is_async=True)
+                      block_ids=lambda rid: [], is_async=True)
     assert s.events is None
     remote_first = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
         {"type": "redis", "url": "redis://127.0.0.1:1/0"}]})
     r = SchedulerSide(remote_first, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
-                      lower_store=None, is_async=True)
+                      lower_store=None, block_ids=lambda rid: [], is_async=True)
     r.enable_events(1 << 20)
     assert r.events is None  # nothing local to announce

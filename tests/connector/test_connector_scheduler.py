@@ -45,10 +45,9 @@ def side(tmp_path):
     cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
     lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
-    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
-                      is_async=True)
     blocks: dict[str, list[int]] = {}
-    s._block_ids = lambda rid: blocks[rid]
+    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
+                      block_ids=lambda rid: blocks[rid], is_async=True)
     s.test_blocks = blocks
     yield s
     lower.close()
@@ -156,8 +155,7 @@ def test_cache_salt_isolates_tenants_and_can_be_required(side):
 
     strict = SchedulerSide(side.cfg.model_copy(update={"require_cache_salt": True}), PREFIX, BS,
                            BPC, chunk_bytes=1 << 20, world_size=1, lower_store=side.lower,
-                           is_async=True)
-    strict._block_ids = side._block_ids
+                           block_ids=lambda rid: side.test_blocks[rid], is_async=True)
     strict.on_worker_meta(KVPoolWorkerMetadata(stored_keys=ka + kp))
     assert strict.num_matched(plain, 0) == (0, False)  # stored, but never looked up
     strict.num_matched(a, 0)
@@ -185,7 +183,7 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
     lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
     try:
         s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
-                          lower_store=lower, is_async=True)
+                          lower_store=lower, block_ids=lambda rid: [], is_async=True)
         req = _request("r1", 1000, seed=11)
         keys = chunk_keys(PREFIX, req.block_hashes, BPC)
         lower.put_many(keys[:2], [b"x" * 64] * 2)

@@ -103,10 +103,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
-                                       chunk_bytes, size, lower,
+                                       chunk_bytes, size, lower, self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
                                        load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
-            self.sched._block_ids = self._request_block_ids
             if kv_events_enabled(vllm_config):
                 self.sched.enable_events(chunk_bytes)
         else:

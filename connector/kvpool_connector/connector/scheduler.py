@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..store.tiers import tier_class
 from .config import ConnectorConfig
@@ -87,10 +87,15 @@ class KeyIndex:
 
 
 class SchedulerSide:
+    """`block_ids`: a request id -> the ids of its blocks in the first KV cache group (vLLM's
+    KV cache manager knows them), read when a save is planned."""
+
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
-                 lower_store, is_async: bool, load: bool = True, save: bool = True):
+                 lower_store, block_ids: Callable[[str], list[int]], is_async: bool,
+                 load: bool = True, save: bool = True):
         self.cfg = cfg
+        self._block_ids = block_ids
         self.prefix = prefix
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -287,7 +292,6 @@ class SchedulerSide:
                           limit=n_chunks)
         first = record.next_save
         record.next_save = n_chunks
-        assert self._block_ids is not None
         block_ids = self._block_ids(req.request_id)
         out_keys, out_blocks = [], []
         for i, key in enumerate(keys):
@@ -306,8 +310,6 @@ class SchedulerSide:
             return None
         record.pending_copies += self.world_size
         return SaveJob(req.request_id, out_keys, out_blocks)
-
-    _block_ids = None  # set by the connector: req_id -> block ids of the first KV group
 
     # -- worker feedback ---------------------------------------------------------------
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
