@@ -259,6 +259,18 @@ def tier_names(tiers: list) -> list[str]:
     return out
 
 
+def read_documents(path: str | Path, text: str | None = None) -> list[Any]:
+    """The documents of a config file: a `.json` file holds one JSON document, anything else
+    is a YAML stream (empty documents left out). `text`: the content when the caller already
+    has it (stdin). The one reader of config files in this package. Raises OSError,
+    ValueError (bad JSON) or yaml.YAMLError."""
+    if text is None:
+        text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        return [json.loads(text)]
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
 C = TypeVar("C", bound=StoreConfig)
 
 
@@ -272,12 +284,10 @@ def load_store_config(source: Any, model: type[C] = StoreConfig) -> C:  # type: 
     if isinstance(source, StoreConfig):
         return model.model_validate(source.model_dump())
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-        return model.model_validate(data)
+        docs = read_documents(source)
+        if len(docs) != 1 or not isinstance(docs[0], dict):
+            raise ValueError(f"{source}: expected a mapping at the top level")
+        return model.model_validate(docs[0])
     if isinstance(source, dict):
         return model.model_validate(source)
     raise TypeError(f"store config must be a dict, a file path or {model.__name__}, "

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .config import read_documents
 
 
 def check_document(doc: dict[str, Any]) -> tuple[str, str | None]:
@@ -38,10 +39,7 @@ def check_document(doc: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def _documents(path: str) -> list[Any]:
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    if path.endswith(".json"):
-        return [json.loads(text)]
-    return [d for d in yaml.safe_load_all(text) if d is not None]
+    return read_documents(path, sys.stdin.read() if path == "-" else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,3 +70,19 @@ def test_store_config_without_cpu_tier_for_the_scheduler():
     assert not hasattr(lower, "chunk_tokens")
     only_cpu = load_connector_config({"tiers": TIERS[:1]})
     assert only_cpu.store_config(drop_types=("cpu",)) is None
+
+
+def test_config_files_hold_one_mapping(tmp_path):
+    from kvpool_connector.config import load_store_config, read_documents
+
+    two = tmp_path / "two.yaml"
+    two.write_text("namespace: a\n---\nnamespace: b\n")
+    assert read_documents(two) == [{"namespace": "a"}, {"namespace": "b"}]
+    with pytest.raises(ConnectorConfigError, match="config_file: .* must hold one document"):
+        load_connector_config({"config_file": str(two)})
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_store_config(str(two))
+    empty = tmp_path / "empty.json"
+    empty.write_text("null")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_store_config(str(empty))

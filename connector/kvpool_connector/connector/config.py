@@ -8,14 +8,13 @@ hold the pool's tiers while a pod tweaks one setting. Every error names the fiel
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError
 
-from ..config import PositiveSize, StoreConfig, parse_size
+from ..config import PositiveSize, StoreConfig, parse_size, read_documents
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
@@ -58,17 +57,19 @@ class ConnectorConfig(StoreConfig):
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    p = Path(path)
     try:
-        text = p.read_text()
+        docs = read_documents(path)
     except OSError as exc:
         raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: cannot read {path}: {exc}") from exc
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
+        kind = "JSON" if Path(path).suffix == ".json" else "YAML"
         raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} is not valid "
-                                   f"{'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
-    if data is None:
+                                   f"{kind}: {exc}") from exc
+    if len(docs) > 1:
+        raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} must hold one "
+                                   f"document, not {len(docs)}")
+    data = docs[0] if docs else {}
+    if data is None:  # JSON null
         data = {}
     if not isinstance(data, dict):
         raise ConnectorConfigError(f"{EXTRA_CONFIG}.config_file: {path} must hold a mapping")
