@@ -1,9 +1,11 @@
 # syntax=docker/dockerfile:1
-# kvpool images. Two targets:
+# kvpool images. Three targets:
 #   docker build --target operator  -t ghcr.io/kvpool/kvpool-operator:0.1.0 .
 #   docker build --target connector -t ghcr.io/kvpool/kvpool-vllm:0.1.0 .
+#   docker build --target router    -t ghcr.io/kvpool/kvpool-router:0.1.0 .
 # Package versions come from pyproject.toml (the extras `operator` and `connector`); the vLLM base
-# tag must match the vLLM API the connector targets (tests/operator/test_images.py checks both).
+# tag must match the vLLM API the connector targets, and VLLM_ROUTER_VERSION the vllm-router the
+# tests run (tests/operator/test_images.py checks all three).
 # Pin the bases by digest for reproducible, tamper-evident builds (a tag can be moved, a digest
 # cannot), keeping the tag for humans:
 #   docker build --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0@sha256:<digest> --target connector ...
@@ -53,3 +55,24 @@ COPY connector /tmp/kvpool-src/connector
 RUN python3 -m pip list --format=freeze > /tmp/vllm-constraints.txt \
  && python3 -m pip install --constraint /tmp/vllm-constraints.txt "/tmp/kvpool-src[connector]" \
  && rm -rf /tmp/kvpool-src /tmp/vllm-constraints.txt
+
+# ---- router: the vLLM project's router (a Rust binary in the PyPI wheel), non-root --------------
+# The console script `vllm-router` is a Python launcher around the extension, so the image keeps
+# Python; the manylinux wheel bundles its libssl/libcrypto, no compiler is needed. Nothing is written
+# at run time (the operator mounts an emptyDir on /tmp and sets readOnlyRootFilesystem).
+FROM ${PYTHON_IMAGE} AS router
+LABEL org.opencontainers.image.title="kvpool-router" \
+      org.opencontainers.image.description="vllm-router in front of a KVCachePool's engines" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ARG VLLM_ROUTER_VERSION=0.1.17
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/router \
+ && /opt/router/bin/pip install --no-compile "vllm-router==${VLLM_ROUTER_VERSION}" \
+ && groupadd --system --gid 65532 kvpool \
+ && useradd --system --no-log-init --uid 65532 --gid 65532 --home-dir /nonexistent --shell /usr/sbin/nologin kvpool
+ENV PATH=/opt/router/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 65532:65532
+EXPOSE 8000 29000
+ENTRYPOINT ["vllm-router"]

@@ -12,7 +12,9 @@ from kvpool_operator.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 GOLDEN_NAMESPACE = "kvpool"
-GOLDEN_SETTINGS = Settings(connector_image="ghcr.io/kvpool/kvpool-vllm:golden", allowed_host_path_prefixes=("/mnt",))
+# hostPath under /mnt and InferencePools allowed: what the examples ask of the operator
+GOLDEN_SETTINGS = Settings(connector_image="ghcr.io/kvpool/kvpool-vllm:golden", allowed_host_path_prefixes=("/mnt",),
+                           inference_pools=True)
 
 
 def examples() -> list[Path]:

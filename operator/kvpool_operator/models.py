@@ -283,6 +283,12 @@ class ManagedRedis(_Model):
                        description="Redis image, by tag or digest (empty: the operator's default).")
 
 
+# What kvpool_connector.config.RedisTierConfig accepts for `cluster: true` (one node, database 0).
+CLUSTER_URL_PATTERN = r"^rediss?://[^/]+(/0?)?$"
+_CLUSTER_URL_MESSAGE = ("cluster needs a redis:// or rediss:// url naming one node, database 0 at most "
+                        "(Redis Cluster has no other)")
+
+
 class ExternalRedis(_Model):
     url: SecretFreeUrl = Field(
         min_length=1,
@@ -297,18 +303,28 @@ class ExternalRedis(_Model):
         None, description="Secret key with the CA certificate that verifies a rediss:// server (empty: system CAs)."
     )
 
+    password_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding the Redis password (reaches the engine only as env)."
+    )
+    cluster: bool = Field(
+        False,
+        description="A Redis Cluster: url names one node (a seed; the client discovers the others and "
+        "spreads keys over the slot owners). Needs a redis:// or rediss:// url without a database other "
+        "than 0. The engines' user needs +cluster|slots +command besides the tier's commands.",
+    )
+
     model_config = ConfigDict(json_schema_extra=_rules(
         ("!has(self.caSecretRef) || self.url.startsWith('rediss://')", "caSecretRef needs a rediss:// url",
-         ".caSecretRef")))
+         ".caSecretRef"),
+        (f"!self.cluster || self.url.matches('{CLUSTER_URL_PATTERN}')", _CLUSTER_URL_MESSAGE, ".url")))
 
     @model_validator(mode="after")
     def _ca_needs_tls(self) -> ExternalRedis:
         if self.ca_secret_ref is not None and not self.url.startswith("rediss://"):
             raise ValueError("caSecretRef needs a rediss:// url")
+        if self.cluster and not re.match(CLUSTER_URL_PATTERN, self.url):
+            raise ValueError(_CLUSTER_URL_MESSAGE)
         return self
-    password_secret_ref: SecretKeyRef | None = Field(
-        None, description="Secret key holding the Redis password (reaches the engine only as env)."
-    )
 
 
 _ONE_OF_BACKEND = "[has(self.managed), has(self.external)].filter(x, x).size() == 1"
@@ -392,6 +408,16 @@ class Tiers(_Model):
 
 
 class NativeOptions(_Model):
+    offload_worker: Literal["auto", "kvpool", "vllm"] = Field(
+        "auto",
+        description="Who moves blocks between the paged KV cache and the host tier. auto: vLLM's "
+        "OffloadingConnector loads kvpool's KVPoolOffloadingSpec (vLLM's TieringOffloadingSpec: vLLM's "
+        "scheduler, eviction and secondary tiers), whose worker is kvpool's torch-copy worker on vLLM's "
+        "CPU platform (where vLLM's own refuses to run) and vLLM's own on CUDA/XPU; needs the kvpool "
+        "connector image. kvpool: the torch-copy worker always (CPU nodes only). vllm: vLLM's stock "
+        "spec (CPUOffloadingSpec, or TieringOffloadingSpec with secondary tiers), GPU nodes only; cpu "
+        "and disk tiers then run on a plain vLLM image.",
+    )
     kvpool_secondary_tier: bool = Field(
         True,
         description="In native mode, reach Redis/S3 tiers through kvpool's secondary tier for vLLM's "
@@ -461,6 +487,135 @@ class NetworkPolicySpec(_Model):
     )
 
 
+ROUTER_POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin")
+
+
+class RouterSpec(_Model):
+    """vllm-router (the vLLM project's Rust router) in front of the engines, found by Kubernetes
+    service discovery of this pool's engine pods."""
+
+    policy: Literal[ROUTER_POLICIES] = Field(  # type: ignore[valid-type]
+        "cache_aware",
+        description="cache_aware: an approximate prefix tree per router replica (a prompt matching an "
+        "engine's tree above cacheThreshold goes there, else to the least loaded; the engines then run "
+        "--enable-scale-out, the router tokenizes through their render endpoint); consistent_hash: sticky "
+        "by the x-session-id header (or the request's `user`); power_of_two: the less loaded of two random "
+        "engines; round_robin.",
+    )
+    replicas: int = Field(
+        1, ge=0, le=16,
+        description="Router replicas. cache_aware learns its tree per replica, so more than one splits what "
+        "it knows about a conversation; consistent_hash is stateless and scales out.",
+    )
+    image: str = Field(
+        "", max_length=1024, pattern=OPTIONAL_IMAGE_PATTERN,
+        description="Router image (Dockerfile target `router`), by tag or digest. Empty: the operator's "
+        "routerImage setting.",
+    )
+    cache_threshold: float | None = Field(
+        None, ge=0, le=1,
+        description="cache_aware: the prefix match ratio above which a request follows the cache "
+        "(--cache-threshold; router default 0.3).",
+    )
+    balance_abs_threshold: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="cache_aware: the load gap (requests) beyond which routing balances load instead "
+        "(--balance-abs-threshold; router default 64).",
+    )
+    balance_rel_threshold: float | None = Field(
+        None, ge=1, le=1000,
+        description="cache_aware: the load ratio beyond which routing balances load instead "
+        "(--balance-rel-threshold; router default 1.5).",
+    )
+    resources: K8sObject = Field(
+        default_factory=dict,
+        description="core/v1 ResourceRequirements of the router container, merged over the operator's "
+        "(requests cpu 250m, memory 256Mi; limits cpu 2, memory 1Gi).",
+    )
+
+
+_PICKER_PORT_RULE = ("self.kind != 'Service' || has(self.port)",
+                     "port is required when kind is 'Service' or unspecified (defaults to 'Service')")
+
+
+class PortNumber(_Model):
+    number: int = Field(ge=1, le=65535, description="Port number.")
+
+
+class EndpointPickerRef(_Model):
+    """inference.networking.k8s.io/v1 EndpointPickerRef (the same fields, defaults and rules)."""
+
+    group: str = Field(
+        "", max_length=253, pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="API group of the endpoint picker object; empty: the core group.",
+    )
+    kind: str = Field(
+        "Service", min_length=1, max_length=63, pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
+        description="Kind of the endpoint picker object (never an ExternalName Service).",
+    )
+    name: str = Field(min_length=1, max_length=253, description="Name of the endpoint picker object.")
+    port: PortNumber | None = Field(
+        None, description="Port of the endpoint picker Service (its service port, required for a Service)."
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose",
+        description="When the picker does not answer: FailClose drops the request, FailOpen lets the "
+        "Gateway pick an engine itself.",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules((*_PICKER_PORT_RULE, None)))
+
+    @model_validator(mode="after")
+    def _port_for_service(self) -> EndpointPickerRef:
+        if self.kind == "Service" and self.port is None:
+            raise ValueError(_PICKER_PORT_RULE[1])
+        return self
+
+
+class InferencePoolSpec(_Model):
+    """Gateway API Inference Extension: an InferencePool selecting this pool's engines."""
+
+    enabled: bool = Field(
+        False,
+        description="Render the InferencePool <name> (inference.networking.k8s.io/v1): the engines' pods "
+        "and port for a Gateway that runs the inference extension. Needs its CRD in the cluster and the "
+        "operator setting inferencePools.",
+    )
+    endpoint_picker_ref: EndpointPickerRef | None = Field(
+        None,
+        description="The endpoint picker (EPP) the Gateway asks for an engine. InferencePool releases "
+        "v1.0-v1.5 require it; v1.6 made it optional.",
+    )
+
+
+ENGINE_PORT = 8000  # the engines' container port (OpenAI API and /metrics)
+_KV_EVENTS_PORT_MESSAGE = f"port must differ from the engines' API port {ENGINE_PORT}"
+
+
+class KvEventsSpec(_Model):
+    enabled: bool = Field(
+        False,
+        description="Engines publish vLLM's KV cache events over ZMQ (--kv-events-config, topic "
+        "kv@<pod name>), the connector adds its CPU and disk tier events: for precise external routers "
+        "(an endpoint picker). The events carry token ids of the prompts: subscribers read prompts.",
+    )
+    port: int = Field(5557, ge=1024, le=65535, description="Container port `kv-events` of the ZMQ publisher.")
+    from_: list[K8sObject] = Field(
+        default_factory=list, alias="from",
+        description="core/v1 NetworkPolicyPeer list that may subscribe (NetworkPolicy <name>-engines, "
+        "with networkPolicy.enabled); empty: pods of the pool's namespace.",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        (f"self.port != {ENGINE_PORT}", _KV_EVENTS_PORT_MESSAGE, ".port")))
+
+    @model_validator(mode="after")
+    def _own_port(self) -> KvEventsSpec:
+        if self.port == ENGINE_PORT:
+            raise ValueError(_KV_EVENTS_PORT_MESSAGE)
+        return self
+
+
 _SPEC_RULES = (
     (
         "self.connector != 'native' || has(self.tiers.cpu)",
@@ -505,6 +660,16 @@ class KVCachePoolSpec(_Model):
     security: SecuritySpec = Field(
         default_factory=SecuritySpec, description="Pool keys, hash seed, encryption and tenant isolation."
     )
+    router: RouterSpec | None = Field(
+        None,
+        description="A router Deployment + Service <name>-router in front of the engines; status.endpoints."
+        "openai then names it and the engines' Service is ClusterIP. Absent: clients reach the engines' "
+        "Service directly.",
+    )
+    inference_pool: InferencePoolSpec | None = Field(
+        None, description="An InferencePool for the Gateway API Inference Extension."
+    )
+    kv_events: KvEventsSpec | None = Field(None, description="vLLM KV cache events for external routers.")
 
     model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES))
 
@@ -537,7 +702,8 @@ class Condition(_Model):
 
 
 class Endpoints(_Model):
-    openai: str = Field("", description="In-cluster URL of the OpenAI-compatible API.")
+    openai: str = Field("", description="In-cluster URL of the OpenAI-compatible API (the router when there is one).")
+    engines: str = Field("", description="In-cluster URL of the engines' Service (behind the router when there is one).")
     redis: str = Field("", description="Redis URL used by the engines (no credentials, no query).")
     s3: str = Field("", description="S3 endpoint used by the engines (no credentials, no query).")
 

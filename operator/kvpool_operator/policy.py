@@ -34,6 +34,8 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
         images.append(("spec.tiers.redis.managed.image", spec.tiers.redis.managed.image))
     if spec.tiers.s3 and spec.tiers.s3.managed:
         images.append(("spec.tiers.s3.managed.image", spec.tiers.s3.managed.image))
+    if spec.router is not None:
+        images.append(("spec.router.image", spec.router.image))
     prefixes = settings.allowed_image_prefixes
     for field, image in images:
         if image and prefixes and not image.startswith(prefixes):
@@ -44,6 +46,9 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
             if getattr(getattr(spec.tiers, tier), "external", None) is not None:
                 out.append(f"spec.tiers.{tier}.external: refused by this operator (its setting "
                            "allowExternalBackends is false); use managed")
+    if spec.inference_pool is not None and spec.inference_pool.enabled and not settings.inference_pools:
+        out.append("spec.inferencePool.enabled: refused by this operator (its setting inferencePools is false: "
+                   "it holds no RBAC for InferencePools, and their CRD may not be installed)")
     return out
 
 

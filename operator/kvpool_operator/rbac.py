@@ -23,10 +23,15 @@ RBAC_RULES: list[dict[str, Any]] = [
     # Generated Secrets are read by their known names (never listed: listing would read every
     # Secret in the namespace), created only if absent, completed by patch, pruned.
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": APPLIED},
+    {"apiGroups": [""], "resources": ["configmaps", "services", "serviceaccounts"], "verbs": APPLIED},
     {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": [*APPLIED, "watch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": APPLIED},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": APPLIED},
+    # A pool's router: its Role and RoleBinding (render/router.py, DISCOVERY_RULES).
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": APPLIED},
+    # Never used by the operator itself: Kubernetes lets it create a Role (and bind it) only with
+    # every permission that Role grants, and a router's Role grants pods list/watch.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # Kubernetes Events about pools (kopf posts them to core/v1 events, never patches them).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf: CRD observation, namespace observation (namespaced mode), peering between replicas.
@@ -34,6 +39,14 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["list", "watch", "patch"]},
 ]
+
+# Granted only with the operator setting of that name (the chart's operator.settings.<camelCase name>
+# grants both): without it the operator never lists or writes these (render.OPTIONAL_KINDS).
+OPTIONAL_RULES: dict[str, list[dict[str, Any]]] = {
+    "inference_pools": [
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": APPLIED},
+    ],
+}
 
 # Roles for people, aggregated into the built-in `admin` ClusterRole (namespace admins) and `view`
 # (everyone who may read a namespace). Never into `edit`: a pool starts pods that hold the pool's
@@ -56,8 +69,13 @@ CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "n
                   ("kopf.dev", "clusterkopfpeerings")}
 
 
-def allows(api_group: str, resource: str, verb: str) -> bool:
+def rules_for(settings: Any) -> list[dict[str, Any]]:
+    """RBAC_RULES plus the optional rules these operator settings turn on."""
+    return [*RBAC_RULES, *(rule for key, rules in OPTIONAL_RULES.items() if getattr(settings, key) for rule in rules)]
+
+
+def allows(api_group: str, resource: str, verb: str, rules: list[dict[str, Any]] = RBAC_RULES) -> bool:
     return any(
         api_group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
-        for rule in RBAC_RULES
+        for rule in rules
     )

@@ -41,6 +41,10 @@ class Settings(BaseModel):
         "quay.io/minio/mc:RELEASE.2025-04-16T18-13-26Z",
         description="MinIO client (mc) that bootstraps managed MinIO: bucket, lifecycle, quota, engine user.",
     )
+    router_image: Image = Field(
+        f"ghcr.io/kvpool/kvpool-router:{__version__}",
+        description="Default router image (vllm-router, Dockerfile target `router`) for pools with spec.router.",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
     namespaces: tuple[str, ...] = Field((), description="Watched namespaces; empty: all namespaces.")
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")
@@ -58,6 +62,11 @@ class Settings(BaseModel):
     )
     allow_external_backends: bool = Field(
         True, description="Whether pools may name an external Redis or S3 (engines connect wherever it points)."
+    )
+    inference_pools: bool = Field(
+        False,
+        description="Whether pools may render an InferencePool (inference.networking.k8s.io/v1). Off: the "
+        "operator never lists or writes InferencePools (it holds no RBAC for them, the CRD may be absent).",
     )
     # The vLLM image runs as root by default; engines run as this non-root user instead.
     engine_run_as_user: int = Field(1000, ge=1, description="uid of the engine containers (runAsNonRoot).")

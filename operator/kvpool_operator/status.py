@@ -26,6 +26,8 @@ class Observation:
     apply_errors: tuple[str, ...] = ()
     deployment: dict[str, Any] | None = None
     backends: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # component -> StatefulSet
+    router: dict[str, Any] | None = None  # the router Deployment (pools with spec.router)
+    router_replicas: int | None = None  # spec.router.replicas; None: the pool has no router
     endpoints: dict[str, str] = field(default_factory=dict)
     insecure: tuple[str, ...] = ()  # external backends without password or TLS (a warning, not an error)
     previous: dict[str, Any] = field(default_factory=dict)  # the current .status
@@ -78,6 +80,11 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
     observed = dep_gen is None or dep_status.get("observedGeneration", 0) >= dep_gen
     backends_ok, backends_msg = _backend_state(obs.backends)
     want = obs.desired_replicas
+    router_ok, router_msg = True, ""
+    if obs.router_replicas is not None:  # clients reach the pool through the router: it must be ready too
+        router_ready = ((obs.router or {}).get("status") or {}).get("readyReplicas", 0) or 0
+        router_ok = router_ready >= obs.router_replicas
+        router_msg = f"router {router_ready}/{obs.router_replicas} ready"
 
     def cond(ctype: str, ok: bool, reason: str, message: str = "") -> dict[str, Any]:
         return _condition(prev_conditions, ctype, ok, reason, message, obs.generation, now)
@@ -92,10 +99,10 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
     elif obs.deployment is not None and _deadline_exceeded(obs.deployment):
         phase, reason, message = "Degraded", "ProgressDeadlineExceeded", "engine rollout exceeded its deadline"
         stalled = True
-    elif obs.deployment is not None and observed and updated >= want and ready >= want and backends_ok:
-        phase, reason, message = "Ready", "Ready", f"{ready}/{want} engines ready"
+    elif obs.deployment is not None and observed and updated >= want and ready >= want and backends_ok and router_ok:
+        phase, reason, message = "Ready", "Ready", ", ".join(filter(None, [f"{ready}/{want} engines ready", router_msg]))
     elif prev_phase in ("Ready", "Degraded") and observed and updated >= want:
-        detail = backends_msg if not backends_ok else f"{ready}/{want} engines ready"
+        detail = backends_msg if not backends_ok else router_msg if not router_ok else f"{ready}/{want} engines ready"
         phase, reason, message = "Degraded", "Unavailable", detail
     elif obs.deployment is None or (ready == 0 and prev_phase in (None, "Pending")):
         phase, reason, message = "Pending", "Pending", "waiting for engines to be scheduled and started"
@@ -103,6 +110,8 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         waiting = [f"{ready}/{want} engines ready, {updated}/{want} updated"]
         if not backends_ok:
             waiting.append(backends_msg)
+        if not router_ok:
+            waiting.append(router_msg)
         phase, reason, message = "Progressing", "RollingOut", "; ".join(waiting)
 
     progressing = phase in ("Pending", "Progressing")

@@ -7,13 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes_validate.utils import latest_version
 
 from kvpool_operator.golden import EXAMPLES, GOLDEN_NAMESPACE, GOLDEN_SETTINGS, examples
 from kvpool_operator.settings import Settings
+from tests.operator.schema_check import K8S_VERSION  # noqa: F401  (re-exported for the tests)
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-K8S_VERSION = latest_version()  # the newest schema kubernetes-validate ships (offline)
 REQUIRED_EXAMPLES = ["native-cpu", "native-nvme", "tiered-full", "tiered-external", "tiered-emptydir"]
 
 

@@ -48,6 +48,11 @@ RESOURCES = {
         kind="CustomResourceDefinition", namespaced=False),
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
+    "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(kind="Role", namespaced=True),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(kind="RoleBinding", namespaced=True),
+    # the Gateway API Inference Extension's CRD, as on a cluster that runs it
+    "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(kind="InferencePool", namespaced=True),
 }
 for info in RESOURCES.values():
     info.verbs.update({"get", "list", "watch", "create", "patch", "update", "delete"})

@@ -1,5 +1,6 @@
 """Check pools the way the API server would: structural-schema defaulting, OpenAPI validation,
-then every `x-kubernetes-validations` CEL rule (evaluated with cel-python)."""
+then every `x-kubernetes-validations` CEL rule (evaluated with cel-python); and every child the
+operator renders against its schema (`validate_child`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,22 @@ from typing import Any
 
 import celpy
 import jsonschema
+import kubernetes_validate
+from kubernetes_validate.utils import latest_version
 
 from kvpool_operator.crd import build_crd
+from tests.operator import inferencepool_schema
+
+K8S_VERSION = latest_version()  # the newest schema kubernetes-validate ships (offline)
+
+
+def validate_child(manifest: dict[str, Any]) -> None:
+    """A rendered child against its schema, strictly: the Kubernetes OpenAPI (kubernetes-validate)
+    for built-in kinds, the Inference Extension's v1 schema for an InferencePool."""
+    if (manifest["apiVersion"], manifest["kind"]) == (inferencepool_schema.API_VERSION, inferencepool_schema.KIND):
+        inferencepool_schema.validate(manifest)
+    else:
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
 def pool_schema() -> dict[str, Any]:

@@ -174,8 +174,9 @@ def _names(docs: list[dict]) -> set[tuple[str, str]]:
 @pytest.mark.parametrize(
     ("values", "added", "removed"),
     [
-        ({"metrics.serviceMonitor.enabled": True}, {("ServiceMonitor", "kvpool-engines")}, set()),
-        ({"metrics.podMonitor.enabled": True}, {("PodMonitor", "kvpool-engines")}, set()),
+        ({"metrics.serviceMonitor.enabled": True},
+         {("ServiceMonitor", "kvpool-engines"), ("ServiceMonitor", "kvpool-routers")}, set()),
+        ({"metrics.podMonitor.enabled": True}, {("PodMonitor", "kvpool-engines"), ("PodMonitor", "kvpool-routers")}, set()),
         ({"dashboards.grafana.enabled": True}, {("ConfigMap", "kvpool-dashboard")}, set()),
         ({"examplePool.enabled": True}, {("KVCachePool", "example")}, set()),
         (

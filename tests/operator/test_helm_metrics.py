@@ -17,9 +17,10 @@ import yaml
 
 from kvpool_operator.render import render as render_pool
 from kvpool_operator.golden import GOLDEN_SETTINGS
-from tests.operator.chartkit import CHART, REPO, one, render
+from tests.operator.chartkit import CHART, REPO, by_kind, render
 
 EXAMPLE = REPO / "examples" / "tiered-full.yaml"
+ROUTER_EXAMPLE = REPO / "examples" / "tiered-router.yaml"
 DASHBOARD = json.loads((CHART / "dashboards" / "kvpool-connector.json").read_text())
 
 
@@ -33,37 +34,71 @@ def engine_children() -> tuple[dict, dict]:
     return deployments[0], service
 
 
+def monitor(values: dict, kind: str, name: str) -> dict:
+    """The chart's `kvpool-<name>` monitor of `kind` (one for engines, one for routers)."""
+    found = [d for d in by_kind(render(values), kind) if d["metadata"]["name"] == f"kvpool-{name}"]
+    assert len(found) == 1, [d["metadata"]["name"] for d in by_kind(render(values), kind)]
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def router_children() -> list[dict]:
+    return render_pool(yaml.safe_load(ROUTER_EXAMPLE.read_text()), GOLDEN_SETTINGS, "llm")
+
+
 def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return selector.items() <= labels.items()
 
 
 def test_pod_monitor_selects_engine_pods_and_their_metrics_port(engine_children):
     deployment, _ = engine_children
-    monitor = one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]
+    engines_monitor = monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]
     pod = deployment["spec"]["template"]
-    assert _matches(monitor["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert _matches(engines_monitor["selector"]["matchLabels"], pod["metadata"]["labels"])
     ports = {p.get("name") for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-    assert monitor["podMetricsEndpoints"][0]["port"] in ports
-    for label in monitor["podTargetLabels"]:
+    assert engines_monitor["podMetricsEndpoints"][0]["port"] in ports
+    for label in engines_monitor["podTargetLabels"]:
         assert label in pod["metadata"]["labels"]
 
 
 def test_service_monitor_selects_the_engine_service_only(engine_children):
     deployment, service = engine_children
-    monitor = one(render({"metrics.serviceMonitor.enabled": True}), "ServiceMonitor")["spec"]
-    assert _matches(monitor["selector"]["matchLabels"], service["metadata"]["labels"])
-    assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    engines_monitor = monitor({"metrics.serviceMonitor.enabled": True}, "ServiceMonitor", "engines")["spec"]
+    assert _matches(engines_monitor["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert engines_monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     others = [c for c in render_pool(yaml.safe_load(EXAMPLE.read_text()), GOLDEN_SETTINGS, "llm")
               if c["kind"] == "Service" and c is not service and c["metadata"]["name"] != service["metadata"]["name"]]
     assert others, "the example has backend Services (Redis, MinIO) that must not be scraped as engines"
     for other in others:
-        assert not _matches(monitor["selector"]["matchLabels"], other["metadata"]["labels"])
+        assert not _matches(engines_monitor["selector"]["matchLabels"], other["metadata"]["labels"])
 
 
-def test_monitors_follow_the_watched_namespaces():
-    spec = one(render({"metrics.podMonitor.enabled": True, "watch.namespaces": ["a", "b"]}), "PodMonitor")["spec"]
+def test_router_monitors_select_only_router_pods_and_services(router_children):
+    """vllm-router's metrics port on the routers of pools with spec.router, and nothing else."""
+    pods = {c["metadata"]["name"]: c["spec"]["template"] for c in router_children if c["kind"] == "Deployment"}
+    router_pod, engine_pod = pods["tiered-router-router"], pods["tiered-router"]
+    spec = monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "routers")["spec"]
+    assert _matches(spec["selector"]["matchLabels"], router_pod["metadata"]["labels"])
+    assert not _matches(spec["selector"]["matchLabels"], engine_pod["metadata"]["labels"])
+    ports = {p["name"] for c in router_pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert spec["podMetricsEndpoints"][0]["port"] in ports
+    assert spec["podTargetLabels"] == ["kvpool.dev/pool"]
+    services = {c["metadata"]["name"]: c for c in router_children if c["kind"] == "Service"}
+    spec = monitor({"metrics.serviceMonitor.enabled": True}, "ServiceMonitor", "routers")["spec"]
+    selected = [n for n, s in services.items() if _matches(spec["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert selected == ["tiered-router-router"]
+    assert spec["endpoints"][0]["port"] in {p["name"] for p in services["tiered-router-router"]["spec"]["ports"]}
+    engines = monitor({"metrics.serviceMonitor.enabled": True}, "ServiceMonitor", "engines")["spec"]
+    assert not _matches(engines["selector"]["matchLabels"], services["tiered-router-router"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+@pytest.mark.parametrize("name", ["engines", "routers"])
+def test_monitors_follow_the_watched_namespaces(kind, name):
+    toggle = {"PodMonitor": "metrics.podMonitor.enabled", "ServiceMonitor": "metrics.serviceMonitor.enabled"}[kind]
+    spec = monitor({toggle: True, "watch.namespaces": ["a", "b"]}, kind, name)["spec"]
     assert spec["namespaceSelector"] == {"matchNames": ["a", "b"]}
-    spec = one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]
+    spec = monitor({toggle: True}, kind, name)["spec"]
     assert spec["namespaceSelector"] == {"any": True}
 
 
@@ -126,7 +161,7 @@ def test_dashboard_covers_the_issue_panels_and_labels():
     assert events <= set(EVENTS), events - set(EVENTS)
     assert {"hits", "misses", "drops", "corrupt"} <= events
     pool_label = "kvpool_dev_pool"  # podTargetLabels kvpool.dev/pool, sanitised by Prometheus
-    assert one(render({"metrics.podMonitor.enabled": True}), "PodMonitor")["spec"]["podTargetLabels"] == ["kvpool.dev/pool"]
+    assert monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]["podTargetLabels"] == ["kvpool.dev/pool"]
     assert all(pool_label in e for p in DASHBOARD["panels"] for e in (t["expr"] for t in p["targets"]))
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))

@@ -27,7 +27,7 @@ def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 def test_chart_rbac_file_is_generated_from_the_operator_list():
     sync = load_sync_module()
-    want = sync.rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES)
+    want = sync.rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES, rbac.OPTIONAL_RULES)
     assert (CHART / "files" / "rbac.yaml").read_text() == want, "run `python charts/kvpool/hack/sync.py --write`"
 
 
@@ -113,7 +113,9 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_watched_namespace_role_covers_every_child_the_operator_renders(example: Path):
     """What the operator server-side applies and prunes in a watched namespace, the Role allows."""
-    role = by_kind(render({"watch.namespaces": WATCHED}), "Role")[0]
+    # the chart's opt-in rules follow the operator setting that lets pools render those kinds
+    values = {"watch.namespaces": WATCHED, "operator.settings.inferencePools": GOLDEN_SETTINGS.inference_pools}
+    role = by_kind(render(values), "Role")[0]
     grants = triples(role["rules"])
     for pool in yaml.safe_load_all(example.read_text()):
         if not pool:
@@ -127,3 +129,19 @@ def test_watched_namespace_role_covers_every_child_the_operator_renders(example:
 
 def test_examples_exist_for_the_coverage_check():
     assert len(EXAMPLES) >= 5
+
+
+@pytest.mark.parametrize("namespaced", [False, True], ids=["cluster-wide", "namespaced"])
+def test_opt_in_rules_only_with_their_setting(namespaced: bool):
+    """inferencepools: granted when operator.settings.inferencePools is on, absent otherwise."""
+    base = {"watch.namespaces": WATCHED} if namespaced else {}
+    kind = "Role" if namespaced else "ClusterRole"
+
+    def grants(values: dict) -> set:
+        roles = [r for r in by_kind(render(values), kind) if "rules" in r and "aggregate" not in r["metadata"]["name"]]
+        return {t for r in roles for t in triples(r["rules"])}
+
+    ip = {t for t in grants({**base, "operator.settings.inferencePools": True})
+          if t[1] == "inferencepools"}
+    assert ip == {("inference.networking.k8s.io", "inferencepools", v) for v in ("list", "create", "patch", "delete")}
+    assert not {t for t in grants(base) if t[1] == "inferencepools"}

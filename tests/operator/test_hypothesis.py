@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import kubernetes_validate
 import yaml
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
@@ -17,10 +16,9 @@ from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import Observation, compute_status
-from tests.operator.conftest import K8S_VERSION
-from tests.operator.schema_check import api_server_errors
+from tests.operator.schema_check import api_server_errors, validate_child
 
-SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",))  # the hostPath below is allowed
+SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",), inference_pools=True)  # what the specs below may ask
 SENTINEL = "s3cr3t-Sentinel"  # a secret someone wrote into a spec; it must be refused or stay out
 SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
 VOLUMES = st.fixed_dictionaries({}, optional={
@@ -38,7 +36,11 @@ REDIS = st.fixed_dictionaries({}, optional={
                                  {"url": f"rediss://kv:{SENTINEL}@r:6380/0"},
                                  {"url": "redis://kv@r:6379/0"},
                                  {"url": f"redis://r:6379/0?Password={SENTINEL}"},
-                                 {"url": f"redis://r:6379/0?db=1&username={SENTINEL}"}]),
+                                 {"url": f"redis://r:6379/0?db=1&username={SENTINEL}"},
+                                 {"url": "redis://r:6379", "cluster": True},
+                                 {"url": "rediss://r:6380/0", "cluster": True},
+                                 {"url": "redis://r:6379/1", "cluster": True},
+                                 {"url": "redis://r:6379/0/x", "cluster": True}]),
 })
 S3 = st.fixed_dictionaries({}, optional={
     "managed": st.builds(lambda s: {"storage": s, "storageClassName": "fast"}, SIZES),
@@ -76,6 +78,24 @@ SPECS = st.fixed_dictionaries(
                                     {"apiKeySecretRef": {"name": "api", "key": "key"}}]),
         "scheduling": st.just({"nodeSelector": {"gpu": "h100"},
                                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
+        "router": st.fixed_dictionaries({}, optional={
+            "policy": st.sampled_from(["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]),
+            "replicas": st.integers(-1, 17),
+            "cacheThreshold": st.sampled_from([0, 0.5, 1, 1.5]),
+            "balanceRelThreshold": st.sampled_from([0.5, 1, 2]),
+            "image": st.sampled_from(["", "reg/router:1", "reg/router@sha256:" + "c" * 64, "bad image"]),
+        }),
+        "inferencePool": st.fixed_dictionaries({"enabled": st.booleans()}, optional={
+            "endpointPickerRef": st.sampled_from([
+                {"name": "epp", "port": {"number": 9002}}, {"name": "epp"},
+                {"name": "epp", "kind": "Backend", "group": "example.io"},
+                {"name": "epp", "port": {"number": 0}}, {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
+                {"name": "", "port": {"number": 9002}}]),
+        }),
+        "kvEvents": st.fixed_dictionaries({"enabled": st.booleans()}, optional={
+            "port": st.sampled_from([5557, 8000, 80, 6000]),
+            "from": st.just([{"podSelector": {"matchLabels": {"app": "epp"}}}]),
+        }),
     },
 )
 
@@ -99,9 +119,12 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
         return
     assert not server_errors, f"CRD rejects but the model accepts: {server_errors}"
     kinds = [m["kind"] for m in manifests]
-    assert kinds.count("Deployment") == 1 and kinds.count("Service") >= 1
+    routed = "router" in spec
+    assert kinds.count("Deployment") == 1 + routed and kinds.count("Service") == 1 + routed + sum(
+        m["kind"] == "StatefulSet" for m in manifests)
+    assert kinds.count("InferencePool") == int(spec.get("inferencePool", {}).get("enabled", False))
     for manifest in manifests:
-        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        validate_child(manifest)
     assert_no_secret_values(obj, manifests)
     assert_connector_accepts(manifests)
 

@@ -1,5 +1,6 @@
 """The Dockerfile: pins agree with pyproject, the operator image carries no torch/vLLM and runs as
-non-root, the connector image keeps vLLM's entrypoint, hadolint is clean.
+non-root, the connector image keeps vLLM's entrypoint, the router image runs the vllm-router the
+tests run as the user and ports the operator renders, hadolint is clean.
 
 Docker itself does not run here, so the images are not built: these tests check the Dockerfile
 and the build context as text, and that the operator's own code runs without the heavy stack.
@@ -106,7 +107,29 @@ def _pip_targets(stage: Stage) -> list[str]:
 
 
 def test_stages_and_targets_exist():
-    assert {"operator", "connector"} <= set(STAGES)
+    assert {"operator", "connector", "router"} <= set(STAGES)
+
+
+def _stage_args(stage: Stage) -> dict[str, str]:
+    return {k.strip(): v.strip() for k, _, v in (a.partition("=") for a in stage.all("ARG"))}
+
+
+def test_router_image_is_the_vllm_router_the_tests_run_as_the_operator_renders_it():
+    """The version pinned by ARG VLLM_ROUTER_VERSION is pyproject's (test extra) and the installed
+    one; user, entrypoint and ports are what render/router.py gives the router pod."""
+    from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT, ROUTER_UID
+
+    stage = STAGES["router"]
+    version = _stage_args(stage)["VLLM_ROUTER_VERSION"]
+    pins = [r for r in PYPROJECT["project"]["optional-dependencies"]["test"] if r.startswith("vllm-router==")]
+    assert pins == [f"vllm-router=={version}"]
+    assert importlib.metadata.version("vllm-router") == version
+    assert [t.replace("${VLLM_ROUTER_VERSION}", version) for t in _pip_targets(stage)] == [f"vllm-router=={version}"]
+    assert stage.base == STAGES["operator"].base, "the same pinned slim Python as the operator"
+    assert stage.all("USER")[-1] == f"{ROUTER_UID}:{ROUTER_UID}"
+    assert json.loads(stage.all("ENTRYPOINT")[-1]) == ["vllm-router"]
+    assert stage.all("EXPOSE") == [f"{ROUTER_PORT} {ROUTER_METRICS_PORT}"]
+    assert "PYTHONDONTWRITEBYTECODE=1" in " ".join(stage.all("ENV")), "the router runs on a read-only root"
 
 
 def test_connector_base_is_the_vllm_release_the_connector_targets():
@@ -244,6 +267,7 @@ def test_documented_build_tags_are_what_the_chart_and_operator_pull():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert tags["operator"] == f"{values['image']['repository']}:{chart['appVersion']}"
     assert tags["connector"] == Settings().connector_image
+    assert tags["router"] == Settings().router_image
     docs = (REPO / "docs" / "helm.md").read_text()
     for target, tag in tags.items():
         assert f"docker build --target {target}" in docs and tag in docs
@@ -259,4 +283,5 @@ def test_bases_can_be_pinned_by_digest():
     _, stages = parse_dockerfile(pinned)
     assert stages["connector"].base == ARGS["VLLM_IMAGE"] + digest
     assert stages["operator"].base == stages["operator-build"].base == ARGS["PYTHON_IMAGE"] + digest
+    assert stages["router"].base == ARGS["PYTHON_IMAGE"] + digest
     assert re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", stages["operator"].base)

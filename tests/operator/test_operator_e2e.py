@@ -162,6 +162,108 @@ ALL_CHILDREN = [
 ]
 
 
+ROUTER_CHILDREN = [
+    ("v1/serviceaccounts", "tiered-full-router"), ("rbac.authorization.k8s.io/v1/roles", "tiered-full-router"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router"),
+    ("apps/v1/deployments", "tiered-full-router"), ("v1/services", "tiered-full-router"),
+]
+INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+
+
+async def set_status(server, resource: str, name: str, replicas: int, ready: int) -> None:
+    """What the Deployment/StatefulSet controllers would write (absent from the emulator)."""
+    async with server.request(
+        "patch", f"/apis/apps/v1/namespaces/{NS}/{resource}/{name}/status",
+        json={"status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": ready,
+                         "updatedReplicas": replicas}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ) as resp:
+        assert resp.status < 300
+
+
+async def test_router_children_status_endpoints_and_pruning(server, op_settings):
+    """spec.router: its five children are applied (owned, server-side), status.endpoints.openai
+    names the router, the pool is Ready only when the router is, and removing spec.router prunes
+    them and points clients back at the engines' Service."""
+    pool = load_example("tiered-full")
+    pool["spec"]["router"] = {"policy": "cache_aware", "replicas": 2, "cacheThreshold": 0.5}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        uid = (await eventually(lambda: pool_obj(server)["metadata"].get("uid")))
+        for resource, name in ROUTER_CHILDREN:
+            obj = await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+            assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+        status = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1
+                                  and pool_obj(server)["status"], message="reconciled")
+        assert status["endpoints"]["openai"] == f"http://tiered-full-router.{NS}.svc:8000"
+        assert status["endpoints"]["engines"] == f"http://tiered-full.{NS}.svc:8000"
+        router = child(server, "apps/v1/deployments", "tiered-full-router")
+        assert router["spec"]["replicas"] == 2
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--policy") + 1] == "cache_aware" and args[args.index("--cache-threshold") + 1] == "0.5"
+        assert "--enable-scale-out" in child(server, "apps/v1/deployments", "tiered-full")[
+            "spec"]["template"]["spec"]["containers"][0]["args"]
+        assert child(server, "rbac.authorization.k8s.io/v1/roles", "tiered-full-router")["rules"] == [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+        assert child(server, "v1/services", "tiered-full")["spec"]["type"] == "ClusterIP"
+
+        # engines and backends ready, the router not yet: clients cannot get in, the pool is not Ready
+        for resource, name, replicas in (("statefulsets", "tiered-full-redis", 1), ("statefulsets", "tiered-full-minio", 1),
+                                         ("deployments", "tiered-full", 2)):
+            await set_status(server, resource, name, replicas, replicas)
+        await set_status(server, "deployments", "tiered-full-router", 2, 0)
+        await eventually(lambda: "router 0/2 ready" in conditions(server)["Progressing"]["message"],
+                         message="waiting for the router")
+        assert pool_obj(server)["status"]["phase"] == "Progressing"
+        await set_status(server, "deployments", "tiered-full-router", 2, 2)
+        await eventually(lambda: pool_obj(server)["status"]["phase"] == "Ready", message="Ready")
+        assert conditions(server)["Ready"]["message"] == "2/2 engines ready, router 2/2 ready"
+
+        # no router: its children are pruned, clients go to the engines' Service again
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"router": None}})
+        for resource, name in ROUTER_CHILDREN:
+            await eventually(lambda: child(server, resource, name) is None, message=f"prune {resource} {name}")
+        await eventually(lambda: pool_obj(server)["status"]["endpoints"]["openai"] == f"http://tiered-full.{NS}.svc:8000",
+                         message="endpoints back at the engines")
+        await eventually(lambda: "--enable-scale-out" not in child(server, "apps/v1/deployments", "tiered-full")[
+            "spec"]["template"]["spec"]["containers"][0]["args"], message="engines without scale-out")
+        assert child(server, "apps/v1/deployments", "tiered-full") is not None
+        deletes = sorted((r.resource.plural, r.name) for r in child_writes(server) if r.method == "DELETE")
+        assert deletes == sorted((resource.rsplit("/", 1)[1], name) for resource, name in ROUTER_CHILDREN)
+
+
+def gateway_pool() -> dict[str, Any]:
+    pool = load_example("tiered-full")
+    pool["spec"]["inferencePool"] = {"enabled": True, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+    return pool
+
+
+async def test_inference_pool_refused_without_the_operator_setting(server):
+    """Off (the default): a pool asking for an InferencePool is refused naming the field, and the
+    operator never touches inferencepools (it holds no RBAC for them)."""
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",))
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, gateway_pool())
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="refused")
+        assert cond["message"].startswith("spec.inferencePool.enabled: refused by this operator")
+        assert child(server, "apps/v1/deployments", "tiered-full") is None
+    assert not [r for r in requests(server) if r.resource is not None and r.resource.plural == "inferencepools"]
+
+
+async def test_inference_pool_applied_and_pruned_with_the_operator_setting(server):
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), inference_pools=True)
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, gateway_pool())
+        ip = await eventually(lambda: child(server, INFERENCE_POOLS, "tiered-full"), message="InferencePool")
+        assert ip["spec"]["selector"]["matchLabels"] == {
+            "app.kubernetes.io/instance": "tiered-full", "app.kubernetes.io/component": "engine",
+            "kvpool.dev/pool": "tiered-full"}
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"inferencePool": {"enabled": False}}})
+        await eventually(lambda: child(server, INFERENCE_POOLS, "tiered-full") is None, message="pruned")
+
+
 async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings):
     async with running_operator(server, op_settings):
         # --- create: every child exists, owned by the pool, applied server-side
@@ -430,17 +532,32 @@ NOT_EXERCISED = {
     ("", "namespaces", "list"), ("", "namespaces", "watch"),
     *{("kopf.dev", plural, verb) for plural in ("clusterkopfpeerings", "kopfpeerings")
       for verb in ("list", "watch", "patch")},
-    # Pruning works on every child kind; a pool always renders its ConfigMap and Deployment, so
-    # these two go only when an operator upgrade renames a child.
-    ("", "configmaps", "delete"), ("apps", "deployments", "delete"),
+    # Pruning works on every child kind; a pool always renders its ConfigMap, so it goes only when
+    # an operator upgrade renames a child.
+    ("", "configmaps", "delete"),
+    # Held, never used: Kubernetes lets the operator create a router's Role (pods list/watch) and
+    # bind it only when it holds those permissions itself (tests/operator/test_router_discovery.py
+    # shows the router uses exactly these).
+    ("", "pods", "list"), ("", "pods", "watch"),
 }
 
 
-async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, op_settings):
-    from kvpool_operator.rbac import RBAC_RULES
+@pytest.mark.parametrize("inference_pools", [False, True], ids=["default", "inference-pools"])
+async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference_pools):
+    """With the default settings and with the opt-in inferencePools (then with its extra rule):
+    a pool with a router and (opted in) an InferencePool is created, shrunk and deleted."""
+    from kvpool_operator.rbac import rules_for
 
-    granted = {(g, r, v) for rule in RBAC_RULES for g in rule["apiGroups"] for r in rule["resources"]
+    op_settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",),
+                           reconcile_interval=300, inference_pools=inference_pools)
+    granted = {(g, r, v) for rule in rules_for(op_settings) for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
+    pool = load_example("tiered-full")
+    pool["spec"]["router"] = {"policy": "consistent_hash"}
+    children = ALL_CHILDREN + ROUTER_CHILDREN
+    if inference_pools:
+        pool["spec"]["inferencePool"] = {"enabled": True, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+        children = children + [(INFERENCE_POOLS, "tiered-full")]
     # a labelled Secret without an ownerReference (restored from a backup): adopted by a patch
     await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {
         "metadata": {"name": "tiered-full-redis", "labels": {"app.kubernetes.io/managed-by": MANAGER,
@@ -453,18 +570,21 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, op_settin
                                                              "kvpool.dev/pool": "tiered-full"}},
         "stringData": old_minio})
     async with running_operator(server, op_settings):
-        await send(server, "post", POOLS_URL, load_example("tiered-full"))
-        for resource, name in ALL_CHILDREN:
+        await send(server, "post", POOLS_URL, pool)
+        for resource, name in children:
             await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
         await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
         minio = secret_data(child(server, "v1/secrets", "tiered-full-minio"))
         assert {k: minio[k] for k in old_minio} == old_minio  # completed, never rewritten
         assert minio["engineAccessKey"].startswith("kvpool-") and len(minio["engineSecretKey"]) >= 32
-        # fewer children: the PDB, the NetworkPolicy and everything of Redis are pruned
+        # fewer children: the PDB, the NetworkPolicy, everything of Redis, the router (its Deployment
+        # among them) and the InferencePool are pruned
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {
-            "replicas": 1, "networkPolicy": {"enabled": False}, "tiers": {"redis": None}}})
-        for resource, name in (("policy/v1/poddisruptionbudgets", "tiered-full"), ("v1/secrets", "tiered-full-redis"),
-                               ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends")):
+            "replicas": 1, "networkPolicy": {"enabled": False}, "tiers": {"redis": None}, "router": None,
+            "inferencePool": None}})
+        pruned = [("policy/v1/poddisruptionbudgets", "tiered-full"), ("v1/secrets", "tiered-full-redis"),
+                  ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"), *ROUTER_CHILDREN]
+        for resource, name in pruned + ([(INFERENCE_POOLS, "tiered-full")] if inference_pools else []):
             await eventually(lambda: child(server, resource, name) is None, message=f"prune {resource}")
         async with server.request("delete", f"{POOLS_URL}/tiered-full") as resp:
             assert resp.status < 300

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
+from kvpool_operator import models
 from kvpool_operator.golden import examples, golden_text
 from kvpool_operator.render import InvalidPool, render
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings
-from tests.operator.conftest import GOLDEN_DIR, K8S_VERSION, REQUIRED_EXAMPLES, example_ids, load_example
+from tests.operator.conftest import GOLDEN_DIR, REQUIRED_EXAMPLES, example_ids, load_example
+from tests.operator.schema_check import validate_child
 
 TIERED_KV_TRANSFER_CONFIG = (
     '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool_connector.vllm",'
@@ -28,8 +29,16 @@ def by_kind(manifests: list[dict[str, Any]], kind: str, name: str | None = None)
     return found[0]
 
 
+def engines(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engines' Deployment (a pool with a router has a second one)."""
+    found = [m for m in manifests if m["kind"] == "Deployment"
+             and m["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+    assert len(found) == 1, [m["metadata"]["name"] for m in found]
+    return found[0]
+
+
 def engine(manifests):
-    return by_kind(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return engines(manifests)["spec"]["template"]["spec"]["containers"][0]
 
 
 def kv_config(manifests) -> dict[str, Any]:
@@ -62,7 +71,7 @@ def test_every_manifest_validates_against_kubernetes_schema(name, settings):
     manifests = rendered(name, settings)
     assert manifests
     for manifest in manifests:
-        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        validate_child(manifest)
 
 
 def test_tiered_full_connector_contract(settings):
@@ -90,7 +99,7 @@ def test_tiered_full_connector_contract(settings):
     }
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
     assert mounts["/etc/kvpool"] == "kvpool-config" and mounts["/var/lib/kvpool/disk"] == "kv-disk"
-    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["kv-disk"]["hostPath"] == {"path": "/mnt/nvme0", "type": "Directory"}
     assert volumes["kvpool-config"]["configMap"]["name"] == "tiered-full-kvpool"
     kinds = sorted((x["kind"], x["metadata"]["name"]) for x in m)
@@ -135,32 +144,72 @@ def test_external_backends_use_the_users_secrets(settings):
     assert tiers["cpu"]["size"] == 128 * 2**30 // 4
     assert not [x for x in m if x["kind"] == "StatefulSet"]
     assert [x["metadata"]["name"] for x in m if x["kind"] == "Secret"] == ["tiered-external-kvpool-keys"]
-    assert "initContainers" not in by_kind(m, "Deployment")["spec"]["template"]["spec"]
+    assert "initContainers" not in engines(m)["spec"]["template"]["spec"]
     assert engine(m)["resources"]["limits"]["nvidia.com/gpu"] == 4
 
 
 def test_emptydir_disk_reserves_ephemeral_storage(settings):
     m = rendered("tiered-emptydir", settings)
     assert engine(m)["resources"]["requests"]["ephemeral-storage"] == "100Gi"
-    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["kv-disk"]["emptyDir"] == {"sizeLimit": "100Gi"}
     assert not [x for x in m if x["kind"] == "PodDisruptionBudget"]  # one replica: no PDB
 
 
-def test_native_cpu_uses_vllm_offloading_connector(settings):
+def test_native_cpu_uses_vllm_offloading_connector_with_kvpools_spec(settings):
     cfg = kv_config(rendered("native-cpu", settings))
     assert cfg == {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * 2**30, "eviction_policy": "lru", "block_size": 256},
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 32 * 2**30, "eviction_policy": "lru", "block_size": 256,
+                                      "spec_name": "KVPoolOffloadingSpec",
+                                      "spec_module_path": "kvpool_connector.native", "offload_worker": "auto"},
     }
+
+
+@pytest.mark.parametrize("worker", ["auto", "kvpool", "vllm"])
+@pytest.mark.parametrize("name", ["native-cpu", "native-nvme", "native-shared"])
+def test_native_offload_worker_setting(settings, name, worker):
+    """auto/kvpool: kvpool's spec (vLLM's tiering spec, CPU-platform worker); vllm: vLLM's stock
+    spec, exactly what vLLM documents (no kvpool code for cpu and fs tiers)."""
+    pool = load_example(name)
+    pool["spec"].setdefault("native", {})["offloadWorker"] = worker
+    extra = kv_config(render(pool, settings, "kvpool"))["kv_connector_extra_config"]
+    secondary = extra.get("secondary_tiers")
+    if worker == "vllm":
+        assert "spec_module_path" not in extra and "offload_worker" not in extra
+        assert extra.get("spec_name") == ("TieringOffloadingSpec" if secondary else None)
+    else:
+        assert (extra["spec_name"], extra["spec_module_path"], extra["offload_worker"]) == (
+            "KVPoolOffloadingSpec", "kvpool_connector.native", worker)
+    assert (secondary is None) == (name == "native-cpu")
+
+
+def test_kvpool_offloading_spec_is_what_vllm_loads():
+    """vLLM's factory imports spec_module_path and takes spec_name from it: that must be kvpool's
+    subclass of TieringOffloadingSpec, and every offloadWorker value one it accepts."""
+    import importlib
+    from pathlib import Path
+
+    import vllm
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvpool_connector.native import spec as native_spec
+    from kvpool_operator.render.connector import KVPOOL_NATIVE_MODULE, KVPOOL_OFFLOADING_SPEC
+
+    factory = (Path(vllm.__file__).parent / "v1/kv_offload/factory.py").read_text()
+    assert '"spec_module_path"' in factory
+    cls = getattr(importlib.import_module(KVPOOL_NATIVE_MODULE), KVPOOL_OFFLOADING_SPEC)
+    assert issubclass(cls, TieringOffloadingSpec)
+    values = models.NativeOptions.model_fields["offload_worker"].annotation.__args__
+    assert set(values) == set(native_spec.WORKER_CHOICES) and native_spec.WORKER_KEY == "offload_worker"
 
 
 def test_native_nvme_adds_fs_secondary_tier(settings):
     m = rendered("native-nvme", settings)
     extra = kv_config(m)["kv_connector_extra_config"]
-    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["spec_name"] == "KVPoolOffloadingSpec"  # vLLM's TieringOffloadingSpec, CPU-capable worker
     assert extra["eviction_policy"] == "arc"
     assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/var/lib/kvpool/disk"}]
     assert "connector.yaml" not in by_kind(m, "ConfigMap")["data"]  # vLLM needs no kvpool store config
@@ -198,7 +247,7 @@ def test_native_extra_config_keys_are_the_ones_vllm_reads():
 def test_common_engine_properties(settings):
     for name in example_ids():
         m = rendered(name, settings)
-        dep = by_kind(m, "Deployment")
+        dep = engines(m)
         c = engine(m)
         # one random seed per pool, shared by its replicas (vLLM's prefix hashes), from its keys Secret
         assert {"name": "PYTHONHASHSEED",
@@ -225,7 +274,7 @@ def test_common_engine_properties(settings):
 
 def test_engines_run_as_the_configured_non_root_user(settings):
     custom = settings.model_copy(update={"engine_run_as_user": 4242, "engine_run_as_group": 4343, "engine_fs_group": 4444})
-    pod = by_kind(rendered("tiered-emptydir", custom), "Deployment")["spec"]["template"]["spec"]
+    pod = engines(rendered("tiered-emptydir", custom))["spec"]["template"]["spec"]
     sc = pod["securityContext"]
     assert (sc["runAsNonRoot"], sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (True, 4242, 4343, 4444)
     for container in pod["containers"] + pod.get("initContainers", []):
@@ -243,7 +292,7 @@ def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
     pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier, no queue: staging + shm + overhead
     resources = engine(render(pool, settings, "kvpool"))["resources"]
     assert resources["requests"]["memory"] == resources["limits"]["memory"] == "3Gi"
-    volumes = {v["name"]: v for v in by_kind(render(pool, settings, "kvpool"), "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in engines(render(pool, settings, "kvpool"))["spec"]["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "512Mi"
     # the user's resources still win (tiered-full raises the limit to 96Gi)
     full = engine(rendered("tiered-full", settings))["resources"]
@@ -273,7 +322,7 @@ def test_config_change_changes_checksum_and_nothing_random(settings):
     second = render(pool, settings)
 
     def checksum(m):
-        return by_kind(m, "Deployment")["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]
+        return engines(m)["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]
 
     assert checksum(first) != checksum(second)
 
@@ -406,10 +455,10 @@ def test_managed_redis_tls(settings):
     tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
     assert tier["url"].startswith("rediss://tiered-full-redis.kvpool.svc:6379")
     assert tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
-    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["redis-ca"]["secret"] == {"secretName": "redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     for manifest in m:
-        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        validate_child(manifest)
 
 
 def test_external_redis_with_a_private_ca_and_acl_user(settings):
@@ -419,7 +468,7 @@ def test_external_redis_with_a_private_ca_and_acl_user(settings):
     m = render(pool, settings, "kvpool")
     tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
     assert tier["username"] == "kv" and tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
-    volumes = {v["name"]: v for v in by_kind(m, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["redis-ca"]["secret"]["items"] == [{"key": "root.pem", "path": "ca.crt"}]
 
 

@@ -66,16 +66,27 @@ def split_rules(rules: list[dict], cluster_scoped: set[tuple[str, str]]) -> tupl
     return cluster, namespaced
 
 
-def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]], user_roles: dict[str, list[dict]]) -> str:
+def chart_key(setting: str) -> str:
+    """The chart value of an operator setting: operator.settings.<lowerCamelCase>."""
+    first, *rest = setting.split("_")
+    return first + "".join(part.title() for part in rest)
+
+
+def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]], user_roles: dict[str, list[dict]],
+              optional: dict[str, list[dict]] | None = None) -> str:
     """files/rbac.yaml: the operator's rules verbatim (cluster-wide mode) and split (namespaced
-    mode), and the people's roles aggregated into the built-in admin and view ClusterRoles."""
+    mode), the opt-in rules by the chart value (operator.settings.<key>) that grants them, and the
+    people's roles aggregated into the built-in admin and view ClusterRoles."""
     cluster, namespaced = split_rules(rules, cluster_scoped)
+    optional = {chart_key(k): v for k, v in (optional or {}).items()}
+    for key, extra in optional.items():  # appended to the Role of every watched namespace, too
+        if split_rules(extra, cluster_scoped)[0]:
+            raise ValueError(f"optional rules {key} name a cluster-scoped resource")
     # A JSON round trip unshares the verb lists, so the YAML carries no anchors/aliases.
     doc = json.loads(json.dumps({"all": rules, "clusterScoped": cluster, "namespaced": namespaced,
-                                 "userRoles": user_roles}))
-    return GENERATED.format(source="kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED, USER_ROLES)") + yaml.safe_dump(
-        doc, sort_keys=False
-    )
+                                 "optional": optional, "userRoles": user_roles}))
+    source = "kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED, OPTIONAL_RULES, USER_ROLES)"
+    return GENERATED.format(source=source) + yaml.safe_dump(doc, sort_keys=False)
 
 
 def expected_files(repo: Path = REPO) -> dict[Path, str]:
@@ -86,7 +97,8 @@ def expected_files(repo: Path = REPO) -> dict[Path, str]:
         out[chart / "files" / "crds" / crd.name] = crd.read_text()
     from kvpool_operator import rbac
 
-    out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES)
+    out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES,
+                                                   rbac.OPTIONAL_RULES)
     lua = (chart / "health" / "kvcachepool.lua").read_text()
     out[repo / "examples" / "gitops" / "argocd" / "argocd-cm-health.yaml"] = argocd_cm_patch(lua)
     return out

@@ -19,9 +19,10 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kvpool_operator import models, policy
 from kvpool_operator.kube import Kube
-from kvpool_operator.render import CHILD_KINDS, InvalidPool, Pool, load_pool, render_pool
+from kvpool_operator.render import InvalidPool, Pool, child_kinds, load_pool, render_pool
 from kvpool_operator.render.common import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
+from kvpool_operator.render.router import router_name
 from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.render.secretrefs import referenced_secrets
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
@@ -31,7 +32,6 @@ from kvpool_operator.status import Observation, compute_status
 Key = tuple[str, str, str]  # apiVersion, kind, name
 
 SECRET = ("v1", "Secret")
-LISTED_KINDS = tuple(k for k in CHILD_KINDS if k != SECRET)  # Secrets are read by name, never listed
 WORKLOAD_KINDS = (("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"))  # all that status reads
 
 
@@ -145,15 +145,20 @@ def selector_string(pool_name: str) -> str:
     return f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={pool_name},{POOL_LABEL}={pool_name}"
 
 
-def list_children(kube: Kube, namespace: str, pool_name: str,
-                  kinds: tuple[tuple[str, str], ...] = LISTED_KINDS) -> dict[Key, dict[str, Any]]:
-    """Live children of `kinds` by label, plus (with the default kinds) generated Secrets by name."""
+def listed_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """Every child kind these settings allow, less Secrets (read by name, never listed)."""
+    return tuple(k for k in child_kinds(settings) if k != SECRET)
+
+
+def list_children(kube: Kube, namespace: str, pool_name: str, kinds: tuple[tuple[str, str], ...],
+                  secrets: bool = True) -> dict[Key, dict[str, Any]]:
+    """Live children of `kinds` by label, plus (with `secrets`) generated Secrets by name."""
     labels = {POOL_LABEL: pool_name, "app.kubernetes.io/managed-by": MANAGER}
     live: dict[Key, dict[str, Any]] = {}
     for api_version, kind in kinds:
         for obj in kube.list(api_version, kind, namespace, labels):
             live[(api_version, kind, obj["metadata"]["name"])] = obj
-    if kinds == LISTED_KINDS:
+    if secrets:
         for name in generated_secret_names(pool_name):
             secret = kube.get(*SECRET, namespace, name)
             if secret is not None:  # someone else's too: plan() must see it to leave it alone
@@ -205,6 +210,9 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
                 backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
         endpoints = pool_endpoints(pool)
         kw.setdefault("insecure", tuple(policy.insecure_backends(pool.spec)))
+        if pool.spec.router is not None:
+            kw["router"] = live.get(("apps/v1", "Deployment", router_name(pool)))
+            kw["router_replicas"] = pool.spec.router.replicas
     return Observation(
         generation=meta.get("generation"),
         desired_replicas=desired,
@@ -221,7 +229,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     """One full pass. Invalid specs touch no child; API errors on one child do not stop the others."""
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-    live = list_children(kube, namespace, name)
+    live = list_children(kube, namespace, name, listed_kinds(settings))
     recheck = False
     try:
         pool = load_pool(body, settings)
@@ -290,7 +298,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     if previous.get("observedGeneration") is None:
         return None
     meta = body["metadata"]
-    live = list_children(kube, meta["namespace"], meta["name"], WORKLOAD_KINDS)
+    live = list_children(kube, meta["namespace"], meta["name"], WORKLOAD_KINDS, secrets=False)
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:

@@ -12,15 +12,17 @@ from typing import Any
 from kvpool_operator.render.common import InvalidPool, Pool, load_pool
 from kvpool_operator.render.configmap import render_configmap
 from kvpool_operator.render.engine import render_engine
+from kvpool_operator.render.inferencepool import render_inference_pool
 from kvpool_operator.render.minio import render_minio
 from kvpool_operator.render.networkpolicy import render_networkpolicy
 from kvpool_operator.render.pdb import render_pdb
 from kvpool_operator.render.redis import render_redis
+from kvpool_operator.render.router import render_router
 from kvpool_operator.render.secrets import render_secrets
 from kvpool_operator.render.service import render_service
 from kvpool_operator.settings import Settings
 
-__all__ = ["InvalidPool", "Pool", "load_pool", "render", "render_pool", "CHILD_KINDS"]
+__all__ = ["InvalidPool", "Pool", "load_pool", "render", "render_pool", "CHILD_KINDS", "OPTIONAL_KINDS", "child_kinds"]
 
 # Dependencies first: Secrets and config before the workloads that mount them.
 RENDERERS = (
@@ -32,6 +34,8 @@ RENDERERS = (
     render_engine,
     render_service,
     render_pdb,
+    render_router,
+    render_inference_pool,
 )
 
 # (apiVersion, kind) of everything render can produce: what the reconciler lists for pruning.
@@ -43,7 +47,19 @@ CHILD_KINDS = (
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 )
+# Kinds the operator renders, lists and prunes only when a setting allows them (it holds no RBAC
+# for them otherwise, and their CRD may not be installed): setting name -> kinds.
+OPTIONAL_KINDS = {"inference_pools": (("inference.networking.k8s.io/v1", "InferencePool"),)}
+
+
+def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """CHILD_KINDS plus the optional kinds these settings turn on."""
+    extra = tuple(kind for setting, kinds in OPTIONAL_KINDS.items() if getattr(settings, setting) for kind in kinds)
+    return CHILD_KINDS + extra
 
 
 def render_pool(pool: Pool) -> list[dict[str, Any]]:

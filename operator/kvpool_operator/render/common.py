@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ MAX_POOL_NAME = 57  # "<name>-minio" must stay a 63-character DNS label
 CONFIG_DIR = "/etc/kvpool"
 CONFIG_FILE = f"{CONFIG_DIR}/connector.yaml"
 DISK_PATH = "/var/lib/kvpool/disk"
-HTTP_PORT = 8000
+HTTP_PORT = models.ENGINE_PORT
 REDIS_PORT = 6379
 MINIO_PORT = 9000
 MINIO_BUCKET = "kvpool"
@@ -149,3 +150,14 @@ def secret_env(env: str, secret: str, key: str, optional: bool = False) -> dict[
     if optional:
         ref["optional"] = True
     return {"name": env, "valueFrom": {"secretKeyRef": ref}}
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` deep-merged over `base` (dicts merge, anything else replaces); both unchanged."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -42,6 +42,8 @@ KVPOOL_CONNECTOR = "KVPoolConnector"
 KVPOOL_MODULE = "kvpool_connector.vllm"
 KVPOOL_TIER_TYPE = "kvpool"
 KVPOOL_TIER_MODULE = "kvpool_connector.vllm_tiers"
+KVPOOL_OFFLOADING_SPEC = "KVPoolOffloadingSpec"  # vLLM loads it by spec_name + spec_module_path
+KVPOOL_NATIVE_MODULE = "kvpool_connector.native"
 
 
 STORE_NAMESPACE_MAX = 63  # the store's namespace: [A-Za-z0-9][A-Za-z0-9._-]{0,62}
@@ -107,6 +109,8 @@ def _redis_tier(pool: Pool) -> RedisTierConfig:
         tier["password_env"] = REDIS_PASSWORD_ENV
     if backend_ca(pool, "redis") is not None:
         tier["tls_ca_file"] = ca_file("redis")
+    if redis.external is not None and redis.external.cluster:
+        tier["cluster"] = True
     return RedisTierConfig(type="redis", **tier)
 
 
@@ -195,8 +199,14 @@ def kv_transfer_config(pool: Pool) -> dict[str, Any]:
         secondary.append({"type": "fs", "root_dir": DISK_PATH})
     if tiers.redis or tiers.s3:
         secondary.append({"type": KVPOOL_TIER_TYPE, "module_path": KVPOOL_TIER_MODULE, "config_file": CONFIG_FILE})
+    worker = pool.spec.native.offload_worker
+    if worker != "vllm":  # kvpool's spec: vLLM's tiering spec whose worker also runs on CPU nodes
+        extra |= {"spec_name": KVPOOL_OFFLOADING_SPEC, "spec_module_path": KVPOOL_NATIVE_MODULE,
+                  "offload_worker": worker}
+    elif secondary:
+        extra["spec_name"] = "TieringOffloadingSpec"
     if secondary:
-        extra |= {"spec_name": "TieringOffloadingSpec", "secondary_tiers": secondary}
+        extra["secondary_tiers"] = secondary
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

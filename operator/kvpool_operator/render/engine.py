@@ -25,6 +25,7 @@ from kvpool_operator.render.common import (
     TLS_CA_DIR,
     Pool,
     checksum,
+    merge,
     secret_env,
 )
 from kvpool_operator.render.configmap import config_data
@@ -63,16 +64,6 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def memory(pool: Pool) -> str:
     """The CPU tier (pinned host memory), the connector's write queues and staging (bounded by the
     store config), /dev/shm (tmpfs pages count as the pod's memory) and vLLM's own process."""
@@ -93,7 +84,7 @@ def _resources(pool: Pool) -> dict[str, Any]:
     if disk and disk.volume.empty_dir is not None and disk.volume.empty_dir.medium == "":
         requests["ephemeral-storage"] = disk.size  # reserve node disk so the kubelet never evicts us
     base = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
-    return _merge(base, spec.model.resources)
+    return merge(base, spec.model.resources)
 
 
 def _disk_volume(pool: Pool) -> dict[str, Any] | None:
@@ -155,6 +146,32 @@ def _wait_init(pool: Pool) -> list[dict[str, Any]]:
     ]
 
 
+POD_NAME_ENV = "POD_NAME"  # downward API; the kubelet expands $(POD_NAME) in args
+
+
+def kv_events_config(pool: Pool) -> dict[str, Any] | None:
+    """vLLM's `--kv-events-config` (KVEventsConfig): a ZMQ publisher on every engine, one topic per
+    pod so a subscriber knows whose cache an event describes."""
+    events = pool.spec.kv_events
+    if events is None or not events.enabled:
+        return None
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events.port}",
+            "topic": f"kv@$({POD_NAME_ENV})"}
+
+
+def _fleet_args(pool: Pool) -> list[str]:
+    """Flags the router and external routers need: cache_aware tokenizes each request through the
+    engine's /v1/chat/completions/render (served with --enable-scale-out, behind the API key)."""
+    args = []
+    router = pool.spec.router
+    if router is not None and router.policy == "cache_aware":
+        args.append("--enable-scale-out")
+    events = kv_events_config(pool)
+    if events is not None:
+        args += ["--kv-events-config", compact_json(events)]
+    return args
+
+
 def render_engine(pool: Pool) -> list[dict[str, Any]]:
     spec = pool.spec
     model = spec.model
@@ -164,12 +181,15 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "--port", str(HTTP_PORT),
         "--tensor-parallel-size", str(model.tensor_parallel_size),
         "--kv-transfer-config", compact_json(kv_transfer_config(pool)),
+        *_fleet_args(pool),
         *model.extra_args,
     ]
     api_key = spec.service.api_key_secret_ref
+    events = spec.kv_events if kv_events_config(pool) is not None else None
     env = [
         secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED),
         {"name": "HOME", "value": HOME},
+        *([{"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if events else []),
         *([secret_env("VLLM_API_KEY", api_key.name, api_key.key)] if api_key else []),  # vLLM's --api-key
         *secret_envs(pool),
         *model.env,
@@ -210,7 +230,8 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  *([{"name": "kv-events", "containerPort": events.port, "protocol": "TCP"}] if events else [])],
         "startupProbe": probe(10, 180),  # model download + load may take up to 30 minutes
         "readinessProbe": probe(10, 3),
         "livenessProbe": probe(15, 4),

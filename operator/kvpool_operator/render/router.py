@@ -1,0 +1,127 @@
+"""`<name>-router`: vllm-router (the vLLM project's Rust router) in front of the engines.
+
+Children of a pool with `spec.router`: a ServiceAccount, a Role + RoleBinding that let it list
+and watch the pods of the pool's namespace (what its Kubernetes service discovery does: vllm-router
+0.1.17 lists and watches every pod of the namespace and filters by label itself, so RBAC cannot
+narrow it further), the Deployment and its Service (`spec.service.port` -> the router's 8000, and
+`metrics` 29000 for the chart's monitors).
+
+The router forwards each client's Authorization header to the engines (and on cache_aware's
+render call), so `spec.service.apiKeySecretRef` needs nothing on the router: no key is ever in
+its argv or env. Facts checked against vllm-router 0.1.17 by tests/operator/test_router_discovery.py,
+which runs the real binary with these args against the emulator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_operator import models
+from kvpool_operator.render.backends import RESTRICTED_CONTAINER, pod_security
+from kvpool_operator.render.common import HTTP_PORT, Pool, child_name, merge
+
+ROUTER_PORT = 8000
+ROUTER_METRICS_PORT = 29000
+ROUTER_UID = 65532  # the Dockerfile's `router` target user
+ROUTER_HEALTH_CHECK_SECONDS = 15  # the router's own engine health checks (its default: 60)
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+# What service discovery needs (kube-rs watcher: an initial list, then a watch): nothing else.
+DISCOVERY_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+
+
+def router_name(pool: Pool) -> str:
+    return child_name(pool.name, "router")
+
+
+def router_args(pool: Pool, router: models.RouterSpec) -> list[str]:
+    """vllm-router flags: service discovery of this pool's engine pods in its namespace."""
+    selector = [f"{k}={v}" for k, v in sorted(pool.selector("engine").items())]
+    args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy", router.policy,
+            "--service-discovery", "--selector", *selector,
+            "--service-discovery-port", str(HTTP_PORT),
+            "--service-discovery-namespace", pool.namespace,
+            "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_SECONDS),
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT),
+            "--log-level", "info"]
+    for flag, value in (("--cache-threshold", router.cache_threshold),
+                        ("--balance-abs-threshold", router.balance_abs_threshold),
+                        ("--balance-rel-threshold", router.balance_rel_threshold)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _rbac(pool: Pool) -> list[dict[str, Any]]:
+    name = router_name(pool)
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": pool.meta(name, "router"),
+         "automountServiceAccountToken": False},  # mounted by the router pod only
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": pool.meta(name, "router"),
+         "rules": [dict(rule) for rule in DISCOVERY_RULES]},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": pool.meta(name, "router"),
+         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]},
+    ]
+
+
+def _deployment(pool: Pool, router: models.RouterSpec) -> dict[str, Any]:
+    name = router_name(pool)
+    container = {
+        "name": "router",
+        "image": router.image or pool.settings.router_image,
+        "imagePullPolicy": pool.settings.image_pull_policy,
+        "command": ["vllm-router"],
+        "args": router_args(pool, router),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"}],
+        # /readiness is 503 until at least one engine is healthy: no traffic to a router without engines
+        "readinessProbe": {"httpGet": {"path": "/readiness", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3},
+        "livenessProbe": {"httpGet": {"path": "/liveness", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 3, "failureThreshold": 3},
+        "resources": merge(ROUTER_RESOURCES, router.resources),
+        "securityContext": dict(RESTRICTED_CONTAINER),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": pool.meta(name, "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": pool.selector("router")},
+            "template": {
+                "metadata": {"labels": pool.labels("router")},
+                "spec": {
+                    "serviceAccountName": name,
+                    "automountServiceAccountToken": True,  # service discovery reads pods with it
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security(ROUTER_UID),
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                },
+            },
+        },
+    }
+
+
+def _service(pool: Pool) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": pool.meta(router_name(pool), "router"),
+        "spec": {
+            "type": pool.spec.service.type,
+            "selector": pool.selector("router"),
+            "ports": [{"name": "http", "port": pool.spec.service.port, "targetPort": "http", "protocol": "TCP"},
+                      {"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_router(pool: Pool) -> list[dict[str, Any]]:
+    router = pool.spec.router
+    if router is None:
+        return []
+    return [*_rbac(pool), _deployment(pool, router), _service(pool)]

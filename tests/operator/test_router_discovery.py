@@ -1,0 +1,196 @@
+"""The real vllm-router (0.1.17, the test extra's pin and the Dockerfile's) run with the args the
+operator renders, against kmock's Kubernetes emulator and a stub engine on loopback.
+
+What this pins: the rendered flags are accepted; service discovery with the rendered selector and
+namespace finds the pool's ready engine pods and nothing else; the router sends the API only the
+requests its rendered Role allows (list and watch of pods in the pool's namespace); its readiness
+follows its engines; it forwards the client's Authorization header to the engines, on cache_aware's
+render call too, so no key is ever given to the router. Only addresses are changed for loopback:
+--host, --port, --prometheus-host/-port, and --service-discovery-port (the stub's port; 8000 is
+what the engines listen on in a cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+import yaml
+from aiohttp import web
+
+from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_operator.render import render
+from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT
+from tests.operator.conftest import load_example
+from tests.operator.emulator import apiserver_with_resources, requests
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "ml"
+API_KEY = "client-api-key-0123456789"  # what a client sends; the router must only pass it on
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router_binary() -> str:
+    exe = Path(sys.executable).parent / "vllm-router"
+    assert exe.exists(), "vllm-router missing: it is in the test extra (make setup)"
+    return str(exe)
+
+
+def replaced(args: list[str], values: dict[str, str]) -> list[str]:
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+class StubEngine:
+    """/health, /v1/models, cache_aware's /v1/chat/completions/render and the completion itself;
+    records every request's path and Authorization header."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None]] = []
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        self.seen.append((request.path, request.headers.get("Authorization")))
+        if request.path == "/health":
+            return web.Response(text="ok")
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        if request.path.endswith("/render"):
+            return web.json_response({"prompt_token_ids": list(range(1, 33)), "token_ids": list(range(1, 33))})
+        return web.json_response({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 32, "completion_tokens": 1, "total_tokens": 33}})
+
+    async def __aenter__(self) -> StubEngine:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def pod(name: str, labels: dict[str, str], ip: str, ready: bool) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+            "spec": {"containers": [{"name": "vllm", "image": "x"}]},
+            "status": {"podIP": ip, "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+async def get_json(url: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+@contextlib.asynccontextmanager
+async def running(args: list[str], kubeconfig: Path, log: Path):
+    proc = await asyncio.create_subprocess_exec(
+        router_binary(), *args, stdout=log.open("wb"), stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig), "HOME": str(log.parent)})
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 20)
+
+
+async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clients_key(tmp_path):
+    manifests = render(load_example("tiered-router"), GOLDEN_SETTINGS, NS)
+    by = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    deployment = by[("Deployment", "tiered-router-router")]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["vllm-router"] and "env" not in container  # no key, no env at all
+    role = by[("Role", "tiered-router-router")]
+    engine_labels = by[("Deployment", "tiered-router")]["spec"]["template"]["metadata"]["labels"]
+    other_labels = {**engine_labels, "app.kubernetes.io/instance": "other", "kvpool.dev/pool": "other"}
+
+    srv = apiserver_with_resources()
+    srv.resources["v1/pods"] = kmock.ResourceInfo(
+        kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "update", "delete"})
+    async with srv, kmock.Server(srv), StubEngine() as engine:
+        url = str(srv.url).rstrip("/")
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+            "clusters": [{"name": "emu", "cluster": {"server": url}}],
+            "users": [{"name": "emu", "user": {"token": "router-sa-token"}}],
+            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}))
+        for body in (pod("tiered-router-a", engine_labels, "127.0.0.1", ready=True),
+                     pod("tiered-router-b", engine_labels, "127.0.0.3", ready=False),  # not ready: not routed to
+                     pod("other-a", other_labels, "127.0.0.2", ready=True)):  # another pool's engine
+            async with srv.request("post", f"/api/v1/namespaces/{NS}/pods", json=body) as resp:
+                assert resp.status < 300
+        port, metrics_port = free_port(), free_port()
+        args = replaced(container["args"], {
+            "--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
+            "--prometheus-port": str(metrics_port), "--service-discovery-port": str(engine.port)})
+        assert args[args.index("--service-discovery-namespace") + 1] == NS
+        assert container["args"][container["args"].index("--port") + 1] == str(ROUTER_PORT)
+        assert container["args"][container["args"].index("--prometheus-port") + 1] == str(ROUTER_METRICS_PORT)
+        base = f"http://127.0.0.1:{port}"
+        log = tmp_path / "router.log"
+        async with running(args, kubeconfig, log) as proc:
+            async def ready():
+                assert proc.returncode is None, log.read_text()[-3000:]
+                try:
+                    status, body = await get_json(f"{base}/readiness")
+                except aiohttp.ClientError:
+                    return None
+                return body if status == 200 else None
+
+            deadline = asyncio.get_running_loop().time() + 60
+            while (body := await ready()) is None:
+                assert asyncio.get_running_loop().time() < deadline, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            # only the pool's ready engine: not the unready one, not the other pool's
+            assert body == {"status": "ready", "healthy_workers": 1, "total_workers": 1}, body
+            assert (await get_json(f"{base}/liveness"))[0] == 200
+
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                        json={"model": "m", "messages": [{"role": "user", "content": "hello"}]}) as resp:
+                    assert resp.status == 200, await resp.text()
+            calls = [(path, auth) for path, auth in engine.seen if path != "/health"]
+            assert ("/v1/chat/completions/render", f"Bearer {API_KEY}") in calls  # cache_aware tokenizes first
+            assert ("/v1/chat/completions", f"Bearer {API_KEY}") in calls
+
+            status, metrics = await get_json(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert status == 200 and "vllm_router_active_workers" in metrics
+
+            # the router's own API requests (it found the pod, so they were made): what its Role
+            # must allow, and nothing more
+            router_calls = [r for r in requests(srv) if not r.headers.get("User-Agent", "").startswith("kmock/")]
+    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get"}
+    used = {(r.resource.group, r.resource.plural, by_action.get(r.action, r.method)) for r in router_calls}
+    granted = {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
+               for v in rule["verbs"]}
+    assert used == granted == {("", "pods", "list"), ("", "pods", "watch")}
+    assert {r.namespace for r in router_calls} == {NS}
