@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_connector.testbed.localmodel import ensure_model
-from kvpool_connector.testbed.servers import RedisServer, S3Server
+from kvpool_dev.testbed.localmodel import ensure_model
+from kvpool_dev.testbed.servers import RedisServer, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_KEY_ENV = "KVPOOL_TEST_POOL_KEY"

@@ -21,13 +21,13 @@ from importlib import import_module
 from typing import Any, Callable
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvpool_connector.demo", "run vLLM with the kvpool connector on a chat workload"),
-    "bench store": ("kvpool_connector.bench.store_bench", "tier throughput vs raw baselines"),
-    "bench e2e": ("kvpool_connector.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
-    "bench fleet": ("kvpool_connector.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
+    "demo": ("kvpool_dev.demo", "run vLLM with the kvpool connector on a chat workload"),
+    "bench store": ("kvpool_dev.bench.store_bench", "tier throughput vs raw baselines"),
+    "bench e2e": ("kvpool_dev.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
+    "bench fleet": ("kvpool_dev.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
     "render": ("kvpool_operator.cli", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
-    "model": ("kvpool_connector.testbed.localmodel", "generate the local demo/bench model"),
+    "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),
 }
 
 # Document kinds `kvpool validate` leaves to another package: kind -> "module:function"

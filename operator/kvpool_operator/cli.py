@@ -95,7 +95,7 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def _golden(args: argparse.Namespace) -> int:
-    from kvpool_operator.golden import write_golden
+    from kvpool_dev.golden import write_golden
 
     for path in write_golden(Path(args.write)):
         print(path)

@@ -15,7 +15,7 @@ from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
-from kvpool_connector.testbed.kv_events import decode_batch
+from kvpool_dev.testbed.kv_events import decode_batch
 from tests.connector.test_connector_scheduler import BPC, BS, PREFIX, _alloc, _output, _request
 from tests.connector.test_connector_scheduler import side  # noqa: F401 (the base fixture)
 from tests.conftest import SECURITY

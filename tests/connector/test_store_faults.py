@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import SECURITY
 from kvpool_connector.store import open_store
-from kvpool_connector.testbed.servers import free_port
+from kvpool_dev.testbed.servers import free_port
 
 TIMEOUT = 0.3
 BOUND = 4 * TIMEOUT + 1.0

@@ -409,7 +409,7 @@ def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
 
 def test_redis_over_tls(tmp_path, namespace):
     """rediss:// against a real TLS redis-server, verified with its CA file (and insecure)."""
-    from kvpool_connector.testbed.servers import free_port, wait_port
+    from kvpool_dev.testbed.servers import free_port, wait_port
     from tests.conftest import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)
@@ -442,7 +442,7 @@ def test_redis_over_tls(tmp_path, namespace):
 def test_s3_over_tls_with_a_ca_file(tmp_path, namespace, monkeypatch):
     """https:// against a real S3 server (moto) with a self-signed certificate: trusted
     through tls_ca_file, refused with the system CAs."""
-    from kvpool_connector.testbed.servers import free_port, wait_port
+    from kvpool_dev.testbed.servers import free_port, wait_port
     from tests.conftest import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)

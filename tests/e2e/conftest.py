@@ -1,6 +1,6 @@
 """Shared pieces of the KVPoolConnector end-to-end tests.
 
-Two oracles (see kvpool_connector.testbed.oracle):
+Two oracles (see kvpool_dev.testbed.oracle):
 - the KV itself, exactly: every connector engine runs with the KV audit on
   (`KVPOOL_KV_AUDIT_DIR`), and after every test each block a load wrote into a paged cache
   must equal, bit for bit, a block saved under the same chunk key and position;
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_connector.connector.audit import AUDIT_ENV, check_audit
-from kvpool_connector.testbed.engine import OfflineEngine
-from kvpool_connector.testbed.oracle import check_logprobs_close
+from kvpool_dev.testbed.engine import OfflineEngine
+from kvpool_dev.testbed.oracle import check_logprobs_close
 from tests.conftest import SECURITY
 
 MAX_TOKENS = 16  # OfflineEngine.generate default

@@ -78,7 +78,7 @@ def test_bench_e2e_native_rows_json(repo_root, tiny_model):
 
 
 def test_plan_starts_one_engine_per_fresh_tier():
-    from kvpool_connector.bench.e2e_bench import ALL_CONFIGS, plan
+    from kvpool_dev.bench.e2e_bench import ALL_CONFIGS, plan
 
     full = plan(list(ALL_CONFIGS))
     assert [e.name for e in full] == ["recompute", "kvpool-seed", "kvpool-disk", "kvpool-redis",
@@ -92,7 +92,7 @@ def test_plan_starts_one_engine_per_fresh_tier():
 
 
 def test_plan_native_rows_seed_redis_through_the_kvpool_tier():
-    from kvpool_connector.bench.e2e_bench import backend_tiers, plan
+    from kvpool_dev.bench.e2e_bench import backend_tiers, plan
 
     both = plan(["native-cpu", "native-redis"])
     assert [(e.name, e.kind, e.passes, e.tiers) for e in both] == [
@@ -105,8 +105,8 @@ def test_plan_native_rows_seed_redis_through_the_kvpool_tier():
 
 
 def test_native_engines_get_kvpools_spec_and_tier(tmp_path):
-    from kvpool_connector.bench import kv_configs
-    from kvpool_connector.bench.e2e_bench import Backends, EngineSpec, transfer_config
+    from kvpool_dev.bench import kv_configs
+    from kvpool_dev.bench.e2e_bench import Backends, EngineSpec, transfer_config
 
     backends = Backends({"redis"}, tmp_path)  # a real redis-server: its URL goes in the tier
     try:
@@ -131,7 +131,7 @@ def test_native_engines_get_kvpools_spec_and_tier(tmp_path):
 
 
 def _m(config, tokens, ttft, tokens_out=(1, 2)):
-    from kvpool_connector.bench.e2e_bench import Measurement
+    from kvpool_dev.bench.e2e_bench import Measurement
 
     top = [[[t, -0.1], [t + 100, -2.0]] for t in tokens_out]  # each token first, one runner-up
     return Measurement(config, tokens, ttft, 0 if config == "recompute" else tokens - 128,
@@ -139,7 +139,7 @@ def _m(config, tokens, ttft, tokens_out=(1, 2)):
 
 
 def test_summary_ratios_goals_and_table():
-    from kvpool_connector.bench.e2e_bench import evaluate_goals, render, summarize
+    from kvpool_dev.bench.e2e_bench import evaluate_goals, render, summarize
 
     results = [_m("recompute", 8192, 10.0), _m("cpu", 8192, 0.4), _m("disk", 8192, 2.0),
                _m("example", 8192, 4.0), _m("redis", 8192, 0.5, tokens_out=(9, 9))]

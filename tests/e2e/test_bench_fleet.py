@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvpool_connector.bench import fleet_bench
-from kvpool_connector.testbed.router import router_args
+from kvpool_dev.bench import fleet_bench
+from kvpool_dev.testbed.router import router_args
 
 METRICS = """\
 # TYPE vllm:prompt_tokens counter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_connector.testbed.engine import OfflineEngine
+from kvpool_dev.testbed.engine import OfflineEngine
 
 from .conftest import kv_config
 

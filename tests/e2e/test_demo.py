@@ -79,7 +79,7 @@ kvpool_tier_miss_chunks_total{engine="0",model_name="local",tier="cpu"} 1.0
 
 
 def test_parse_metrics_hit_rates_per_tier():
-    from kvpool_connector.demo import parse_metrics
+    from kvpool_dev.demo import parse_metrics
 
     m = parse_metrics(METRICS_TEXT)
     assert m["local_hit_rate"] == 0.25 and m["external_hit_rate"] == 0.8
@@ -93,7 +93,7 @@ def test_parse_metrics_hit_rates_per_tier():
 
 
 def test_percentile_and_workload_are_deterministic():
-    from kvpool_connector.demo import Settings, build_workload, percentile
+    from kvpool_dev.demo import Settings, build_workload, percentile
 
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0], 95) == 1.0
     s = Settings.quick()
@@ -106,7 +106,7 @@ def test_percentile_and_workload_are_deterministic():
 
 
 def test_redis_url_password_moves_to_the_environment():
-    from kvpool_connector.demo import REDIS_PASSWORD_ENV, redis_from_env
+    from kvpool_dev.demo import REDIS_PASSWORD_ENV, redis_from_env
 
     tier, env = redis_from_env("redis://:s3cret@cache.local:6380/2")
     assert tier == {"type": "redis", "url": "redis://cache.local:6380/2",

@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from kvpool_connector.testbed.engine import VllmServer
-from kvpool_connector.testbed.kv_events import KVEventSubscriber
+from kvpool_dev.testbed.engine import VllmServer
+from kvpool_dev.testbed.kv_events import KVEventSubscriber
 from tests.e2e.conftest import kv_config, token_prompt
 
 BPC = 2           # 256-token chunks of 128-token blocks (vLLM's block size on CPU)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_connector.bench import kv_configs
-from kvpool_connector.testbed.engine import OfflineEngine, metric_total
+from kvpool_dev.bench import kv_configs
+from kvpool_dev.testbed.engine import OfflineEngine, metric_total
 from tests.conftest import SECURITY
 
 from .conftest import (

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.golden import EXAMPLES, GOLDEN_NAMESPACE, GOLDEN_SETTINGS, examples
+from kvpool_dev.golden import EXAMPLES, GOLDEN_NAMESPACE, GOLDEN_SETTINGS, examples
 from kvpool_operator.settings import Settings
 from tests.operator.schema_check import K8S_VERSION  # noqa: F401  (re-exported for the tests)
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvpool_operator import crd, models
-from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from tests.operator.conftest import K8S_VERSION, example_ids, load_example
 from tests.operator.schema_check import api_server_errors, pool_schema
 

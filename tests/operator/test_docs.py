@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool_operator.apidoc import reference, replace_section
+from kvpool_dev.apidoc import reference, replace_section
 from tests.operator.conftest import example_ids
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
 
 def test_api_reference_is_current():
     text = DOC.read_text()
-    assert replace_section(text) == text, "run `python -m kvpool_operator.apidoc --write docs/operator.md`"
+    assert replace_section(text) == text, "run `python -m kvpool_dev.apidoc --write docs/operator.md`"
     assert "`spec.tiers.redis.managed.memory`" in reference()
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvpool_operator.render import render as render_pool
-from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, by_kind, render
 
 EXAMPLE = REPO / "examples" / "tiered-full.yaml"

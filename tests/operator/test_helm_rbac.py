@@ -14,7 +14,7 @@ import yaml
 
 from kvpool_operator import rbac
 from kvpool_operator.render import render as render_pool
-from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, by_kind, load_sync_module, one, render
 
 WATCHED = ["team-a", "team-b"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from kvpool_operator.render import render
 from tests.operator.conftest import K8S_VERSION, load_example
 

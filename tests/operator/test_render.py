@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvpool_operator import models
-from kvpool_operator.golden import examples, golden_text
+from kvpool_dev.golden import examples, golden_text
 from kvpool_operator.render import InvalidPool, render
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from kvpool_operator.golden import GOLDEN_SETTINGS
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from kvpool_operator.render import render
 from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT
 from tests.operator.conftest import load_example

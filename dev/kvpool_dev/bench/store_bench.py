@@ -15,7 +15,7 @@ side is reported, which keeps the noise of a shared machine out of the ratios. I
 `contains_prefix` on 128 keys and the disk tier's index rebuild at start.
 
 Without --redis-url / --s3-endpoint it starts a private redis-server / moto S3 server
-(kvpool_connector.testbed.servers). Goals: mac / raw >= 0.8 both ways; mac / xxh3 >= 0.9
+(kvpool_dev.testbed.servers). Goals: mac / raw >= 0.8 both ways; mac / xxh3 >= 0.9
 (the MAC costs at most 10%), aes / xxh3 >= 0.75 (encryption at most 25%); contains_prefix
 on 128 keys under 100 us for cpu and disk.
 """
@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..config import parse_size
-from ..store import open_store
-from ..store.sealing import Keyring, PoolKey
+from kvpool_connector.config import parse_size
+from kvpool_connector.store import open_store
+from kvpool_connector.store.sealing import Keyring, PoolKey
 
 
 class ChecksumOnlyKey(PoolKey):
@@ -218,7 +218,7 @@ class Bench:
         """(tier config, redis-py kwargs) for the given or a private server."""
         url, password = self.args.redis_url, os.environ.get(self.args.redis_password_env or "")
         if not url:
-            from ..testbed.servers import RedisServer
+            from kvpool_dev.testbed.servers import RedisServer
 
             srv = self.stack.enter_context(RedisServer(maxmemory="4gb"))
             url, password = srv.url, srv.password
@@ -230,7 +230,7 @@ class Bench:
     def s3_conf(self) -> dict:
         endpoint, bucket = self.args.s3_endpoint, self.args.s3_bucket
         if not endpoint:
-            from ..testbed.servers import S3Server
+            from kvpool_dev.testbed.servers import S3Server
 
             srv = self.stack.enter_context(S3Server(bucket=bucket))
             endpoint = srv.endpoint

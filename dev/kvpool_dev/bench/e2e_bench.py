@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import kv_configs
-from ..testbed.oracle import logprobs_mismatch
-from .timed_connector import TIMING_ENV, read_timings
+from kvpool_dev.bench import kv_configs
+from kvpool_dev.testbed.oracle import logprobs_mismatch
+from kvpool_dev.bench.timed_connector import TIMING_ENV, read_timings
 
 FULL_SIZES = (2048, 8192, 16384)
 QUICK_SIZES = (512, 2048)
@@ -260,11 +260,11 @@ class Backends:
         self.redis = self.s3 = None
         self.pool_key = kv_configs.pool_key_env()  # every engine of the run shares the pool
         if "redis" in tiers:
-            from ..testbed.servers import RedisServer
+            from kvpool_dev.testbed.servers import RedisServer
 
             self.redis = RedisServer(maxmemory="3gb").start()
         if "s3" in tiers:
-            from ..testbed.servers import S3Server
+            from kvpool_dev.testbed.servers import S3Server
 
             self.s3 = S3Server().start()
 
@@ -342,7 +342,7 @@ def _sched_delta(before: dict | None, after: dict | None) -> tuple[float, int]:
 def run_engine(spec: EngineSpec, model: Path, prompts: dict[int, list[int]],
                backends: Backends, workdir: Path, max_model_len: int, repeat: int = 1
                ) -> tuple[list[Measurement], dict[str, Any]]:
-    from ..testbed.engine import OfflineEngine
+    from kvpool_dev.testbed.engine import OfflineEngine
 
     timing_file = workdir / f"timing-{spec.name}.json"
     env = {**backends.env(), TIMING_ENV: str(timing_file)}
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where disk tiers live (default: a temp dir)")
     args = ap.parse_args(argv)
 
-    from ..testbed.localmodel import ensure_model
+    from kvpool_dev.testbed.localmodel import ensure_model
 
     if not kv_configs.kvpool_connector_available():
         print("kvpool bench e2e: kvpool_connector.vllm.KVPoolConnector does not import",

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 KVPOOL_MODULE = "kvpool_connector.vllm"
-TIMED_MODULE = "kvpool_connector.bench.timed_connector"
+TIMED_MODULE = "kvpool_dev.bench.timed_connector"
 POOL_KEY_ENV = "KVPOOL_POOL_KEY"  # the engines' pool key (object names, MACs, encryption)
 # vLLM's native offloading with kvpool's spec (runs on the CPU platform too)
 NATIVE_SPEC = {"spec_name": "KVPoolOffloadingSpec", "spec_module_path": "kvpool_connector.native"}

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import kv_configs
-from ..demo import Settings as DemoSettings
+from kvpool_dev.bench import kv_configs
+from kvpool_dev.demo import Settings as DemoSettings
 
 POLICIES = ("round_robin", "cache_aware", "consistent_hash")
 BASELINE = "round_robin"
@@ -115,7 +115,7 @@ def turn_order(conversations: int, turn: int, seed: int = 0) -> list[int]:
 def summarize(policy: str, turns: list[dict], wall_s: float, engines: dict[str, float],
               routed: dict[str, float]) -> dict[str, Any]:
     """One policy's numbers (pure): client-side TTFT/throughput, server-side sources."""
-    from ..demo import percentile
+    from kvpool_dev.demo import percentile
 
     ttfts = [t["ttft_s"] for t in turns]
     prompt = engines.get("prompt_tokens", 0.0)
@@ -240,8 +240,8 @@ class Fleet:
     """The shared tier (Redis or a Redis Cluster) and N kvpool engines using it."""
 
     def __init__(self, s: Settings, model: Path, workdir: Path, redis_cluster: bool = False):
-        from ..testbed.engine import VllmServer
-        from ..testbed.servers import RedisCluster, RedisServer
+        from kvpool_dev.testbed.engine import VllmServer
+        from kvpool_dev.testbed.servers import RedisCluster, RedisServer
 
         self.shared = "redis-cluster" if redis_cluster else "redis"
         self.redis = (RedisCluster(maxmemory="1gb") if redis_cluster
@@ -293,8 +293,8 @@ def run_policy(fleet: Fleet, policy: str, workload: list[dict[str, Any]], s: Set
     (turns, wall seconds, engine counter deltas, router counters)."""
     from openai import OpenAI
 
-    from ..demo import _chat_turn
-    from ..testbed.router import VllmRouter
+    from kvpool_dev.demo import _chat_turn
+    from kvpool_dev.testbed.router import VllmRouter
 
     salt = f"{policy}-{uuid.uuid4().hex[:8]}"
     histories = [[{"role": "system", "content": c["system"]}] for c in workload]
@@ -345,7 +345,7 @@ def _warm_up(fleet: Fleet, s: Settings) -> None:
     """One request straight to each engine, so no policy pays for first-request costs."""
     from openai import OpenAI
 
-    from ..demo import _chat_turn
+    from kvpool_dev.demo import _chat_turn
 
     for e in fleet.engines:
         client = OpenAI(base_url=e.base_url + "/v1", api_key="kvpool-bench", max_retries=0)
@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: a temporary directory, removed at the end)")
     args = ap.parse_args(argv)
 
-    from ..testbed.localmodel import ensure_model
-    from ..testbed.router import POLICIES as ROUTER_POLICIES
+    from kvpool_dev.testbed.localmodel import ensure_model
+    from kvpool_dev.testbed.router import POLICIES as ROUTER_POLICIES
 
     if not kv_configs.kvpool_connector_available():
         print("kvpool bench fleet: kvpool_connector.vllm.KVPoolConnector does not import",
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model) if args.model else ensure_model(s.preset)
     from tokenizers import Tokenizer
 
-    from ..demo import build_workload
+    from kvpool_dev.demo import build_workload
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     workload = build_workload(s, lambda text: len(tok.encode(text).ids), seed=args.seed)

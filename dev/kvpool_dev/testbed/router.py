@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .servers import _stop, free_port
+from kvpool_dev.testbed.servers import _stop, free_port
 
 POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "random")
 

@@ -1,6 +1,8 @@
 """Golden renders: examples/<name>.yaml -> tests/operator/golden/<name>.yaml (namespace `kvpool`).
 
-Written by `make golden`, reviewed by hand, compared byte for byte by the tests.
+Written by `make golden` (`kvpool-operator golden --write DIR [--examples DIR]`), reviewed by
+hand, compared byte for byte by the tests. Dev tooling: the examples are read from the kvpool
+checkout this package lives in (dev/kvpool_dev/ -> the checkout) unless a directory is given.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from pathlib import Path
 
 from kvpool_operator.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # dev/kvpool_dev/golden.py -> the kvpool checkout
 EXAMPLES = REPO / "examples"
 GOLDEN_NAMESPACE = "kvpool"
 # hostPath under /mnt and InferencePools allowed: what the examples ask of the operator
@@ -17,8 +19,8 @@ GOLDEN_SETTINGS = Settings(connector_image="ghcr.io/kvpool/kvpool-vllm:golden", 
                            inference_pools=True)
 
 
-def examples() -> list[Path]:
-    return sorted(EXAMPLES.glob("*.yaml"))
+def examples(directory: Path | None = None) -> list[Path]:
+    return sorted((EXAMPLES if directory is None else Path(directory)).glob("*.yaml"))
 
 
 def golden_text(example: Path) -> str:
@@ -28,10 +30,10 @@ def golden_text(example: Path) -> str:
     return header + render_file(str(example), GOLDEN_NAMESPACE, GOLDEN_SETTINGS)
 
 
-def write_golden(directory: Path) -> list[Path]:
+def write_golden(directory: Path, examples_dir: Path | None = None) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for example in examples():
+    for example in examples(examples_dir):
         path = directory / example.name
         path.write_text(golden_text(example))
         written.append(path)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .servers import free_port
+from kvpool_dev.testbed.servers import free_port
 
 TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
 ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
@@ -161,7 +161,7 @@ class OfflineEngine:
     def start(self) -> "OfflineEngine":
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_connector.testbed.engine_worker", json.dumps(self.args)],
+            [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             env=self.env, start_new_session=True, text=True, bufsize=1,
         )

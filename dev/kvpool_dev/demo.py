@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .bench import kv_configs
+from kvpool_dev.bench import kv_configs
 
 REDIS_PASSWORD_ENV = "KVPOOL_DEMO_REDIS_PASSWORD"
 BLOCK_TOKENS = 128   # vLLM's block size on its CPU platform
@@ -346,7 +346,7 @@ def run_workload(base_url: str, workload: list[dict[str, Any]], s: Settings, lab
 
 def _serve(model: Path, s: Settings, kv_cfg: dict | None, env: dict[str, str], label: str,
            workload: list[dict[str, Any]], log_dir: Path) -> RunResult:
-    from .testbed.engine import VllmServer
+    from kvpool_dev.testbed.engine import VllmServer
 
     blocks = max(s.kv_cache_tokens // BLOCK_TOKENS, -(-s.max_model_len // BLOCK_TOKENS))
     server = VllmServer(model, kv_transfer_config=kv_cfg, env=env, max_model_len=s.max_model_len,
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
 
-    from .testbed.localmodel import ensure_model
+    from kvpool_dev.testbed.localmodel import ensure_model
 
     if not kv_configs.kvpool_connector_available():
         print("kvpool demo: kvpool_connector.vllm.KVPoolConnector does not import "

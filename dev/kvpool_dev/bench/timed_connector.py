@@ -1,7 +1,7 @@
 """A connector wrapper that times the scheduler-side calls (for `kvpool bench e2e`).
 
 `--kv-transfer-config '{"kv_connector": "TimedKVPoolConnector",
-"kv_connector_module_path": "kvpool_connector.bench.timed_connector", ...}'` runs the real
+"kv_connector_module_path": "kvpool_dev.bench.timed_connector", ...}'` runs the real
 connector and adds up the time the scheduler spends inside it. vLLM calls
 `build_connector_meta` exactly once per scheduler step, so its call count is the step count.
 The totals go, as JSON, to the file named by `KVPOOL_BENCH_TIMING_FILE` after every step, so
