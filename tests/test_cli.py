@@ -79,3 +79,52 @@ def test_the_connector_never_imports_the_operator():
     assert offenders == []
     cli_text = (package / "cli.py").read_text()
     assert "import kvpool_operator" not in cli_text and "from kvpool_operator" not in cli_text
+
+
+def test_the_product_never_imports_the_dev_tooling():
+    """Only the CLIs' lazy tables name kvpool_dev (as strings, imported on use)."""
+    for package in (REPO / "connector" / "kvpool_connector", REPO / "operator" / "kvpool_operator"):
+        offenders = [str(p.relative_to(REPO)) for p in package.rglob("*.py")
+                     if "kvpool_dev" in p.read_text() and p.name != "cli.py"]
+        assert offenders == []
+        cli_text = (package / "cli.py").read_text()
+        assert "import kvpool_dev" not in cli_text and "from kvpool_dev" not in cli_text
+
+
+# Run a CLI in a process where kvpool_dev cannot be imported: what an image or a plain
+# `pip install kvpool` has (the dev distribution is dev/ in a checkout, never installed there).
+WITHOUT_DEV = """
+import sys
+class NoDev:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'kvpool_dev':
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoDev())
+from {module} import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_without_dev(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_DEV.replace("{module}", module), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_dev_commands_without_kvpool_dev_fail_in_one_line():
+    for args in (["demo"], ["bench", "store", "--help"], ["bench", "e2e"], ["bench", "fleet"], ["model"]):
+        out = run_without_dev("kvpool_connector.cli", *args)
+        name = " ".join(args[:2]) if args[0] == "bench" else args[0]
+        assert out.returncode == 2, out
+        assert out.stderr == f"`kvpool {name}` is dev tooling: pip install -e ./dev from a kvpool checkout\n"
+    # the product commands do not need it
+    out = run_without_dev("kvpool_connector.cli", "validate", str(REPO / "examples" / "tiered-full.yaml"))
+    assert out.returncode == 0 and ": ok" in out.stdout, out.stderr
+
+
+def test_operator_golden_without_kvpool_dev_fails_in_one_line(tmp_path):
+    out = run_without_dev("kvpool_operator.cli", "golden", "--write", str(tmp_path / "golden"))
+    assert out.returncode == 2, out
+    assert out.stderr == "`kvpool-operator golden` is dev tooling: pip install -e ./dev from a kvpool checkout\n"
+    assert not (tmp_path / "golden").exists()
+    out = run_without_dev("kvpool_operator.cli", "crd")
+    assert out.returncode == 0 and "CustomResourceDefinition" in out.stdout, out.stderr

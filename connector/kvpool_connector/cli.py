@@ -11,7 +11,9 @@
 Each subcommand lives in its own module and is imported only when used, so the CLI starts
 fast and works in images that lack the other parts (no vLLM in the operator image). The
 tables below are the only place where this package names the operator's: the connector
-never imports it.
+never imports it. demo, bench and model are dev tooling, in the separate `kvpool-dev`
+distribution (dev/ in a kvpool checkout, package kvpool_dev) that no image carries: without
+it they exit with a one-line error.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),
 }
+
+DEV_PACKAGE = "kvpool_dev"  # the commands whose module is in it are dev tooling
+DEV_HINT = "pip install -e ./dev from a kvpool checkout"
 
 # Document kinds `kvpool validate` leaves to another package: kind -> "module:function"
 # taking the document and returning (what it is, error message or None).
@@ -51,8 +56,18 @@ def validator(kind: Any) -> Callable[[dict], tuple[str, str | None]] | None:
 
 def _usage() -> str:
     lines = ["usage: kvpool <command> [args]", "", "commands:"]
-    lines += [f"  {name:<14} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += [f"  {name:<14} {help_}{' (dev tooling)' if _is_dev(target) else ''}"
+              for name, (target, help_) in _COMMANDS.items()]
     return "\n".join(lines)
+
+
+def _is_dev(target: str) -> bool:
+    return target.split(".")[0].split(":")[0] == DEV_PACKAGE
+
+
+def _missing_dev(exc: ImportError) -> bool:
+    """The import failed because kvpool_dev itself is not installed (not one of its imports)."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == DEV_PACKAGE
 
 
 def _resolve(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -73,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     name, rest = found
+    target = _COMMANDS[name][0]
     try:
-        command = _load(_COMMANDS[name][0])
+        command = _load(target)
     except ImportError as exc:
+        if _is_dev(target) and _missing_dev(exc):
+            print(f"`kvpool {name}` is dev tooling: {DEV_HINT}", file=sys.stderr)
+            return 2
         print(f"kvpool {name}: needs a component that is not installed ({exc}); "
               f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
         return 2

@@ -3,15 +3,20 @@
   kvpool-operator run [--namespace NS ...] [--all-namespaces] [--liveness URL] [--peering NAME]
   kvpool-operator render -f pool.yaml [--namespace NS]
   kvpool-operator crd --write crds/
-  kvpool-operator golden --write tests/operator/golden/
+  kvpool-operator golden --write tests/operator/golden/ [--examples examples/]
+
+`golden` is dev tooling: it runs the `kvpool-dev` distribution's generator (dev/ in a kvpool
+checkout, package kvpool_dev), imported by name only when the command runs; no image has it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -94,10 +99,30 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _golden(args: argparse.Namespace) -> int:
-    from kvpool_dev.golden import write_golden
+# Subcommands implemented by the dev distribution: name -> "module:function" (imported on use)
+DEV_COMMANDS = {"golden": "kvpool_dev.golden:write_golden"}
+DEV_HINT = "pip install -e ./dev from a kvpool checkout"
 
-    for path in write_golden(Path(args.write)):
+
+def _dev(name: str) -> Any | None:
+    """The dev distribution's function behind `kvpool-operator <name>`; None (and a one-line
+    error) when kvpool_dev is not installed."""
+    module_name, _, func = DEV_COMMANDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != module_name.split(".")[0]:
+            raise
+        print(f"`kvpool-operator {name}` is dev tooling: {DEV_HINT}", file=sys.stderr)
+        return None
+    return getattr(module, func)
+
+
+def _golden(args: argparse.Namespace) -> int:
+    write_golden = _dev("golden")
+    if write_golden is None:
+        return 2
+    for path in write_golden(Path(args.write), Path(args.examples) if args.examples else None):
         print(path)
     return 0
 
@@ -126,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--write", metavar="DIR", help="write <DIR>/kvpool.dev_kvcachepools.yaml")
     c.set_defaults(fn=_crd)
 
-    g = sub.add_parser("golden", help="regenerate golden renders of examples/*.yaml")
+    g = sub.add_parser("golden", help="regenerate golden renders of examples/*.yaml (dev tooling: kvpool_dev)")
     g.add_argument("--write", metavar="DIR", required=True)
+    g.add_argument("--examples", metavar="DIR", help="KVCachePool examples to render (default: the checkout's examples/)")
     g.set_defaults(fn=_golden)
 
     args = ap.parse_args(argv)
