@@ -3,6 +3,8 @@
 #   docker build --target operator  -t ghcr.io/kvpool/kvpool-operator:0.1.0 .
 #   docker build --target connector -t ghcr.io/kvpool/kvpool-vllm:0.1.0 .
 #   docker build --target router    -t ghcr.io/kvpool/kvpool-router:0.1.0 .
+# The images carry the `kvpool` distribution only (operator/ and connector/): the dev tooling in
+# dev/ (kvpool-dev: test bed, benchmarks, demo, generators) is never copied (.dockerignore).
 # Package versions come from pyproject.toml (the extras `operator` and `connector`); the vLLM base
 # tag must match the vLLM API the connector targets, and VLLM_ROUTER_VERSION the vllm-router the
 # tests run (tests/operator/test_images.py checks all three).

@@ -230,7 +230,7 @@ def test_build_context_carries_what_the_copies_need():
             for src in sources:
                 assert src in allowed, f"COPY {src} is excluded by .dockerignore"
                 assert (REPO / src).exists(), f"COPY {src}: no such path"
-    assert ".venv" not in allowed and "tests" not in allowed
+    assert ".venv" not in allowed and "tests" not in allowed and "dev" not in allowed, "dev tooling stays out of the images"
 
 
 def test_chart_app_version_matches_package_version():

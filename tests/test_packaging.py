@@ -1,0 +1,128 @@
+"""The `kvpool` wheel is the product: the connector and the operator, no dev tooling.
+
+The test bed, the benchmarks, the demo and the golden/apidoc generators are the `kvpool-dev`
+distribution (dev/, package kvpool_dev). Both wheels are built here, offline, from a copy of
+the checkout (no stale build/ directory can leak into them), and read as zip files.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEV_NAMES = ("testbed", "bench", "demo.py", "golden.py", "apidoc.py")
+# not sources: the environment, build outputs, caches
+SKIP_TOP = {".venv", ".git", "bin", "build", "dist", "out", ".hypothesis", ".pytest_cache", ".cache", ".gl", ".whl"}
+
+
+def _ignore(directory: str, names: list[str]) -> set[str]:
+    skip = {n for n in names if n == "__pycache__" or n.endswith((".egg-info", ".pyc"))}
+    if Path(directory).resolve() == REPO:
+        skip |= SKIP_TOP & set(names)
+    return skip
+
+
+def build_wheel(tmp: Path, project: str) -> zipfile.ZipFile:
+    """`pip wheel` of one project of the checkout (".": kvpool, "dev": kvpool-dev)."""
+    src = tmp / "src"
+    if not src.exists():
+        shutil.copytree(REPO, src, ignore=_ignore, symlinks=True)
+    out = tmp / f"wheel-{project.replace('/', '_')}"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "--no-index", "-w", str(out), str(src / project)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, zipfile.ZipFile]:
+    tmp = tmp_path_factory.mktemp("packaging")
+    return {"kvpool": build_wheel(tmp, "."), "kvpool-dev": build_wheel(tmp, "dev")}
+
+
+def _packages(names: list[str]) -> set[str]:
+    return {PurePosixPath(n).parts[0] for n in names if not PurePosixPath(n).parts[0].endswith(".dist-info")}
+
+
+def _module_name(path: str) -> tuple[str, bool]:
+    """Dotted module name of a .py entry, and whether it is a package's __init__."""
+    parts = list(PurePosixPath(path).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts.pop()
+    return ".".join(parts), is_package
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """Every module an `import`/`from ... import` anywhere in the source names (relative ones
+    resolved against the module's package); strings, such as a lazy dispatch table's, are not imports."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}  # `from pkg import submodule`
+    return found
+
+
+def test_the_kvpool_wheel_has_the_product_and_no_dev_tooling(wheels):
+    names = wheels["kvpool"].namelist()
+    assert _packages(names) == {"kvpool_connector", "kvpool_operator"}
+    assert "kvpool_connector/vllm.py" in names and "kvpool_operator/cli.py" in names
+    for name in names:
+        parts = PurePosixPath(name).parts
+        assert "kvpool_dev" not in name, name
+        assert not set(parts) & set(DEV_NAMES), f"dev tooling in the kvpool wheel: {name}"
+
+
+def test_no_product_module_imports_the_dev_tooling_and_the_connector_not_the_operator(wheels):
+    wheel = wheels["kvpool"]
+    checked = 0
+    for name in wheel.namelist():
+        if not name.endswith(".py") or ".dist-info/" in name:
+            continue
+        module, is_package = _module_name(name)
+        tops = {m.split(".")[0] for m in imported_modules(wheel.read(name).decode(), module, is_package)}
+        assert "kvpool_dev" not in tops, f"{module} imports kvpool_dev (only the CLIs name it, as strings)"
+        if module.startswith("kvpool_connector"):
+            assert "kvpool_operator" not in tops, f"{module} imports kvpool_operator (the CLI's table names it)"
+        checked += 1
+    assert checked > 40
+
+
+def test_the_kvpool_dev_wheel_has_the_dev_tooling_only(wheels):
+    names = wheels["kvpool-dev"].namelist()
+    assert _packages(names) == {"kvpool_dev"}
+    for expected in ("kvpool_dev/__init__.py", "kvpool_dev/testbed/engine.py", "kvpool_dev/bench/e2e_bench.py",
+                     "kvpool_dev/demo.py", "kvpool_dev/golden.py", "kvpool_dev/apidoc.py"):
+        assert expected in names
+
+
+def test_dev_version_is_the_main_version():
+    main = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    dev = tomllib.loads((REPO / "dev" / "pyproject.toml").read_text())["project"]
+    assert dev["name"] == "kvpool-dev" and dev["version"] == main["version"]
+
+
+def test_the_imports_walker_sees_relative_and_nested_imports():
+    src = "from . import a\nfrom ..b import c\ndef f():\n    import kvpool_dev.x\n"
+    assert imported_modules(src, "pkg.sub.mod", False) == {"pkg.sub", "pkg.sub.a", "pkg.b", "pkg.b.c",
+                                                           "kvpool_dev.x"}
+    assert imported_modules('T = {"x": "kvpool_dev.demo"}', "pkg.cli", False) == set()
