@@ -97,7 +97,9 @@ class VllmServer:
                "--model", self.model, "--served-model-name", "local",
                "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(self.max_model_len), "--seed", "0",
-               "--enforce-eager", "--enable-prompt-tokens-details"]
+               "--enforce-eager", "--enable-prompt-tokens-details",
+               # the worker inside the engine-core process: one vLLM import fewer per start
+               "--distributed-executor-backend", "uni"]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + self.extra_args
@@ -151,10 +153,14 @@ class OfflineEngine:
 
     def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
                  env: dict[str, str] | None = None, **llm_kwargs: Any):
+        # One process: the engine core and its worker run inside the child (vLLM's "uni"
+        # executor, no engine-core process). Each extra process re-imports vLLM and torch, which
+        # is most of an engine's start; the connector's scheduler and worker sides still run as
+        # in production, only in one address space.
         self.args = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                      "llm_kwargs": {"max_model_len": 8192, "enforce_eager": True, "seed": 0,
-                                    **llm_kwargs}}
-        self.env = engine_env(env)
+                                    "distributed_executor_backend": "uni", **llm_kwargs}}
+        self.env = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
         self.log_path = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
