@@ -58,8 +58,8 @@ def pool(tmp_path_factory, redis_server, s3_server, namespace):
             "redis_server": redis_server, "s3_server": s3_server}
 
 
-def _engine(tiny_model, pool, audit, tiers, **kwargs):
-    return connector_engine(tiny_model, tiers, pool["ns"], env=pool["env"],
+def _engine(tiny_model, pool, audit, tiers, env=None, **kwargs):
+    return connector_engine(tiny_model, tiers, pool["ns"], env={**pool["env"], **(env or {})},
                             audit_dir=audit.directory, **kwargs)
 
 
@@ -80,9 +80,14 @@ def writer(tiny_model, pool, audit, baseline):  # baseline first: its engine is 
     eng.stop()
 
 
+# vLLM's production process layout (engine core and worker in their own processes, connector
+# metadata pickled between them); the other test engines run in one process to start faster.
+SEPARATE_PROCESSES = {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "distributed_executor_backend": "mp"}
+
+
 @pytest.fixture(scope="module")
 def remote(tiny_model, pool, audit, writer):
-    eng = _engine(tiny_model, pool, audit, [pool["redis"], pool["s3"]]).start()
+    eng = _engine(tiny_model, pool, audit, [pool["redis"], pool["s3"]], **SEPARATE_PROCESSES).start()
     yield eng
     eng.stop()
 
