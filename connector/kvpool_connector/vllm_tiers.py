@@ -100,7 +100,7 @@ def key_prefix(fingerprint: bytes) -> bytes:
     return hashlib.sha256(fingerprint).digest()[:16]
 
 
-def store_config(options: dict[str, Any]):
+def secondary_tier_store_config(options: dict[str, Any]):
     """The validated kvpool store config of this tier.
 
     `options` are the tier's keys from `secondary_tiers` (everything but vLLM's own): the
@@ -112,7 +112,7 @@ def store_config(options: dict[str, Any]):
     from .connector.config import load_connector_config
 
     try:
-        cfg = load_connector_config(options).store_config()
+        cfg = load_connector_config(options).as_store_config()
     except ValueError as exc:
         raise ValueError(f"secondary_tiers (kvpool tier): {exc}") from None
     assert cfg is not None  # the connector config requires at least one tier
@@ -166,7 +166,7 @@ class KVPoolTier(SecondaryTierManager):
         from .store import open_store
 
         self.locality = Locality(locality) if locality is not None else None
-        self.config = store_config(options)
+        self.config = secondary_tier_store_config(options)
         self.identity = layout_identity(offloading_spec, self.block_size_bytes)
         self.fingerprint = layout_fingerprint(self.identity)
         self._prefix = key_prefix(self.fingerprint)

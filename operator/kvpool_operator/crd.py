@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_operator import models, yamlio
-from kvpool_operator.render.common import MAX_POOL_NAME
+from kvpool_operator.naming import MAX_POOL_NAME
 
 CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
 CRD_FILENAME = f"{models.GROUP}_{models.PLURAL}.yaml"

@@ -13,7 +13,7 @@ import kubernetes
 from kubernetes.client import ApiClient, ApiException, Configuration
 
 from kvpool_operator import models
-from kvpool_operator.render.common import MANAGER
+from kvpool_operator.naming import MANAGER
 
 PLURALS = {
     ("v1", "Secret"): "secrets",

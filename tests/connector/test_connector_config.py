@@ -65,11 +65,11 @@ def test_chunk_tokens_must_be_whole_blocks():
 
 def test_store_config_without_cpu_tier_for_the_scheduler():
     cfg = load_connector_config({"tiers": TIERS, "namespace": "ns1", "chunk_tokens": 512})
-    lower = cfg.store_config(drop_types=("cpu",))
+    lower = cfg.as_store_config(drop_types=("cpu",))
     assert [t.type for t in lower.tiers] == ["disk"] and lower.namespace == "ns1"
     assert not hasattr(lower, "chunk_tokens")
     only_cpu = load_connector_config({"tiers": TIERS[:1]})
-    assert only_cpu.store_config(drop_types=("cpu",)) is None
+    assert only_cpu.as_store_config(drop_types=("cpu",)) is None
 
 
 def test_config_files_hold_one_mapping(tmp_path):

@@ -44,7 +44,7 @@ def _output(sched: dict[str, int], preempted=()) -> SchedulerOutput:
 def side(tmp_path):
     cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
-    lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     blocks: dict[str, list[int]] = {}
     s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
                       block_ids=lambda rid: blocks[rid], is_async=True)
@@ -180,7 +180,7 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
     cfg = load_connector_config({"namespace": "async-lookup", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"},
         {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
-    lower = open_store(cfg.store_config(drop_types=("cpu",)), layout="fp")
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     try:
         s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
                           lower_store=lower, block_ids=lambda rid: [], is_async=True)

@@ -46,7 +46,7 @@ def kv_config(manifests) -> dict[str, Any]:
     return json.loads(args[args.index("--kv-transfer-config") + 1])
 
 
-def store_config(manifests) -> dict[str, Any]:
+def mounted_store_config(manifests) -> dict[str, Any]:
     cm = by_kind(manifests, "ConfigMap")
     return yaml.safe_load(cm["data"]["connector.yaml"])
 
@@ -78,7 +78,7 @@ def test_tiered_full_connector_contract(settings):
     m = rendered("tiered-full", settings)
     args = engine(m)["args"]
     assert args[args.index("--kv-transfer-config") + 1] == TIERED_KV_TRANSFER_CONFIG
-    assert store_config(m) == {
+    assert mounted_store_config(m) == {
         "namespace": "kvpool.tiered-full",
         "chunk_tokens": 256,
         "tiers": [
@@ -137,7 +137,7 @@ def test_external_backends_use_the_users_secrets(settings):
         "KVPOOL_S3_ACCESS_KEY": {"name": "s3-creds", "key": "accessKey"},
         "KVPOOL_S3_SECRET_KEY": {"name": "s3-creds", "key": "secretKey"},
     }
-    tiers = {t["type"]: t for t in store_config(m)["tiers"]}
+    tiers = {t["type"]: t for t in mounted_store_config(m)["tiers"]}
     assert tiers["redis"]["url"] == "redis://redis.infra.svc:6379/0"
     assert tiers["s3"]["bucket"] == "kv-cache-prod" and tiers["s3"]["create_bucket"] is False
     # TP=4: the per-pod CPU tier is split across ranks so the pod never pins more than asked for
@@ -220,7 +220,7 @@ def test_native_shared_reaches_redis_through_kvpool_secondary_tier(settings):
     tiers = kv_config(m)["kv_connector_extra_config"]["secondary_tiers"]
     assert tiers[1] == {"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers",
                         "config_file": "/etc/kvpool/connector.yaml"}
-    assert [t["type"] for t in store_config(m)["tiers"]] == ["redis"]
+    assert [t["type"] for t in mounted_store_config(m)["tiers"]] == ["redis"]
 
 
 def test_native_extra_config_keys_are_the_ones_vllm_reads():
@@ -286,7 +286,7 @@ def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
     # cpu 16Gi + disk write queue 1Gi + staging 1Gi + default shm 2Gi + overhead 8Gi
     m = rendered("tiered-emptydir", settings)
     assert engine(m)["resources"]["requests"]["memory"] == engine(m)["resources"]["limits"]["memory"] == "28Gi"
-    assert store_config(m)["queue_bytes"] == store_config(m)["staging_bytes"] == 1 << 30
+    assert mounted_store_config(m)["queue_bytes"] == mounted_store_config(m)["staging_bytes"] == 1 << 30
     pool = load_example("tiered-emptydir")
     pool["spec"]["model"] |= {"shmSize": "512Mi", "memoryOverhead": "1536Mi"}
     pool["spec"]["tiers"] = {"disk": pool["spec"]["tiers"]["disk"]}  # no CPU tier, no queue: staging + shm + overhead
@@ -298,7 +298,7 @@ def test_memory_covers_the_cpu_tier_shm_and_the_overhead(settings):
     full = engine(rendered("tiered-full", settings))["resources"]
     assert full["requests"]["memory"] == "78Gi" and full["limits"]["memory"] == "96Gi"  # 64 + 3 queues + 1 + 2 + 8
     # tensor parallelism: each rank's store gets its share of the same per-pod budget
-    external = store_config(rendered("tiered-external", settings))  # TP=4
+    external = mounted_store_config(rendered("tiered-external", settings))  # TP=4
     assert external["queue_bytes"] == external["staging_bytes"] == 2**30 // 4
     native = engine(rendered("native-cpu", settings))["resources"]  # no kvpool store: cpu 32 + 2 + 8
     assert native["requests"]["memory"] == "42Gi"
@@ -376,7 +376,7 @@ def test_every_shared_store_is_keyed_by_the_pool_key(name, settings):
     if "connector.yaml" not in data:
         assert "KVPOOL_POOL_KEY" not in env
         return
-    assert store_config(m)["security"] == {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS",
+    assert mounted_store_config(m)["security"] == {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS",
                                            "encrypt": False}
     assert env["KVPOOL_POOL_KEY"]["valueFrom"] == {"secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "poolKey"}}
     assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"] == {
@@ -389,7 +389,7 @@ def test_security_options_and_a_users_keys_secret(settings):
     pool = load_example("tiered-full")
     pool["spec"]["security"] = {"keysSecretRef": {"name": "team-keys"}, "encryption": True, "requireCacheSalt": True}
     m = render(pool, settings, "kvpool")
-    cfg = store_config(m)
+    cfg = mounted_store_config(m)
     assert cfg["security"]["encrypt"] is True and cfg["require_cache_salt"] is True
     assert not [x for x in m if x["kind"] == "Secret" and x["metadata"]["name"].endswith("-kvpool-keys")]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in engine(m)["env"] if "valueFrom" in e}
@@ -397,7 +397,7 @@ def test_security_options_and_a_users_keys_secret(settings):
     assert refs["KVPOOL_POOL_KEY"] == {"name": "team-keys", "key": "poolKey"}
     native = load_example("native-shared")
     native["spec"]["security"] = {"encryption": True}
-    cfg = store_config(render(native, settings, "kvpool"))
+    cfg = mounted_store_config(render(native, settings, "kvpool"))
     assert cfg["security"]["encrypt"] is True and "require_cache_salt" not in cfg  # a KVPoolConnector key
 
 
@@ -452,7 +452,7 @@ def test_managed_redis_tls(settings):
     assert args[args.index("--tls-ca-cert-file") + 1] == "/tls/ca.crt"
     assert "--tls --cacert /tls/ca.crt" in sts["containers"][0]["readinessProbe"]["exec"]["command"][2]
     assert {v["name"]: v for v in sts["volumes"]}["tls"]["secret"] == {"secretName": "redis-tls", "defaultMode": 0o440}
-    tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
+    tier = next(t for t in mounted_store_config(m)["tiers"] if t["type"] == "redis")
     assert tier["url"].startswith("rediss://tiered-full-redis.kvpool.svc:6379")
     assert tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
     volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
@@ -466,7 +466,7 @@ def test_external_redis_with_a_private_ca_and_acl_user(settings):
     pool["spec"]["tiers"]["redis"]["external"] |= {"url": "rediss://redis.infra.svc:6380/0", "username": "kv",
                                                    "caSecretRef": {"name": "infra-ca", "key": "root.pem"}}
     m = render(pool, settings, "kvpool")
-    tier = next(t for t in store_config(m)["tiers"] if t["type"] == "redis")
+    tier = next(t for t in mounted_store_config(m)["tiers"] if t["type"] == "redis")
     assert tier["username"] == "kv" and tier["tls_ca_file"] == "/etc/kvpool-tls/redis/ca.crt"
     volumes = {v["name"]: v for v in engines(m)["spec"]["template"]["spec"]["volumes"]}
     assert volumes["redis-ca"]["secret"]["items"] == [{"key": "root.pem", "path": "ca.crt"}]

@@ -44,7 +44,7 @@ class ConnectorConfig(StoreConfig):
                                         "(pinned on CUDA), per worker; saves beyond it are "
                                         "dropped")
 
-    def store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
+    def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.
 
         None when no tier is left (a cpu-only pool seen from the scheduler process).

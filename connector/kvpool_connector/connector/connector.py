@@ -99,7 +99,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.blocks_per_chunk
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
-            lower_cfg = self.cfg.store_config(drop_types=unshared)
+            lower_cfg = self.cfg.as_store_config(drop_types=unshared)
             lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
@@ -126,7 +126,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
         layout = KVLayout(kv_caches, names, kcc.num_blocks, backend)
         full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
-        store = open_store(self.cfg.store_config(), layout=full_fp)
+        store = open_store(self.cfg.as_store_config(), layout=full_fp)
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,

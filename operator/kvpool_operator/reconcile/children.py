@@ -20,7 +20,7 @@ from kubernetes.utils.quantity import parse_quantity
 from kvpool_operator import models, policy
 from kvpool_operator.kube import Kube
 from kvpool_operator.render import InvalidPool, Pool, child_kinds, load_pool, render_pool
-from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
 from kvpool_operator.render.router import router_name
 from kvpool_operator.render.service import pool_endpoints

@@ -19,7 +19,7 @@ from urllib3.exceptions import HTTPError
 from kvpool_operator import models
 from kvpool_operator.kube import Kube
 from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, refresh_status
-from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.settings import Settings
 
 FINALIZER = "kvpool.dev/finalizer"

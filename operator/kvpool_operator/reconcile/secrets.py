@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_operator.kube import Kube
-from kvpool_operator.render.common import MANAGER, POOL_LABEL
+from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.render.secrets import generate_keys
 
 

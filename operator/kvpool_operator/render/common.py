@@ -11,11 +11,13 @@ from typing import Any
 from kvpool_operator import models, policy
 from kvpool_operator.settings import Settings
 
-MANAGER = "kvpool-operator"
-POOL_LABEL = "kvpool.dev/pool"
-CHECKSUM_ANNOTATION = "kvpool.dev/config-checksum"
-GENERATE_ANNOTATION = "kvpool.dev/generate-keys"
-MAX_POOL_NAME = 57  # "<name>-minio" must stay a 63-character DNS label
+from kvpool_operator.naming import (  # noqa: F401  (re-exported for the renderers)
+    CHECKSUM_ANNOTATION,
+    GENERATE_ANNOTATION,
+    MANAGER,
+    MAX_POOL_NAME,
+    POOL_LABEL,
+)
 
 CONFIG_DIR = "/etc/kvpool"
 CONFIG_FILE = f"{CONFIG_DIR}/connector.yaml"

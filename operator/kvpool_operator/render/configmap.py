@@ -8,13 +8,13 @@ from typing import Any
 import yaml
 
 from kvpool_operator.render.common import Pool
-from kvpool_operator.render.connector import kv_transfer_config, store_config
+from kvpool_operator.render.connector import kv_transfer_config, mounted_store_config
 
 
 def config_data(pool: Pool) -> dict[str, str]:
     """The ConfigMap's data; also what the engine's config checksum covers."""
     data = {"kv-transfer-config.json": json.dumps(kv_transfer_config(pool), separators=(",", ":"))}
-    store = store_config(pool)
+    store = mounted_store_config(pool)
     if store is not None:
         data["connector.yaml"] = yaml.safe_dump(store, sort_keys=False)
     return data

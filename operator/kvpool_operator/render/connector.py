@@ -171,7 +171,7 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
     return ConnectorConfig(**fields)
 
 
-def store_config(pool: Pool) -> dict[str, Any] | None:
+def mounted_store_config(pool: Pool) -> dict[str, Any] | None:
     """The YAML mounted at /etc/kvpool/connector.yaml (the fields set above, sizes in bytes)."""
     cfg = connector_config(pool)
     return None if cfg is None else cfg.model_dump(mode="json", exclude_unset=True)
