@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool_dev.testbed.servers import free_port
+from kvpool_dev.testbed.servers import free_port, wait_healthy
 
 TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
 ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
@@ -105,21 +105,11 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self) -> "VllmServer":
-        import urllib.request
-
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
+        if wait_healthy(self.base_url + "/health", self.proc, ENGINE_START_TIMEOUT, "vLLM server", self.log_tail):
+            return self
         self.stop()
         raise TimeoutError(f"vLLM server not healthy after {ENGINE_START_TIMEOUT}s; log tail:\n{self.log_tail()}")
 

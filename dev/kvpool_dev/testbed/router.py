@@ -12,11 +12,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-from kvpool_dev.testbed.servers import _stop, free_port
+from kvpool_dev.testbed.servers import _stop, free_port, wait_healthy
 
 POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "random")
 
@@ -65,17 +64,9 @@ class VllmRouter:
     def start(self, timeout: float = 120.0) -> "VllmRouter":
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited ({self.proc.returncode}):\n"
-                                   f"{self.log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.2)
+        if wait_healthy(self.base_url + "/health", self.proc, timeout, "vllm-router",
+                        lambda: self.log_path.read_text(errors="replace")[-3000:], poll=0.2):
+            return self
         self.stop()
         raise TimeoutError(f"vllm-router not healthy after {timeout}s")
 

@@ -35,6 +35,24 @@ def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, what: str, log_tail, poll: float = 0.5) -> bool:
+    """Poll `url` until it answers 200 (True), or False after `timeout`; raises with
+    `log_tail()` when `proc` exits first."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); log tail:\n{log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(poll)
+    return False
+
+
 def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
     if proc is None or proc.poll() is not None:
         return
