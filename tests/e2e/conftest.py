@@ -48,6 +48,8 @@ PROMPTS: dict[str, list[int]] = {
     # 3841 tokens: a hit of 3840 is 15 whole chunks and 30 whole blocks, so a paged
     # prefix-cache hit and a native host-tier hit have the same schedule (test_native.py)
     "aligned": token_prompt(3841, 4),
+    # the same shape, each left in only one of kvpool's backends for a fresh engine to find
+    **{f"aligned-{b}": token_prompt(3841, 40 + i) for i, b in enumerate(("disk", "redis", "s3"))},
     # 380 tokens: one 256-token chunk and 3 of vLLM's 128-token blocks; decoding crosses into
     # a 4th block, so 20 at once overflow a small paged cache (test_native.py's preemptions)
     **{f"preempt{i}": token_prompt(380, 300 + i) for i in range(20)},

@@ -6,8 +6,9 @@ Engines of this module, one alive at a time, every one with a small paged cache 
 128 tokens) and vLLM's host tier of 64 MiB:
 - `writer`: prefix caching on; secondary tiers vLLM's `fs` (what the operator renders for a
   disk tier today) and kvpool's tier over disk + Redis + S3;
-- `fresh-<backend>`: a new process with only that secondary tier (fs) or kvpool backend (its
-  host tier and prefix cache start empty);
+- `fresh`: a new process with the writer's secondary tiers (its host tier and prefix cache
+  start empty); each prompt it reads was left in only one backend (fs, or one of kvpool's
+  disk, Redis and S3), so the hit can only have come from there;
 - `preemption`: host tier only, prefix caching off, so whatever a preempted request gets back
   without recomputing can only come from the host tier.
 Hits are read from vLLM's own metrics (`vllm:prompt_tokens_cached_by_source`, the
@@ -35,6 +36,7 @@ from .conftest import (
     chunks_of,
     disk_files,
     full_chunk_tokens,
+    redis_client,
     redis_env,
     redis_keys,
     redis_tier,
@@ -50,7 +52,11 @@ MAX_MODEL_LEN = 4352
 HOST_BYTES = 64 << 20    # vLLM's host tier: every prompt of this module fits
 PREEMPT = [f"preempt{i}" for i in range(20)]
 HIT_TOKENS = full_chunk_tokens(PROMPTS["aligned"])  # 3840: 15 chunks, 30 blocks
-HITS: dict[str, dict] = {}  # the aligned prompt's output when hit from each tier
+BACKENDS = ("fs", "disk", "redis", "s3")
+# the prompt a fresh engine finds in each backend: kvpool's are in no other backend
+PLACED = {"fs": "aligned", **{b: f"aligned-{b}" for b in BACKENDS[1:]}}
+REFERENCE: dict[str, dict] = {}     # each of those prompts' paged prefix-cache hit
+HITS: dict[str, tuple[str, dict]] = {}  # tier -> (prompt, its output when hit from there)
 
 
 class OneEngine:
@@ -111,8 +117,7 @@ def native_engine(model: Path, pool: dict, backends: tuple[str, ...], prefix_cac
 
 
 def writer(engines, tiny_model, pool) -> OfflineEngine:
-    return engines.get("writer", lambda: native_engine(tiny_model, pool,
-                                                       ("fs", "disk", "redis", "s3")))
+    return engines.get("writer", lambda: native_engine(tiny_model, pool, BACKENDS))
 
 
 def generate(engine: OfflineEngine, names: list[str]):
@@ -133,15 +138,46 @@ def chunk_bytes(model: Path) -> int:
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2 * CHUNK
 
 
-def stored_objects(pool: dict, backend: str) -> int:
+def stored_objects(pool: dict, backend: str) -> set:
+    """What a backend holds: paths (fs, disk) or keys (Redis, S3)."""
     if backend == "fs":  # chunk files, and the run's config.json (vLLM's FileMapper)
-        return sum(1 for p in Path(pool["fs_root"]).rglob("*")
-                   if p.is_file() and p.name != "config.json")
+        return {p for p in Path(pool["fs_root"]).rglob("*")
+                if p.is_file() and p.name != "config.json"}
     if backend == "disk":
-        return len(disk_files(pool["disk"]["path"]))
+        return set(disk_files(pool["disk"]["path"]))
     if backend == "redis":
-        return len(redis_keys(pool["redis_server"], pool["ns"]))
-    return len(s3_keys(pool["s3_server"], pool["ns"]))
+        return set(redis_keys(pool["redis_server"], pool["ns"]))
+    return set(s3_keys(pool["s3_server"], pool["ns"]))
+
+
+def remove_objects(pool: dict, backend: str, objects: set) -> None:
+    if backend in ("fs", "disk"):
+        for path in objects:
+            path.unlink()
+    elif backend == "redis":
+        r = redis_client(pool["redis_server"])
+        try:
+            r.delete(*objects)
+        finally:
+            r.close()
+    else:
+        c = pool["s3_server"].client()
+        for key in objects:
+            c.delete_object(Bucket=pool["s3_server"].bucket, Key=key)
+
+
+def cascaded(pool: dict, before: dict[str, set], chunks: int) -> dict[str, set]:
+    """Wait until the writer's tiering manager has written `chunks` new chunks to every
+    backend (behind the forward pass); returns the new objects of each."""
+    new: dict[str, set] = {}
+
+    def done() -> bool:
+        new.update({b: stored_objects(pool, b) - before[b] for b in BACKENDS})
+        return all(len(new[b]) >= chunks for b in BACKENDS)
+    wait_until(done, what=f"{chunks} new chunks in each of {BACKENDS}")
+    for b in BACKENDS:
+        assert len(new[b]) == chunks, (b, len(new[b]))
+    return new
 
 
 def test_cold_run_is_close_to_recompute_and_cascades_to_every_kvpool_backend(
@@ -153,10 +189,7 @@ def test_cold_run_is_close_to_recompute_and_cascades_to_every_kvpool_backend(
     # vLLM's host tier took the prompt's full chunks, and its tiering manager wrote them on
     # to both secondary tiers: a file per chunk in fs, an authenticated object per chunk in
     # each kvpool backend
-    for backend in ("fs", "disk", "redis", "s3"):
-        wait_until(lambda: stored_objects(pool, backend) >= chunks_of("aligned"),
-                   what=f"{chunks_of('aligned')} chunks in {backend}")
-        assert stored_objects(pool, backend) == chunks_of("aligned"), backend
+    cascaded(pool, {b: set() for b in BACKENDS}, chunks_of("aligned"))
 
 
 def test_paged_prefix_cache_hit_is_the_reference(engines, tiny_model, pool, baseline):
@@ -169,7 +202,8 @@ def test_paged_prefix_cache_hit_is_the_reference(engines, tiny_model, pool, base
     assert delta("vllm:prompt_tokens_cached_by_source", source="device") == HIT_TOKENS
     assert delta("vllm:kv_offload_load_bytes") == 0
     assert_close_to_baseline(outs, ["aligned"], baseline, "prefix cache hit")
-    HITS["device"] = outs[0]
+    REFERENCE["aligned"] = outs[0]
+    HITS["device"] = ("aligned", outs[0])
 
 
 def test_host_tier_hit_after_the_paged_prefix_cache_was_evicted(engines, tiny_model, pool,
@@ -184,22 +218,50 @@ def test_host_tier_hit_after_the_paged_prefix_cache_was_evicted(engines, tiny_mo
     assert delta("vllm:prompt_tokens_cached_by_source", source="host") == HIT_TOKENS
     assert delta("vllm:kv_offload_load_bytes") == chunks_of("aligned") * chunk_bytes(tiny_model)
     assert_close_to_baseline(outs, ["aligned"], baseline, "native host hit")
-    HITS["host"] = outs[0]
+    HITS["host"] = ("aligned", outs[0])
 
 
-@pytest.mark.parametrize("backend", ["fs", "disk", "redis", "s3"])
+def test_one_prompt_left_in_each_kvpool_backend(engines, tiny_model, pool, baseline):
+    """The writer computes one prompt per kvpool backend (and its paged prefix-cache hit, the
+    reference of later hits); every other backend then loses that prompt's chunks."""
+    eng = writer(engines, tiny_model, pool)
+    written = ["aligned", "b4k", "y3k"]
+    # the earlier prompts' chunks all cascaded before anything new is told apart from them
+    wait_until(lambda: all(len(stored_objects(pool, b)) == sum(map(chunks_of, written))
+                           for b in BACKENDS), what="the earlier prompts in every backend")
+    for backend in BACKENDS[1:]:
+        name = PLACED[backend]
+        before = {b: stored_objects(pool, b) for b in BACKENDS}
+        outs, _ = generate(eng, [name])
+        assert outs[0]["num_cached_tokens"] == 0
+        assert_close_to_baseline(outs, [name], baseline, f"native cold {name}")
+        new = cascaded(pool, before, chunks_of(name))
+        outs, delta = generate(eng, [name])
+        assert delta("vllm:prompt_tokens_cached_by_source", source="device") == HIT_TOKENS
+        REFERENCE[name] = outs[0]
+        for other in BACKENDS:
+            if other != backend:
+                remove_objects(pool, other, new[other])
+        assert stored_objects(pool, backend) >= new[backend]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fresh_engine_hits_from_a_secondary_tier(backend, engines, tiny_model, pool, baseline):
-    eng = engines.get(f"fresh-{backend}", lambda: native_engine(tiny_model, pool, (backend,)))
-    outs, delta = generate(eng, ["aligned"])
+    """One fresh engine for every backend: what it reads was left only there (the aligned
+    prompt is everywhere, and fs, the first secondary tier, serves it)."""
+    eng = engines.get("fresh", lambda: native_engine(tiny_model, pool, BACKENDS))
+    name = PLACED[backend]
+    outs, delta = generate(eng, [name])
     assert outs[0]["num_cached_tokens"] == HIT_TOKENS
-    # promoted from the secondary tier into the empty host tier, then loaded: vLLM counts a
+    # promoted from a secondary tier into the empty host tier, then loaded: vLLM counts a
     # storage tier's hit as "disk" whatever the backend
-    tier = "1:fs" if backend == "fs" else "1:kvpool"
-    assert delta("vllm:kv_offload_tiering_chunk_hits", tier=tier) == chunks_of("aligned")
+    hits = {t: delta("vllm:kv_offload_tiering_chunk_hits", tier=t) for t in ("1:fs", "2:kvpool")}
+    assert hits == ({"1:fs": chunks_of(name), "2:kvpool": 0} if backend == "fs"
+                    else {"1:fs": 0, "2:kvpool": chunks_of(name)}), hits
     assert delta("vllm:prompt_tokens_cached_by_source", source="disk") == HIT_TOKENS
     assert delta("vllm:prompt_tokens_cached_by_source", source="host") == 0
-    assert_close_to_baseline(outs, ["aligned"], baseline, f"native {backend} hit")
-    HITS[backend] = outs[0]
+    assert_close_to_baseline(outs, [name], baseline, f"native {backend} hit")
+    HITS[backend] = (name, outs[0])
 
 
 def test_every_hit_reproduces_the_prefix_cache_hit_bit_for_bit():
@@ -207,9 +269,9 @@ def test_every_hit_reproduces_the_prefix_cache_hit_bit_for_bit():
     tokens and top-5 logprobs equal the prefix cache's exactly, or some byte of KV changed
     on the way (a random-weight model's outputs stay logprob-close even with half the KV
     wrong, so closeness alone would not catch it)."""
-    assert set(HITS) == {"device", "host", "fs", "disk", "redis", "s3"}
-    reference = HITS["device"]
-    for tier, out in HITS.items():
+    assert set(HITS) == {"device", "host", *BACKENDS}
+    for tier, (name, out) in HITS.items():
+        reference = REFERENCE[name]
         assert out["token_ids"] == reference["token_ids"], tier
         assert out["logprobs"] == reference["logprobs"], tier
 
