@@ -14,8 +14,8 @@ connector's):
                                                              -> hit from the kvpool tier
   example     ExampleConnector                               -> "example-cold", then "example"
 `--repeat N` keeps the best of N runs of every measurement but the cold passes (the machine
-may be shared). That is 8 engine starts for the full run (2 with --quick, cpu and disk: the
-seed engine's cold pass stands in for recompute). Every hit's output is compared with the
+may be shared). That is 8 engine starts for the full run (3 with --quick: cpu, disk and
+native-cpu; the seed engine's cold pass stands in for recompute). Every hit's output is compared with the
 baseline's by logprob closeness (testbed.oracle): the cold and hit passes have different
 prefill schedules, so greedy tokens may swap at near ties.
 Scheduler-side cost: every connector runs inside `timed_connector`, which adds up the time
@@ -48,7 +48,7 @@ FULL_SIZES = (2048, 8192, 16384)
 QUICK_SIZES = (512, 2048)
 ALL_CONFIGS = ("recompute", "cpu", "disk", "redis", "s3", "native-cpu", "native-redis",
                "example")
-QUICK_CONFIGS = ("cpu", "disk")  # the smoke run; the full run adds all the others
+QUICK_CONFIGS = ("cpu", "disk", "native-cpu")  # the smoke run: each kind of engine once
 KVPOOL_TIERS = ("cpu", "disk", "redis", "s3")
 NATIVE_CONFIGS = ("native-cpu", "native-redis")
 NATIVE_HOST_BYTES = 2 << 30  # vLLM's host tier in native engines: the kvpool cpu tier's size
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "TTFT on real engines: recompute vs a hit from each kvpool tier vs vLLM's native "
         "offloading (kvpool's spec) vs ExampleConnector"))
     ap.add_argument("--quick", action="store_true",
-                    help="tiny model, prompts of 512/2048 tokens, configs cpu,disk")
+                    help=f"tiny model, prompts of 512/2048 tokens, configs {','.join(QUICK_CONFIGS)}")
     ap.add_argument("--configs", default=None,
                     help=f"comma list from {','.join(ALL_CONFIGS)} (default: all; --quick: "
                          f"{','.join(QUICK_CONFIGS)})")
