@@ -105,11 +105,25 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self) -> "VllmServer":
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
-        if wait_healthy(self.base_url + "/health", self.proc, ENGINE_START_TIMEOUT, "vLLM server", self.log_tail):
-            return self
+        return self.launch().wait_ready()
+
+    def launch(self) -> "VllmServer":
+        """Start the process without waiting: several servers can boot at the same time."""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        return self
+
+    def wait_ready(self) -> "VllmServer":
+        """Wait until /health answers; stops the server and raises if it never does."""
+        assert self.proc is not None, "launch() first"
+        try:
+            if wait_healthy(self.base_url + "/health", self.proc, ENGINE_START_TIMEOUT,
+                            "vLLM server", self.log_tail):
+                return self
+        except BaseException:
+            self.stop()
+            raise
         self.stop()
         raise TimeoutError(f"vLLM server not healthy after {ENGINE_START_TIMEOUT}s; log tail:\n{self.log_tail()}")
 
