@@ -1,16 +1,14 @@
-"""vLLM's KV event stream with kvpool's local tiers in it: a real OpenAI server with
-`--kv-events-config` (ZMQ publisher) and a real ZMQ subscriber decoding its msgpack batches.
+"""vLLM's KV event stream with kvpool's local tiers in it: a real engine with
+`kv_events_config` (vLLM's ZMQ publisher, as `--kv-events-config` sets it up in a server) and
+a real ZMQ subscriber decoding its msgpack batches.
 vLLM's own events for the paged cache (medium GPU) are the oracle: the cpu and disk tiers'
 events must name the same block hashes, parents and tokens, chunk by chunk."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
-from kvpool_dev.testbed.engine import VllmServer
+from kvpool_dev.testbed.engine import OfflineEngine
 from kvpool_dev.testbed.kv_events import KVEventSubscriber
 from tests.e2e.conftest import kv_config, token_prompt
 
@@ -27,21 +25,25 @@ def engine(tiny_model, tmp_path_factory, namespace):
               "topic": "kvpool-test"}
     tiers = [{"type": "cpu", "size": CPU_CHUNKS * CHUNK_BYTES},
              {"type": "disk", "path": str(tmp_path_factory.mktemp("disk")), "size": "64Mi"}]
-    server = VllmServer(tiny_model, kv_transfer_config=kv_config(tiers, namespace),
-                        extra_args=["--kv-events-config", json.dumps(events)], max_model_len=4096)
-    with server:
+    eng = OfflineEngine(tiny_model, kv_transfer_config=kv_config(tiers, namespace),
+                        kv_events_config=events, max_model_len=4096)
+    with eng:
         sub = KVEventSubscriber(endpoint, topic="kvpool-test")
-        server.subscriber = sub
-        yield server
+        eng.subscriber = sub
+        # ZMQ's slow joiner: events published before the SUB socket joined are lost. Send
+        # new prompts of one vLLM block (less than a chunk: nothing for kvpool's tiers) until
+        # their paged-cache events arrive; the tests start from a clean slate after that.
+        seeds = iter(range(400, 500))
+        sub.wait_for(lambda ev: ev or complete(eng, token_prompt(200, seed=next(seeds))),
+                     60, "the subscription to join")
+        sub.events.clear()
+        sub.seqs.clear()
+        yield eng
         sub.close()
 
 
-def complete(server, prompt: list[int]) -> dict:
-    body = json.dumps({"model": "local", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-    req = urllib.request.Request(server.base_url + "/v1/completions", data=body.encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+def complete(engine, prompt: list[int]) -> None:
+    engine.generate([prompt], max_tokens=1, logprobs=0)
 
 
 def of(events, kind: str, medium: str) -> list[dict]:
@@ -55,7 +57,6 @@ def hashes(events) -> list:
 @pytest.mark.vllm
 def test_cpu_and_disk_tiers_are_announced_like_the_paged_cache(engine):
     sub = engine.subscriber
-    sub.poll(1.0)  # the SUB socket joins before anything is published (ZMQ slow joiner)
     prompt = token_prompt(1100, seed=501)  # 8 full blocks: 4 chunks
     complete(engine, prompt)
     sub.wait_for(lambda ev: len(of(ev, "BlockStored", "CPU")) >= 4, 60, "4 CPU BlockStored")

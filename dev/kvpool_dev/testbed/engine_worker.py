@@ -40,6 +40,10 @@ def main() -> None:
     kwargs = dict(args["llm_kwargs"])
     if args.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = args["kv_transfer_config"]
+    if isinstance(kwargs.get("kv_events_config"), dict):  # LLM() converts only the first
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     llm = LLM(model=args["model"], **kwargs)
     _reply({"ready": True})
     for line in sys.stdin:
