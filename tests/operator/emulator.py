@@ -20,11 +20,13 @@ import asyncio
 import base64
 import copy
 import datetime
+import functools
 import itertools
 import uuid
 from typing import Any
 
 import kmock
+from aiohttp.test_utils import RawTestServer
 from kmock._internal import dicts, k8s_views  # noqa: F401  (merge semantics of the emulator itself)
 
 from kvpool_operator import models
@@ -62,6 +64,12 @@ class ApiServer(kmock.KubernetesEmulator):
     """See the module docstring for what is added and what is not."""
 
     _versions = itertools.count(1)
+
+    async def __call__(self, raw_request):
+        # No keep-alive: every response closes its connection (see http_server)
+        response = await super().__call__(raw_request)
+        response.force_close()
+        return response
 
     async def _handle(self, request: kmock.Request):
         if request.resource is not None and isinstance(request.data, dict):
@@ -122,6 +130,14 @@ class ApiServer(kmock.KubernetesEmulator):
                 new_spec = dicts.patch_dict(copy.deepcopy(old), {"spec": data["spec"]}).get("spec")
                 if new_spec != old.get("spec"):
                     meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
+
+
+def http_server(api: ApiServer) -> kmock.Server:
+    """The emulator on a loopback port, its connections never left idle: kopf, when it stops,
+    gives the tasks started while it ran 5 s to end, and here those include the emulator's
+    connection handlers (a real API server is not in kopf's event loop). So no keep-alive,
+    and a handler is cancelled when its client goes away (an ended watch)."""
+    return kmock.Server(api, server_cls=functools.partial(RawTestServer, handler_cancellation=True))
 
 
 def apiserver_with_resources() -> ApiServer:

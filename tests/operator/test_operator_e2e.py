@@ -29,7 +29,7 @@ from kvpool_operator.reconcile.handlers import build_registry
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION, GENERATE_ANNOTATION, MANAGER
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
-from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, live, requests
+from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, http_server, live, requests
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +65,7 @@ async def running_operator(server: kmock.KubernetesEmulator, settings: Settings)
 @pytest.fixture
 async def server():
     srv = apiserver_with_resources()
-    async with srv, kmock.Server(srv):
+    async with srv, http_server(srv):
         yield srv
 
 
@@ -133,7 +133,11 @@ def write_kubeconfig(server, tmp_path) -> Path:
 
 
 async def send(server, method: str, url: str, body: dict[str, Any]) -> None:
-    headers = {"Content-Type": "application/merge-patch+json"} if method == "patch" else {}
+    # Connection: close: an idle keep-alive connection's server task, started after the
+    # operator, would hold kopf's shutdown for its 5 s wait on tasks it did not stop
+    headers = {"Connection": "close"}
+    if method == "patch":
+        headers["Content-Type"] = "application/merge-patch+json"
     async with server.request(method, url, json=body, headers=headers) as resp:
         assert resp.status < 300, await resp.text()
 
