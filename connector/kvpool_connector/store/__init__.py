@@ -18,7 +18,7 @@ contiguous CPU torch tensors (viewed as bytes, no copy). The caller may reuse it
 soon as put_many returns.
 
 Trust: the cpu tier lives in the caller's process and is trusted. Everything written to a
-shared tier is sealed (format.py): a BLAKE3 keyed MAC over header and payload, or AES-256-GCM
+shared tier is sealed (format.py): a keyed MAC (GMAC) over header and payload, or AES-256-GCM
 when `security.encrypt` is on; a read that fails the check is a miss (counted as `corrupt`,
 the object deleted) and never reaches the caller. Objects of v1 (unkeyed checksums) are
 misses.

@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
 from ..config import StoreConfig, tier_names
+from . import cpu_pool
 from .guard import CallGuard, run_guarded
 from .format import MAX_NAME, Record, layout_digest, to_view
 from .metrics import USAGE, TierStats
@@ -352,9 +353,11 @@ class TieredStore:
 
     def _write(self, records: list[Record]) -> None:
         first, lower = self.runners[0], self.runners[1:]
-        if lower or first.tier.needs_blob:
-            for r in records:  # one owned sealed copy, shared by every lower tier
-                r.freeze()
+        nbytes = sum(r.size for r in records)
+        if lower or first.tier.needs_blob:  # one owned sealed copy, shared by every lower tier
+            cpu_pool.run_each(Record.freeze, records, nbytes)
+        elif first.tier.shared:  # MAC'd (or encrypted) for the one tier, side by side
+            cpu_pool.run_each(Record.parts, records, nbytes)
         first.put_now(records)
         for runner in lower:
             runner.enqueue(records)

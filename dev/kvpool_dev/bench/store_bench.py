@@ -7,7 +7,7 @@ plain way: memcpy into / out of a preallocated buffer (cpu), one file per chunk 
 read in the same directory (disk), pipelined SET / GET with redis-py (redis), put_object /
 get_object with boto3 at the same concurrency (s3). For the shared tiers three stores run
 next to the baseline: `xxh3` (objects checksummed but not authenticated, what kvpool did
-before keyed MACs; insecure, here only to price the MAC), `mac` (the default: BLAKE3 keyed
+before keyed MACs; insecure, here only to price the MAC), `mac` (the default: GMAC, keyed
 MAC) and `aes` (`security.encrypt`: AES-256-GCM). The sides alternate batch by batch (who
 goes first rotates), each round writes new keys (as a serving engine does; the cpu tier
 evicts from round 2 on) and reads them back; the 80th percentile of the batch rates of each
