@@ -153,3 +153,31 @@ def test_valid_objects_round_trip(payload, name, layout, encrypt):
     lay = layout_digest(layout)
     st_, rec = open_blob(blob(payload, name, lay, encrypt=encrypt), name, lay, KEY)
     assert st_ is Status.OK and bytes(rec.payload) == payload
+
+
+def test_sealed_buffers_are_reused_only_once_no_view_of_them_is_left():
+    """Freeze's buffer goes back to blob_pool when its record dies (no page faults for the
+    next write), never while a memoryview of it is still around."""
+    from kvpool_connector.store import blob_pool
+
+    key = PoolKey(b"a pool key of at least 32 characters!!")
+    payload = memoryview(os.urandom(1 << 20))
+
+    def frozen(encrypt: bool) -> Record:
+        return Record(b"n" * 32, b"l" * 16, payload, key=key, encrypt=encrypt).freeze()
+
+    rec = frozen(True)
+    buf, size = id(rec._arr), rec._arr.nbytes  # no reference kept: that would pin it
+    before = blob_pool.held_bytes()
+    del rec
+    assert blob_pool.held_bytes() == before + size
+    again = frozen(False)  # the same size: the same buffer, rewritten
+    assert id(again._arr) == buf and blob_pool.held_bytes() == before
+    ok, got = open_blob(again.blob, b"n" * 32, b"l" * 16, key)
+    assert ok is Status.OK and bytes(got.payload) == bytes(payload)
+    escaped = again.blob[100:200]  # header (80 bytes), then the payload in the clear
+    del again
+    assert blob_pool.held_bytes() == before  # a view is alive: not reused
+    other = Record(b"n" * 32, b"l" * 16, memoryview(bytes(1 << 20)), key=key).freeze()
+    assert bytes(escaped) == bytes(payload[20:120])  # never overwritten by the next write
+    del other

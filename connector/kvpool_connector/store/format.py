@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 from cryptography.exceptions import InvalidTag
 
+from . import blob_pool
 from .sealing import SALT_SIZE, TAG_SIZE, PoolKey
 
 MAGIC = b"KVP\x02"
@@ -155,6 +156,13 @@ class Record:
     encrypt: bool = False
     blob: memoryview | None = None
     _parts: tuple[bytes, memoryview, bytes] | None = field(default=None, repr=False)
+    _arr: np.ndarray | None = field(default=None, repr=False)  # blob's buffer (blob_pool)
+
+    def __del__(self) -> None:
+        arr, self._arr = self._arr, None
+        if arr is not None:  # every view of it dropped first, then it may be reused
+            self.blob = self._parts = self.payload = None
+            blob_pool.give(arr)
 
     @property
     def size(self) -> int:
@@ -184,12 +192,14 @@ class Record:
         if self.encrypt:
             salt = os.urandom(SALT_SIZE)
             hdr = pack_header(self.name, self.layout, n, True, salt)
-            buf = uninitialized(len(hdr) + n + TAG_SIZE)
+            self._arr = blob_pool.take(len(hdr) + n + TAG_SIZE)
+            buf = memoryview(self._arr)
             buf[:len(hdr)] = hdr
             self.key.encrypt_into(salt, hdr, self.payload, buf[len(hdr):])
         else:
             hdr, body, tag = self.parts()
-            buf = uninitialized(len(hdr) + n + len(tag))
+            self._arr = blob_pool.take(len(hdr) + n + len(tag))
+            buf = memoryview(self._arr)
             buf[:len(hdr)] = hdr
             buf[len(hdr):len(hdr) + n] = body
             buf[len(hdr) + n:] = tag
