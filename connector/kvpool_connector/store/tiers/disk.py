@@ -12,9 +12,9 @@
   O_EXCL | O_NOFOLLOW, mode 0600, under random names. The tier is `blocking`: its calls run
   with the store's deadline, so a hung mount costs a miss, never a stuck caller.
 - Large I/O: a single writev of header + payload + tag; reads go in 512 KiB pieces through
-  a per-thread scratch buffer, each piece authenticated (or decrypted) while cache-hot and
-  then copied to the caller's buffer (never after the caller gave up); a failed check
-  zeroes what was copied. With direct_io, writes use O_DIRECT through a page-aligned copy.
+  a per-thread scratch buffer, each piece authenticated while cache-hot and then copied to
+  the caller's buffer, or decrypted from the scratch straight into it (never after the
+  caller gave up); a failed check zeroes what was written there. With direct_io, writes use O_DIRECT through a page-aligned copy.
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
   only, oldest mtime first) and refreshed every rescan_seconds, which re-applies the capacity
   bound; reads always try the file itself and presence checks stat what the index lacks, so
@@ -44,6 +44,7 @@ from .base import Tier, log
 _SUFFIX = ".kv"
 _ALIGN = 4096
 _PIECE = 512 * 1024  # fits in L2: the MAC reads what the copy just brought in
+_GCM_SLACK = 15  # update_into wants room for a block more than it writes
 _STALE_TMP_SECONDS = 600
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -414,8 +415,10 @@ class DiskTier(Tier):
     def _read_verified(self, fd: int, h: Header, key: PoolKey, tag: bytes,
                        target: memoryview) -> Status | None:
         """Fill target with the (decrypted) payload. Pieces are read into this thread's
-        scratch buffer, MAC'd or decrypted there while cache-hot, then copied out while the
-        caller still waits (None: it gave up; nothing more was written)."""
+        scratch buffer and MAC'd there while cache-hot, then copied out, or decrypted from
+        there straight into target, while the caller still waits (None: it gave up; nothing
+        more was written). Until the tag checks out target is unverified: the caller zeroes
+        it on any failure."""
         n, off = len(target), h.size
         raw, plain = self._pieces()
         guard = current_guard()
@@ -429,6 +432,13 @@ class DiskTier(Tier):
             m = os.preadv(fd, [raw[:min(_PIECE, n - done)]], off + done)
             if m == 0:
                 return Status.CORRUPT  # truncated under us
+            if h.encrypted and n - done >= m + _GCM_SLACK:
+                with guard.writing() as ok:  # decrypted straight into place: one copy less
+                    if not ok:
+                        return None
+                    dec.update_into(raw[:m], target[done:])
+                done += m
+                continue
             if h.encrypted:
                 dec.update_into(raw[:m], plain)
                 piece = plain[:m]
