@@ -497,3 +497,20 @@ def test_s3_presence_cache_saves_requests(tier_cfgs, namespace, s3_server):
     assert other.contains_prefix(keys) == 12
     s.close()
     other.close()
+
+
+def test_disk_lookups_of_indexed_objects_need_no_call_into_the_tier(tmp_path, namespace):
+    """The scheduler's lookup of a cached prefix is answered from the disk tier's index in
+    the caller's thread; only a name the index lacks (another process may have written it)
+    goes to the tier's pool, with its deadline."""
+    s = build(namespace, {"type": "disk", "path": str(tmp_path), "size": "16Mi",
+                          "rescan_seconds": 0})
+    keys = [os.urandom(32) for _ in range(4)]
+    s.put_many(keys, [b"kv" * 1000] * len(keys))
+    tier = s.runners[0].tier
+    calls = []
+    real = tier.contains_many
+    tier.contains_many = lambda names: calls.append(len(names)) or real(names)
+    assert s.contains_prefix(keys) == 4 and calls == []
+    assert s.contains_prefix(keys + [os.urandom(32)]) == 4 and calls == [5]
+    s.close()

@@ -158,6 +158,13 @@ class TierRunner:
         self._set_health(op, True)
         return res
 
+    def contains(self, names: list[bytes], timeout: float) -> list[bool] | None:
+        """Presence per name: from the tier's memory when it can tell, else a call."""
+        known = self.tier.contains_known(names)
+        if known is not None and self.read_health.available():
+            return known
+        return self.call("contains", self.tier.contains_many, names, timeout=timeout)
+
     def put_now(self, records: list[Record]) -> None:
         """Write synchronously; records the tier did not take (backing off, failed, timed
         out) are dropped and counted."""
@@ -475,9 +482,8 @@ class TieredStore:
                 if prefix == len(keys) or self._remaining(deadline) <= 0:
                     break
                 idx = [i for i in range(prefix, len(keys)) if not present[i]]
-                res = runner.call("contains", runner.tier.contains_many,
-                                  [pool_key.object_name(keys[i]) for i in idx],
-                                  timeout=self._remaining(deadline))
+                res = runner.contains([pool_key.object_name(keys[i]) for i in idx],
+                                      self._remaining(deadline))
                 if res is None:
                     continue
                 for i, ok in zip(idx, res):

@@ -92,6 +92,11 @@ class Tier(abc.ABC):
     def delete_many(self, names: list[bytes]) -> None:
         """Remove these objects where present."""
 
+    def contains_known(self, names: list[bytes]) -> list[bool] | None:
+        """Presence of every name from memory alone (no I/O, so no deadline needed), or None
+        when that cannot be told without asking the backend."""
+        return None
+
     def forget_absent(self, names: list[bytes]) -> None:
         """These objects were just written elsewhere (another process): a tier that caches
         presence drops what it remembered as missing."""

@@ -456,6 +456,12 @@ class DiskTier(Tier):
             return Status.CORRUPT
         return Status.OK
 
+    def contains_known(self, names: list[bytes]) -> list[bool] | None:
+        """All in the index: present, answered in the caller's thread (the scheduler's
+        lookups of a cached prefix skip the hop to the tier's pool)."""
+        index = self._index
+        return [True] * len(names) if all(k in index for k in names) else None
+
     def contains_many(self, names: list[bytes]) -> list[bool]:
         """The index answers; a name it lacks costs one stat (another process may have
         written it since the last rescan) and ends the answer at the first miss."""
