@@ -156,13 +156,16 @@ class Record:
     encrypt: bool = False
     blob: memoryview | None = None
     _parts: tuple[bytes, memoryview, bytes] | None = field(default=None, repr=False)
-    _arr: np.ndarray | None = field(default=None, repr=False)  # blob's buffer (blob_pool)
+    _arr: np.ndarray | None = field(default=None, repr=False, compare=False)  # blob_pool's
 
     def __del__(self) -> None:
         arr, self._arr = self._arr, None
         if arr is not None:  # every view of it dropped first, then it may be reused
             self.blob = self._parts = self.payload = None
-            blob_pool.give(arr)
+            try:
+                blob_pool.give(arr)
+            except (AttributeError, TypeError):  # the interpreter is tearing modules down
+                pass
 
     @property
     def size(self) -> int:
