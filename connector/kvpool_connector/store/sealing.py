@@ -82,6 +82,16 @@ class PoolKey:
         c = Cipher(algorithms.AES(key), mode)
         return c.decryptor() if tag is not None else c.encryptor()
 
+    def checker(self, salt: bytes, header: bytes, encrypted: bool):
+        """A streaming check of an object whose tag arrives last: the header is already
+        authenticated; then authenticate_additional_data(piece) for a MAC'd payload or
+        update_into(piece, out) for a ciphertext, and finalize_with_tag(tag), which raises
+        InvalidTag."""
+        key, nonce = self._params(salt, encrypted)
+        check = Cipher(algorithms.AES(key), modes.GCM(nonce)).decryptor()
+        check.authenticate_additional_data(header)
+        return check
+
     def mac(self, salt: bytes, parts) -> bytes:
         auth = self.authenticator(salt)
         for p in parts:

@@ -18,6 +18,7 @@ key into every tier.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -38,8 +39,15 @@ from .tiers import Tier, tier_class
 log = logging.getLogger("kvpool.store")
 _STOP = object()
 _NOT_WRITTEN = object()
+
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
 EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
+
+
+def _zero_all(buffers: list[memoryview]) -> None:
+    """What a cut-off read may have left in the caller's buffers is no byte of anything."""
+    for b in buffers:
+        b[:] = bytes(len(b))
 
 
 class Health:
@@ -126,8 +134,11 @@ class TierRunner:
                         "healthy again" if ok else "failing")
             self.stats.set_healthy(self.healthy)
 
-    def call(self, op: str, fn: Callable, *args, default=None, timeout: float | None = None):
-        """fn(*args) within the timeout; errors and timeouts count, mark unhealthy, -> default.
+    def call(self, op: str, fn: Callable, *args, default=None, timeout: float | None = None,
+             on_failure: Callable[[], None] | None = None):
+        """fn(*args) within the timeout; errors and timeouts count, mark unhealthy, -> default
+        (after on_failure(): the call may have left partial, unverified bytes in the
+        caller's buffers, which the caller owns again once the call was cut off).
 
         Reads, lookups and remote writes of a blocking tier run on its pool with a deadline;
         a local tier's writes run in the caller's thread (the connector's saver, never the
@@ -151,8 +162,12 @@ class TierRunner:
         except FutureTimeout:
             self.stats.inc("timeouts")
             self._set_health(op, False)
+            if on_failure is not None:
+                on_failure()
             return default
         except Exception as e:
+            if on_failure is not None:
+                on_failure()
             return self._failed(op, e, default)
         self.stats.observe(op, time.perf_counter() - t0)
         self._set_health(op, True)
@@ -389,11 +404,15 @@ class TieredStore:
                 if gen and not runner.tier.shared:
                     continue  # an in-process tier only ever held current-key objects
                 args: tuple = ([names[i] for i in pending], lay, pool_key)
+                wipe = None
                 if outs is None:
                     fn = runner.tier.get_many
                 else:
-                    fn, args = runner.tier.get_many_into, args + ([outs[i] for i in pending],)
-                res = runner.call("get", fn, *args, timeout=self._remaining(deadline))
+                    into = [outs[i] for i in pending]
+                    fn, args = runner.tier.get_many_into, args + (into,)
+                    wipe = functools.partial(_zero_all, into)
+                res = runner.call("get", fn, *args, timeout=self._remaining(deadline),
+                                  on_failure=wipe)
                 if res is None:  # the tier failed or is backing off: try the next one
                     continue
                 still = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import threading
 from collections import deque
 from typing import Any, ClassVar
 
@@ -165,6 +166,19 @@ class Tier(abc.ABC):
             self.delete_many([name])
         except Exception as e:  # the next reader will find it again and retry
             log.debug("%s tier: delete of a bad object failed: %s", self.type, e)
+
+
+GCM_SLACK = 15  # GCM's update_into wants room for a block more than it writes
+
+
+class PieceBuffers(threading.local):
+    """Per-thread scratch for reads checked piece by piece: `raw` receives a piece, `plain`
+    takes a decrypted piece where the caller's buffer lacks the room GCM's update_into
+    wants (16 bytes more than it writes)."""
+
+    def __init__(self, piece: int) -> None:
+        self.raw = memoryview(bytearray(piece))
+        self.plain = memoryview(bytearray(piece + 16))
 
 
 def _payload_len(blob) -> int:

@@ -39,12 +39,11 @@ from cryptography.exceptions import InvalidTag
 from ..format import Header, Record, Status, check_header, header_size, uninitialized
 from ..sealing import TAG_SIZE, PoolKey
 from ..guard import current_guard
-from .base import Tier, log
+from .base import GCM_SLACK, PieceBuffers, Tier, log
 
 _SUFFIX = ".kv"
 _ALIGN = 4096
 _PIECE = 512 * 1024  # fits in L2: the MAC reads what the copy just brought in
-_GCM_SLACK = 15  # update_into wants room for a block more than it writes
 _STALE_TMP_SECONDS = 600
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
@@ -105,7 +104,7 @@ class DiskTier(Tier):
         self._used = 0
         self._direct = bool(cfg.direct_io) and hasattr(os, "O_DIRECT")
         self._stop = threading.Event()
-        self._scratch = threading.local()
+        self._scratch = PieceBuffers(_PIECE)
         self._shards: dict[str, int] = {}
         os.makedirs(self.base, exist_ok=True)
         self._ns_fd = _checked_dir_fd(self.root, None, f"{self.root}")
@@ -405,13 +404,6 @@ class DiskTier(Tier):
         self.stats.inc("bytes_out", len(target))
         return Record(name, layout, target, key=key, encrypt=h.encrypted)
 
-    def _pieces(self) -> tuple[memoryview, memoryview]:
-        s = getattr(self._scratch, "bufs", None)
-        if s is None:
-            s = self._scratch.bufs = (memoryview(bytearray(_PIECE)),
-                                      memoryview(bytearray(_PIECE + 16)))
-        return s
-
     def _read_verified(self, fd: int, h: Header, key: PoolKey, tag: bytes,
                        target: memoryview) -> Status | None:
         """Fill target with the (decrypted) payload. Pieces are read into this thread's
@@ -420,7 +412,7 @@ class DiskTier(Tier):
         more was written). Until the tag checks out target is unverified: the caller zeroes
         it on any failure."""
         n, off = len(target), h.size
-        raw, plain = self._pieces()
+        raw, plain = self._scratch.raw, self._scratch.plain
         guard = current_guard()
         if h.encrypted:
             dec = key.decryptor(h.salt, h.raw, tag)
@@ -432,7 +424,7 @@ class DiskTier(Tier):
             m = os.preadv(fd, [raw[:min(_PIECE, n - done)]], off + done)
             if m == 0:
                 return Status.CORRUPT  # truncated under us
-            if h.encrypted and n - done >= m + _GCM_SLACK:
+            if h.encrypted and n - done >= m + GCM_SLACK:
                 with guard.writing() as ok:  # decrypted straight into place: one copy less
                     if not ok:
                         return None

@@ -18,31 +18,170 @@ map and resends those keys once. A failed connection refreshes the map on the ne
 (a failover). The client is created on first use, so an engine starts while its cluster is
 still down.
 
+Reads into the caller's buffers (the connector's loads) take each GETRANGE reply off the
+socket by hand (`ReplyStream`): the payload goes from the socket straight into the caller's
+buffer in pieces, each authenticated while cache-hot (or, encrypted, decrypted from a small
+scratch buffer into place), and a failed tag zeroes what was written. redis-py (hiredis)
+would first assemble each value in its own growing buffer and then copy it into a new bytes
+object: two copies and a fresh multi-MiB allocation per chunk, which on the tier's pool
+threads (malloc arenas trimmed after each batch) made a read cost 3x a plain GET. TLS
+connections keep redis-py's reader.
+
 Names: <key_prefix><namespace>:<object name hex>. Password from password_env/password_file
 only; rediss:// enables TLS. redis-py's own retries are off: the orchestrator decides.
 """
 
 from __future__ import annotations
 
+import select
+import ssl
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import redis
+from cryptography.exceptions import InvalidTag
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import MovedError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ..format import Record
-from ..sealing import PoolKey
-from .base import Tier, secret
+from ..format import Record, Status, check_header, header_size
+from ..guard import CallGuard, current_guard
+from ..sealing import TAG_SIZE, PoolKey
+from .base import GCM_SLACK, PieceBuffers, Tier, secret
 
 _JOIN_BELOW = 64 * 1024
+_PIECE = 256 * 1024  # authenticated right after it arrived, while in the CPU's cache
+_LINE_READ = 64  # read-ahead for a reply's first line: at most this much of a value is copied
 
 
 def resp(*args: bytes) -> bytes:
     """One command in RESP (what redis-py's packer produces, without a connection)."""
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+class GaveUp(Exception):
+    """The caller stopped waiting (its deadline passed): nothing more may be written into
+    its buffers, and the connection, holding unread replies, is dropped."""
+
+
+class ReplyStream:
+    """The replies of one pipelined exchange, read off a plain TCP or Unix socket.
+
+    Small reads for a reply's first line and the object's header and tag (kept in `buf`),
+    `into()` for payloads: whatever is buffered, then `recv_into` the caller's memory. Each
+    receive into the caller's memory waits for data first without holding the call's guard,
+    then receives what is there while holding it, so a stalled server never keeps a caller
+    from giving up. The connection's own parser holds no unread bytes at the start (every
+    earlier reply on it was read whole); bytes left here at the end mean the stream is out
+    of step, and the caller drops the connection.
+    """
+
+    def __init__(self, sock, timeout: float | None, parse_error: Callable) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self.parse_error = parse_error
+        self.buf = bytearray()
+        self.pos = 0
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    @classmethod
+    def of(cls, conn) -> "ReplyStream | None":
+        """A stream over a redis-py connection's socket; None for TLS (redis-py reads it)."""
+        get = getattr(conn, "_get_socket", None)
+        sock = get() if get is not None else None
+        if sock is None or isinstance(sock, ssl.SSLSocket):
+            return None
+        parser = getattr(conn, "_parser", None)
+        parse_error = getattr(parser, "parse_error", None) or ResponseError
+        return cls(sock, sock.gettimeout(), parse_error)
+
+    def _wait(self) -> None:
+        ms = None if self.timeout is None else int(self.timeout * 1000)
+        if not self._poll.poll(ms):
+            raise RedisTimeoutError("Timeout reading from socket")
+
+    def _more(self) -> None:
+        self._wait()
+        data = self.sock.recv(_LINE_READ)
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        if self.pos:
+            del self.buf[:self.pos]
+            self.pos = 0
+        self.buf += data
+
+    def line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\r\n", self.pos)
+            if end >= 0:
+                out = bytes(self.buf[self.pos:end])
+                self.pos = end + 2
+                return out
+            self._more()
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) - self.pos < n:
+            self._more()
+        out = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return out
+
+    def into(self, view: memoryview, guard: CallGuard) -> None:
+        """Fill view whole from the stream; GaveUp once the guard's caller gave up."""
+        done = min(len(view), len(self.buf) - self.pos)
+        if done:
+            with guard.writing() as ok:
+                if not ok:
+                    raise GaveUp()
+                view[:done] = self.buf[self.pos:self.pos + done]
+            self.pos += done
+        while done < len(view):
+            self._wait()
+            with guard.writing() as ok:
+                if not ok:
+                    raise GaveUp()
+                m = self.sock.recv_into(view[done:])
+            if m == 0:
+                raise redis.ConnectionError("Connection closed by server.")
+            done += m
+
+    def skip(self, n: int, scratch: memoryview) -> None:
+        while n > 0:
+            m = min(n, len(scratch))
+            self.into(scratch[:m], _OWN)
+            n -= m
+
+    def bulk_length(self) -> int | None:
+        """The length of the next bulk reply (None: nil); an error reply raises as redis-py
+        would (MovedError for a resharded slot), anything else is a protocol error."""
+        first = self.line()
+        kind, rest = first[:1], first[1:]
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else n
+        if kind == b"-":
+            err = self.parse_error(rest.decode("utf-8", "replace"))
+            raise err if isinstance(err, BaseException) else ResponseError(str(err))
+        raise redis.ConnectionError(f"unexpected reply {first[:32]!r} to GETRANGE")
+
+    def finish(self) -> None:
+        if self.pos != len(self.buf):
+            raise redis.ConnectionError("bytes left after the last reply: stream out of step")
+
+
+_OWN = CallGuard()  # writes into the stream's own scratch memory: never cancelled
+
+
+class Streamed(NamedTuple):
+    """A reply checked as it was read: the record (payload in the caller's buffer), or why
+    not (a Status is counted, and a corrupt object deleted, once the exchange is over)."""
+
+    record: Record | None
+    status: Status | None = None
+    too_large: bool = False
 
 
 class RedisTier(Tier):
@@ -74,6 +213,7 @@ class RedisTier(Tier):
         self._cluster: redis.RedisCluster | None = None
         self._cluster_lock = threading.Lock()
         self._refresh = False  # a node failed: re-read the slot map before the next call
+        self._scratch = PieceBuffers(_PIECE)
         if not cfg.cluster:
             self.pool = redis.BlockingConnectionPool.from_url(cfg.url, **self._kwargs)
 
@@ -118,9 +258,11 @@ class RedisTier(Tier):
             nbytes += cost(i)
         return out + ([cur] if cur else [])
 
-    def _round(self, batches: list[tuple[object, list[int]]], command, replies: dict) -> None:
-        """Send every batch (one per server), then read every reply; an error reply is kept
-        as that key's reply, anything else leaves no connection with replies unread."""
+    def _round(self, batches: list[tuple[object, list[int]]], command, replies: dict,
+               stream_read: Callable | None = None) -> None:
+        """Send every batch (one per server), then read every reply (with stream_read(stream,
+        i) where the connection can be streamed); an error reply is kept as that key's
+        reply, anything else leaves no connection with replies unread."""
         taken = []
         try:
             for pool, idx in batches:
@@ -128,11 +270,15 @@ class RedisTier(Tier):
                 taken.append((pool, conn, idx))
                 conn.send_packed_command([p for i in idx for p in command(i)])
             for _, conn, idx in taken:
+                stream = ReplyStream.of(conn) if stream_read is not None else None
                 for i in idx:
                     try:
-                        replies[i] = conn.read_response()
+                        replies[i] = (conn.read_response() if stream is None
+                                      else stream_read(stream, i))
                     except ResponseError as e:  # fully read: the connection stays usable
                         replies[i] = e
+                if stream is not None:
+                    stream.finish()
         except BaseException:
             for _, conn, _ in taken:
                 conn.disconnect()
@@ -143,7 +289,8 @@ class RedisTier(Tier):
                 pool.release(conn)
 
     def _exchange(self, keys: list[bytes], command: Callable[[int], list],
-                  cost: Callable[[int], int] | None = None) -> list:
+                  cost: Callable[[int], int] | None = None,
+                  stream_read: Callable | None = None) -> list:
         """Reply to command(i) for every key i; raises the first error reply."""
         if not keys:
             return []
@@ -152,7 +299,8 @@ class RedisTier(Tier):
         for attempt in range(2):
             per_node = [(pool, self._batches(idx, cost)) for pool, idx in self._groups(keys, todo)]
             for r in range(max(len(b) for _, b in per_node)):
-                self._round([(pool, b[r]) for pool, b in per_node if r < len(b)], command, replies)
+                self._round([(pool, b[r]) for pool, b in per_node if r < len(b)], command,
+                            replies, stream_read)
             todo = [i for i in todo if isinstance(replies[i], MovedError)]
             if not todo or self.pool is not None or attempt:
                 break
@@ -186,27 +334,118 @@ class RedisTier(Tier):
                        cost=lambda i: len(records[i].payload))
         self.stats.inc("bytes_in", sum(len(r.payload) for r in records))
 
-    def _fetch(self, names: list[bytes], outs: list[memoryview | None]) -> list:
-        """Values, each read up to one byte past the largest object the reader accepts;
-        longer ones are refused (counted) and never read further."""
-        keys = [self.object_key(n) for n in names]
-        limits = [self.read_limit(n, o) for n, o in zip(names, outs)]
-        got = self._exchange(  # GETRANGE k 0 limit: limit + 1 bytes at most
-            keys, lambda i: [resp(b"GETRANGE", keys[i], b"0", b"%d" % limits[i])])
-        values = []
-        for v, limit in zip(got, limits):
-            if v is not None and len(v) > limit:
-                self.stats.inc("rejected")
-                v = None
-            values.append(v or None)  # GETRANGE of a missing key is b""
-        return values
+    def _getrange(self, keys: list[bytes], limits: list[int]) -> Callable[[int], list]:
+        """GETRANGE k 0 limit: limit + 1 bytes at most, so an oversized value (a flooding
+        attacker, another pool's giant object) is refused without being read whole."""
+        return lambda i: [resp(b"GETRANGE", keys[i], b"0", b"%d" % limits[i])]
+
+    def _bounded(self, value, limit: int):
+        """A fetched value, or None when absent or longer than the reader accepts (counted)."""
+        if value is not None and len(value) > limit:
+            self.stats.inc("rejected")
+            return None
+        return value or None  # GETRANGE of a missing key is b""
 
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
-        return self.verify_all(names, layout, key, self._fetch(names, [None] * len(names)))
+        keys = [self.object_key(n) for n in names]
+        limits = [self.read_limit(n, None) for n in names]
+        got = self._exchange(keys, self._getrange(keys, limits))
+        return self.verify_all(names, layout, key,
+                               [self._bounded(v, lim) for v, lim in zip(got, limits)])
 
     def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
-        return self.verify_all(names, layout, key, self._fetch(names, outs), outs)
+        keys = [self.object_key(n) for n in names]
+        limits = [self.read_limit(n, o) for n, o in zip(names, outs)]
+        guard = current_guard()
+
+        def read(stream: ReplyStream, i: int) -> Streamed:
+            return self._read_into(stream, names[i], layout, key, outs[i], limits[i], guard)
+
+        try:
+            got = self._exchange(keys, self._getrange(keys, limits), stream_read=read)
+        except GaveUp:
+            return [None] * len(names)
+        out: list[Record | None] = []
+        for i, v in enumerate(got):
+            if not isinstance(v, Streamed):  # a TLS connection: redis-py read the value
+                out += self.verify_all([names[i]], layout, key,
+                                       [self._bounded(v, limits[i])], [outs[i]])
+                continue
+            if v.too_large:
+                self.stats.inc("rejected")
+            elif v.status is not None:
+                self.reject(names[i], v.status)
+            elif v.record is not None:
+                self.stats.inc("bytes_out", len(v.record.payload))
+            out.append(v.record)
+        return out
+
+    def _read_into(self, stream: ReplyStream, name: bytes, layout: bytes, key: PoolKey,
+                   out: memoryview, limit: int, guard: CallGuard) -> Streamed:
+        """One GETRANGE reply, checked into `out`; the reply is always consumed whole (or an
+        exception leaves the connection to be dropped)."""
+        total = stream.bulk_length()
+        if not total:
+            if total == 0:
+                stream.exact(2)
+            return Streamed(None)
+        raw, plain = self._scratch.raw, self._scratch.plain
+        consumed, result = 0, Streamed(None, Status.CORRUPT)
+        hs = header_size(name)
+        if total > limit:
+            result = Streamed(None, too_large=True)
+        elif total >= hs + TAG_SIZE:
+            h = check_header(stream.exact(hs), name, layout, total)
+            consumed = hs
+            if h.status is not Status.CORRUPT and h.payload_len > len(out):
+                result = Streamed(None, too_large=True)  # cannot be of the caller's layout
+            elif h.status is not Status.CORRUPT:
+                target = out[:h.payload_len]
+                status = self._payload_into(stream, h, key, target, raw, plain, guard)
+                consumed = total
+                if status is Status.OK:
+                    result = Streamed(Record(name, layout, target, key=key,
+                                             encrypt=h.encrypted))
+                else:  # no unverified byte stays in the caller's buffer
+                    with guard.writing() as ok:
+                        if not ok:
+                            raise GaveUp()
+                        target[:] = bytes(len(target))
+                    result = Streamed(None, status)
+        stream.skip(total - consumed + 2, raw)  # the rest of the value, then CRLF
+        return result
+
+    @staticmethod
+    def _payload_into(stream: ReplyStream, h, key: PoolKey, target: memoryview,
+                      raw: memoryview, plain: memoryview, guard: CallGuard) -> Status:
+        """Payload and tag off the stream into target (a MAC'd payload is received in place,
+        a ciphertext decrypted there from the scratch buffer); the header's status once the
+        tag checks out, else CORRUPT."""
+        check = key.checker(h.salt, h.raw, h.encrypted)
+        n, done = len(target), 0
+        while done < n:
+            m = min(_PIECE, n - done)
+            if not h.encrypted:
+                piece = target[done:done + m]
+                stream.into(piece, guard)
+                check.authenticate_additional_data(piece)
+            else:
+                stream.into(raw[:m], _OWN)
+                with guard.writing() as ok:
+                    if not ok:
+                        raise GaveUp()
+                    if n - done >= m + GCM_SLACK:
+                        check.update_into(raw[:m], target[done:])
+                    else:
+                        check.update_into(raw[:m], plain)
+                        target[done:done + m] = plain[:m]
+            done += m
+        try:
+            check.finalize_with_tag(stream.exact(TAG_SIZE))
+        except InvalidTag:
+            return Status.CORRUPT
+        return h.status
 
     def contains_many(self, names: list[bytes]) -> list[bool]:
         keys = [self.object_key(n) for n in names]

@@ -1,0 +1,193 @@
+"""The Redis tier's reads into caller buffers take GETRANGE replies off the socket by hand
+(payloads straight into the caller's memory, checked piece by piece). Against a real
+redis-server: every kind of reply in one pipeline keeps the connection in step, a value
+that fails its check leaves no byte behind, and a server stalling in the middle of a value
+costs a miss at the deadline without a single late write into the caller's buffer."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+from kvpool_connector.store import open_store
+from kvpool_connector.store.format import Record, layout_digest
+from kvpool_connector.store.sealing import PoolKey
+from tests.conftest import SECURITY
+
+LAYOUT = b"stream-layout"
+BIG = 3 * (256 << 10) + 12345  # several pieces, the last one partial
+
+
+def build(namespace, tier, encrypt=False, timeout=5.0):
+    return open_store({"namespace": namespace, "tiers": [tier], "timeout_seconds": timeout,
+                       "security": {**SECURITY, "encrypt": encrypt}}, layout=LAYOUT)
+
+
+def redis_key(namespace: str, name: bytes) -> str:
+    return f"kvpool:{namespace}:{name.hex()}"
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes"])
+def test_every_kind_of_reply_in_one_pipeline_keeps_the_connection_in_step(
+        encrypt, redis_tier, redis_server, namespace):
+    s = build(namespace, redis_tier, encrypt)
+    keys = [os.urandom(32) for _ in range(8)]
+    good = {0: os.urandom(BIG), 3: os.urandom(100), 7: os.urandom(BIG)}
+    s.put_many([keys[i] for i in good] + [keys[1]], list(good.values()) + [os.urandom(BIG)])
+    names = s.object_names(keys)
+    r = redis.Redis.from_url(redis_server.url, password=redis_server.password)
+    # 1: one flipped payload byte; 2: a valid object of another layout (authentic, not ours);
+    # 4: sealed with another pool's key; 5: empty value; 6: absent
+    flipped = bytearray(r.get(redis_key(namespace, names[1])))
+    flipped[-1000] ^= 1  # late in the payload: the pieces before it already landed
+    r.set(redis_key(namespace, names[1]), bytes(flipped))
+    other = Record(names[2], layout_digest(b"another-model"), memoryview(os.urandom(BIG)),
+                   key=s.keyring.current, encrypt=encrypt)
+    r.set(redis_key(namespace, names[2]), bytes(other.freeze().blob))
+    stranger = Record(names[4], layout_digest(LAYOUT), memoryview(os.urandom(BIG)),
+                      key=PoolKey(os.urandom(32)), encrypt=encrypt)
+    r.set(redis_key(namespace, names[4]), bytes(stranger.freeze().blob))
+    r.set(redis_key(namespace, names[5]), b"")
+
+    outs = [bytearray(b"\xee" * BIG) for _ in keys]
+    got = s.get_many_into(keys, outs)
+    assert got == [BIG, None, None, 100, None, None, None, BIG]
+    assert bytes(outs[0]) == good[0] and bytes(outs[7]) == good[7]
+    assert bytes(outs[3][:100]) == good[3]
+    for i in (1, 2, 4):  # checked in place and failed: nothing of them stays behind
+        assert outs[i] == bytes(BIG), i
+    for i in (5, 6):  # nothing was read: untouched
+        assert outs[i] == b"\xee" * BIG, i
+    stats = s.stats()["tiers"]["redis"]
+    assert stats["corrupt"] == 2 and stats["foreign_layout"] == 1 and stats["errors"] == 0
+    assert stats["bytes_out"] == 2 * BIG + 100
+    # the corrupt objects were removed, the foreign one left for its owner
+    assert r.exists(redis_key(namespace, names[1]), redis_key(namespace, names[4])) == 0
+    assert r.exists(redis_key(namespace, names[2])) == 1
+    # the same pooled connections serve the next pipeline correctly
+    again = [bytearray(BIG) for _ in keys]
+    assert s.get_many_into(keys, again) == [BIG, None, None, 100, None, None, None, BIG]
+    assert bytes(again[7]) == good[7] and s.stats()["tiers"]["redis"]["errors"] == 0
+    r.close()
+    s.close()
+
+
+def test_an_error_reply_fails_the_read_and_the_next_one_succeeds(redis_tier, redis_server,
+                                                                 namespace):
+    """A key of the wrong type answers GETRANGE with an error reply in the middle of the
+    pipeline: the call fails (counted), the connection stays usable."""
+    s = build(namespace, redis_tier)
+    keys = [os.urandom(32) for _ in range(3)]
+    vals = [os.urandom(BIG) for _ in keys]
+    s.put_many(keys, vals)
+    r = redis.Redis.from_url(redis_server.url, password=redis_server.password)
+    wrong = redis_key(namespace, s.object_names([keys[1]])[0])
+    r.delete(wrong)
+    r.rpush(wrong, b"x")
+    outs = [bytearray(BIG) for _ in keys]
+    assert s.get_many_into(keys, outs) == [None, None, None]
+    assert all(o == bytes(BIG) for o in outs)  # a failed call leaves nothing behind
+    assert s.stats()["tiers"]["redis"]["errors"] == 1
+    r.delete(wrong)
+    s2 = build(namespace, redis_tier)  # a fresh store: no backoff after the failure
+    s2.put_many([keys[1]], [vals[1]])
+    outs = [bytearray(BIG) for _ in keys]
+    assert s2.get_many_into(keys, outs) == [BIG] * 3
+    assert [bytes(o) for o in outs] == vals
+    r.close()
+    s.close()
+    s2.close()
+
+
+class StallingProxy:
+    """A loopback TCP proxy in front of a real redis-server. Once armed, it forwards only
+    `budget` more bytes from the server, then holds the rest until released: a server (or
+    network) that stalls in the middle of a value."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.budget: int | None = None
+        self.released = threading.Event()
+        self.stop = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        with client, server:
+            while not self.stop.is_set():
+                ready, _, _ = select.select([client, server], [], [], 0.2)
+                for src in ready:
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    if src is server and self.budget is not None:
+                        if len(data) > self.budget:
+                            head, data = data[:self.budget], data[self.budget:]
+                            client.sendall(head)
+                            self.budget = 0
+                            self.released.wait(60)
+                        else:
+                            self.budget -= len(data)
+                    (client if src is server else server).sendall(data)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.released.set()
+        self._acceptor.join()
+        self.listener.close()
+
+
+def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(
+        redis_tier, redis_server, namespace, monkeypatch):
+    proxy = StallingProxy(redis_server.port)
+    tier = {**redis_tier, "url": f"redis://127.0.0.1:{proxy.port}/0"}
+    s = build(namespace, tier, timeout=0.5)
+    key, val = os.urandom(32), os.urandom(BIG)
+    s.put_many([key], [val])
+    runner_tier = s.runners[0].tier
+    finished = threading.Event()
+    real_read = runner_tier.get_many_into
+
+    def read_then_signal(*args):
+        try:
+            return real_read(*args)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(runner_tier, "get_many_into", read_then_signal)
+    proxy.budget = 300_000  # the header and the first piece of the payload, then a stall
+    out = bytearray(b"\xee" * BIG)
+    t0 = time.monotonic()
+    assert s.get_into(key, out) is None
+    assert time.monotonic() - t0 < 2.0
+    assert out == bytes(BIG)  # the pieces received before the deadline were wiped
+    out[:] = b"\xdd" * BIG  # the caller reuses its buffer
+    proxy.budget = None
+    proxy.released.set()
+    assert finished.wait(30)  # the stalled read went on once the server did ...
+    assert out == b"\xdd" * BIG  # ... and wrote nothing more into the caller's buffer
+    assert s.stats()["tiers"]["redis"]["timeouts"] == 1
+    s.close()
+    s2 = build(namespace, tier)  # the server answers again: a hit, bit for bit
+    out2 = bytearray(BIG)
+    assert s2.get_into(key, out2) == BIG and bytes(out2) == val
+    s2.close()
+    proxy.close()
