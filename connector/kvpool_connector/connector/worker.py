@@ -9,8 +9,8 @@ save pool drops the save (a future miss, counted): host memory stays within
 `staging_bytes`.
 
 Loads: `get_many_into` probes the tiers in order (a lower-tier hit is promoted into the cpu
-tier), verifying each object before a byte reaches a load buffer, in batches through a
-fixed set of load buffers; the chunks are then scattered into their blocks. Async loads run
+tier), verifying each object before its load buffer is used (a failed one is zeroed), in
+batches through a fixed set of load buffers; the chunks are then scattered into their blocks. Async loads run
 on a loader thread while the request waits (`finished_recving` when done). Layerwise loads
 run inside the forward: the loader scatters layer by layer and `wait_for_layer_load(i)`
 waits only for layer i, so layer i+1 copies while layer i computes. A chunk that is

@@ -470,8 +470,9 @@ class TieredStore:
         """Read each object into the caller's buffer; bytes written per key, None = miss
         (also for an object larger than its buffer: it cannot be of the caller's layout).
 
-        Every tier verifies before a byte lands in `outs`; a buffer whose read failed holds
-        no byte of the object. When this returns, no tier call writes into `outs` anymore.
+        Nothing is served unless its tag checks out; a buffer whose read failed (a bad tag,
+        an error, a call cut off at the deadline) holds no byte of the object. When this
+        returns, no tier call writes into `outs` anymore.
         """
         keys = self._check_keys(keys)
         if len(keys) != len(outs):

@@ -82,7 +82,8 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
-        """Each hit's payload into its output buffer, verified before a byte lands there."""
+        """Each hit's payload into its output buffer, never served unless its tag checks
+        out; a tier that checks pieces as they land zeroes the buffer when the tag fails."""
 
     @abc.abstractmethod
     def contains_many(self, names: list[bytes]) -> list[bool]:
