@@ -6,6 +6,7 @@ costs a miss at the deadline without a single late write into the caller's buffe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -131,7 +132,7 @@ class StallingProxy:
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        with client, server:
+        with client, server, contextlib.suppress(OSError):  # either side may hang up
             while not self.stop.is_set():
                 ready, _, _ = select.select([client, server], [], [], 0.2)
                 for src in ready:
