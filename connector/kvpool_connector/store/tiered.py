@@ -39,7 +39,6 @@ from .tiers import Tier, tier_class
 log = logging.getLogger("kvpool.store")
 _STOP = object()
 _NOT_WRITTEN = object()
-
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
 EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
 
