@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -18,6 +19,27 @@ REDIS_PASSWORD_ENV = "KVPOOL_TEST_REDIS_PASSWORD"
 def namespace() -> str:
     """A fresh namespace: tests sharing the session's Redis and bucket never see each other."""
     return "t-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def reads_finished(monkeypatch):
+    """reads_finished(tier) -> an Event set whenever a get_many_into of that tier returns or
+    raises: a read the store gave up on is waited for, never slept on."""
+
+    def watch(tier) -> threading.Event:
+        finished = threading.Event()
+        real_read = tier.get_many_into
+
+        def read_then_signal(*args):
+            try:
+                return real_read(*args)
+            finally:
+                finished.set()
+
+        monkeypatch.setattr(tier, "get_many_into", read_then_signal)
+        return finished
+
+    return watch
 
 
 @pytest.fixture

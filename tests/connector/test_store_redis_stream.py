@@ -157,7 +157,7 @@ class StallingProxy:
 
 
 def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(
-        redis_tier, redis_server, namespace, monkeypatch):
+        redis_tier, redis_server, namespace, reads_finished):
     proxy = StallingProxy(redis_server.port)
     tier = {**redis_tier, "url": f"redis://127.0.0.1:{proxy.port}/0"}
     key, val = os.urandom(32), os.urandom(BIG)
@@ -166,17 +166,7 @@ def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(
     assert writer.stats()["tiers"]["redis"]["bytes_in"] == BIG
     writer.close()
     s = build(namespace, tier, timeout=0.5)
-    runner_tier = s.runners[0].tier
-    finished = threading.Event()
-    real_read = runner_tier.get_many_into
-
-    def read_then_signal(*args):
-        try:
-            return real_read(*args)
-        finally:
-            finished.set()
-
-    monkeypatch.setattr(runner_tier, "get_many_into", read_then_signal)
+    finished = reads_finished(s.runners[0].tier)
     proxy.budget = 300_000  # the header and the first piece of the payload, then a stall
     out = bytearray(b"\xee" * BIG)
     t0 = time.monotonic()

@@ -308,8 +308,8 @@ def test_directory_owned_by_someone_else_is_refused(tmp_path, namespace):
         build(namespace, _disk(tmp_path))
 
 
-def test_a_hung_disk_read_costs_a_miss_within_the_bound_and_never_writes_late(tmp_path, namespace,
-                                                                                  monkeypatch):
+def test_a_hung_disk_read_costs_a_miss_within_the_bound_and_never_writes_late(
+        tmp_path, namespace, monkeypatch, reads_finished):
     """A read stuck in the kernel (a hung NFS mount, emulated by a pread that blocks) is
     given up at the store's deadline; when it finally returns, it writes nothing into the
     caller's buffer, which the caller may have reused by then."""
@@ -325,18 +325,8 @@ def test_a_hung_disk_read_costs_a_miss_within_the_bound_and_never_writes_late(tm
         release.wait(30)  # the mount comes back much later
         return real_preadv(fd, bufs, off)
 
-    tier = s.runners[0].tier
-    finished = threading.Event()
-    real_read = tier.get_many_into
-
-    def read_then_signal(*args):
-        try:
-            return real_read(*args)
-        finally:
-            finished.set()
-
+    finished = reads_finished(s.runners[0].tier)
     monkeypatch.setattr(disk_mod.os, "preadv", hung_preadv)
-    monkeypatch.setattr(tier, "get_many_into", read_then_signal)
     out = bytearray(b"\xee" * 100_000)
     t0 = time.monotonic()
     assert s.get_into(key, out) is None
