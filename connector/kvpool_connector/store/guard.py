@@ -30,19 +30,20 @@ class CallGuard:
 
 
 class _Unguarded(CallGuard):
-    """Calls in the caller's own thread can always write."""
+    """Calls in the caller's own thread (and writes into a tier's own memory) can always
+    write."""
 
     def writing(self):
         return contextlib.nullcontext(True)
 
 
-_NO_GUARD = _Unguarded()
+UNGUARDED = _Unguarded()
 _local = threading.local()
 
 
 def current_guard() -> CallGuard:
     """The guard of the tier call running in this thread."""
-    return getattr(_local, "guard", None) or _NO_GUARD
+    return getattr(_local, "guard", None) or UNGUARDED
 
 
 def run_guarded(guard: CallGuard, fn: Callable, args: tuple):

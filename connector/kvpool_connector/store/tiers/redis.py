@@ -47,7 +47,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ..format import Record, Status, check_header, header_size
-from ..guard import CallGuard, current_guard
+from ..guard import UNGUARDED, CallGuard, current_guard
 from ..sealing import TAG_SIZE, PoolKey
 from .base import GCM_SLACK, PieceBuffers, Tier, secret
 
@@ -151,7 +151,7 @@ class ReplyStream:
     def skip(self, n: int, scratch: memoryview) -> None:
         while n > 0:
             m = min(n, len(scratch))
-            self.into(scratch[:m], _OWN)
+            self.into(scratch[:m], UNGUARDED)
             n -= m
 
     def bulk_length(self) -> int | None:
@@ -170,9 +170,6 @@ class ReplyStream:
     def finish(self) -> None:
         if self.pos != len(self.buf):
             raise redis.ConnectionError("bytes left after the last reply: stream out of step")
-
-
-_OWN = CallGuard()  # writes into the stream's own scratch memory: never cancelled
 
 
 class Streamed(NamedTuple):
@@ -431,7 +428,7 @@ class RedisTier(Tier):
                 stream.into(piece, guard)
                 check.authenticate_additional_data(piece)
             else:
-                stream.into(raw[:m], _OWN)
+                stream.into(raw[:m], UNGUARDED)
                 with guard.writing() as ok:
                     if not ok:
                         raise GaveUp()
