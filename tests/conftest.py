@@ -12,12 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_dev.testbed import dtype as engine_dtype
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.servers import RedisServer, S3Server
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_KEY_ENV = "KVPOOL_TEST_POOL_KEY"
 SECURITY = {"key_env": POOL_KEY_ENV}  # the `security` block of every test store with shared tiers
+
+
+def pytest_report_header(config) -> str:
+    """The engines' dtype, chosen once for the session and inherited by every engine and
+    dev-tool process the tests start (bf16 only where the CPU has it natively)."""
+    choice = engine_dtype.choose()
+    os.environ.setdefault(engine_dtype.ENV, choice.dtype)
+    return choice.describe()
 
 
 @pytest.fixture(scope="session", autouse=True)

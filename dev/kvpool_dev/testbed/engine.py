@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.servers import free_port, wait_healthy
 
 TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
@@ -78,8 +79,10 @@ class VllmServer:
 
     def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 max_model_len: int = 8192, log_path: str | Path | None = None):
+                 max_model_len: int = 8192, log_path: str | Path | None = None,
+                 dtype: str | None = None):
         self.model = str(model)
+        self.dtype = engine_dtype(dtype)
         self.port = free_port()
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args or [])
@@ -97,6 +100,7 @@ class VllmServer:
                "--model", self.model, "--served-model-name", "local",
                "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(self.max_model_len), "--seed", "0",
+               "--dtype", self.dtype,
                "--enforce-eager", "--enable-prompt-tokens-details",
                # the worker inside the engine-core process: one vLLM import fewer per start
                "--distributed-executor-backend", "uni"]
@@ -156,26 +160,39 @@ class OfflineEngine:
     """
 
     def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
-                 env: dict[str, str] | None = None, **llm_kwargs: Any):
+                 env: dict[str, str] | None = None, dtype: str | None = None,
+                 **llm_kwargs: Any):
         # One process: the engine core and its worker run inside the child (vLLM's "uni"
         # executor, no engine-core process). Each extra process re-imports vLLM and torch, which
         # is most of an engine's start; the connector's scheduler and worker sides still run as
         # in production, only in one address space.
         self.args = {"model": str(model), "kv_transfer_config": kv_transfer_config,
                      "llm_kwargs": {"max_model_len": 8192, "enforce_eager": True, "seed": 0,
+                                    "dtype": engine_dtype(dtype),
                                     "distributed_executor_backend": "uni", **llm_kwargs}}
         self.env = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
         self.log_path = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "OfflineEngine":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "OfflineEngine":
+        """Start the process without waiting: several engines can boot at the same time."""
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             env=self.env, start_new_session=True, text=True, bufsize=1,
         )
-        self._reply(timeout=ENGINE_START_TIMEOUT)  # {"ready": true}
+        return self
+
+    def wait_ready(self) -> "OfflineEngine":
+        try:
+            self._reply(timeout=ENGINE_START_TIMEOUT)  # {"ready": true}
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _reply(self, timeout: float) -> dict:
