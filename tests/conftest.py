@@ -21,12 +21,14 @@ POOL_KEY_ENV = "KVPOOL_TEST_POOL_KEY"
 SECURITY = {"key_env": POOL_KEY_ENV}  # the `security` block of every test store with shared tiers
 
 
-def pytest_report_header(config) -> str:
+def pytest_configure(config) -> None:
     """The engines' dtype, chosen once for the session and inherited by every engine and
     dev-tool process the tests start (bf16 only where the CPU has it natively)."""
-    choice = engine_dtype.choose()
-    os.environ.setdefault(engine_dtype.ENV, choice.dtype)
-    return choice.describe()
+    os.environ.setdefault(engine_dtype.ENV, engine_dtype.choose().dtype)
+
+
+def pytest_report_header(config) -> str:
+    return engine_dtype.choose().describe()
 
 
 @pytest.fixture(scope="session", autouse=True)
