@@ -24,11 +24,16 @@ SECURITY = {"key_env": POOL_KEY_ENV}  # the `security` block of every test store
 def pytest_configure(config) -> None:
     """The engines' dtype, chosen once for the session and inherited by every engine and
     dev-tool process the tests start (bf16 only where the CPU has it natively)."""
-    os.environ.setdefault(engine_dtype.ENV, engine_dtype.choose().dtype)
+    global ENGINE_DTYPE
+    ENGINE_DTYPE = engine_dtype.choose()
+    os.environ.setdefault(engine_dtype.ENV, ENGINE_DTYPE.dtype)
+
+
+ENGINE_DTYPE: engine_dtype.DtypeChoice | None = None
 
 
 def pytest_report_header(config) -> str:
-    return engine_dtype.choose().describe()
+    return ENGINE_DTYPE.describe() if ENGINE_DTYPE else ""
 
 
 @pytest.fixture(scope="session", autouse=True)
