@@ -20,10 +20,12 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     out = proc.stdout
-    for line in ("TTFT p50", "TTFT p95", "throughput", "kvpool (external)", "kvpool cpu tier",
-                 "kvpool disk tier", f"chart: {png}"):
+    for line in ("TTFT p50", "TTFT p95", "TTFT p50, turn 1", "nothing cached yet", "throughput",
+                 "kvpool (external)", "kvpool cpu tier", "kvpool disk tier", f"chart: {png}",
+                 "took turns round by round", "tiny model (2 layers, hidden 128)"):
         assert line in out, line
-    assert "turn/s" in proc.stderr  # the tqdm progress bar
+    assert "turn 3/3 with kvpool" in proc.stderr  # the progress bar names round and arm
+    assert "engine dtype:" in proc.stderr and "prefill tokens/s" in proc.stderr
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -43,7 +45,11 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     assert without["metrics"]["external_hit_rate"] is None
     assert with_["metrics"]["external_hit_rate"] > 0.3
     assert with_["cached_token_share"] > without["cached_token_share"]
+    # every configured tier serves something: the cpu tier holds about 1.5 conversations,
+    # the disk tier the rest
     assert with_["metrics"]["tiers"]["cpu"]["hit_chunks"] > 0
+    assert with_["metrics"]["tiers"]["disk"]["hit_chunks"] > 0
+    assert data["dtype"] in ("float32", "bfloat16") and data["dtype"] in data["machine"]
     # the server's /metrics: tokens from kvpool, split by vLLM's hit sources, and the
     # connector's own counters
     m = with_["metrics"]
@@ -113,3 +119,38 @@ def test_redis_url_password_moves_to_the_environment():
                     "password_env": REDIS_PASSWORD_ENV}
     assert env == {REDIS_PASSWORD_ENV: "s3cret"}
     assert redis_from_env(None) is None
+
+
+def test_the_workload_shrinks_only_on_a_slow_machine():
+    from kvpool_dev.demo import MIN_CONVERSATIONS, MIN_TURNS, Settings, estimate_seconds, fit_workload
+
+    s = Settings()
+    fast = fit_workload(s, prefill_tps=5000, decode_s=0.005, budget_s=200)
+    assert fast == s
+    est = estimate_seconds(s, 500, 0.02)
+    assert est["with"] < est["without"]  # kvpool's turns after the first compute less
+    slow = fit_workload(s, prefill_tps=500, decode_s=0.02, budget_s=120)
+    assert (MIN_CONVERSATIONS, MIN_TURNS) <= (slow.conversations, slow.turns) < (8, 4)
+    assert sum(estimate_seconds(slow, 500, 0.02).values()) <= 120
+    hopeless = fit_workload(s, prefill_tps=5, decode_s=1, budget_s=10)
+    assert (hopeless.conversations, hopeless.turns) == (MIN_CONVERSATIONS, MIN_TURNS)
+
+
+def test_rounds_alternate_arms_and_direction():
+    from kvpool_dev.demo import arm_order, visit_order
+
+    assert [arm_order(k) for k in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert visit_order(4, 0) == [0, 1, 2, 3] and visit_order(4, 1) == [3, 2, 1, 0]
+
+
+def test_cpu_tier_is_sized_below_the_working_set():
+    from kvpool_dev.demo import Settings, cpu_tier_bytes, kv_bytes_per_token
+
+    bench = {"num_attention_heads": 16, "hidden_size": 1024, "num_key_value_heads": 4,
+             "num_hidden_layers": 8}
+    assert kv_bytes_per_token(bench, "float32") == 2 * 8 * 4 * 64 * 4
+    assert kv_bytes_per_token(bench, "bfloat16") == 2 * 8 * 4 * 64 * 2
+    s = Settings()
+    per_conversation = -(-s.conversation_tokens() // 256) * 256 * 16384
+    size = cpu_tier_bytes(s, 16384)
+    assert 3 * per_conversation < size < 4 * per_conversation < s.conversations * per_conversation
