@@ -3,13 +3,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo bench golden crds lint clean
+.PHONY: setup test test-fast demo bench golden crds lint clean
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit-test loop: everything but the tests that start vLLM engines (marker `vllm`).
+test-fast: setup
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 
 # demo, bench and golden run the dev tooling (dev/, package kvpool_dev), which setup installs
 # beside kvpool; the kvpool wheel and the images do not carry it.

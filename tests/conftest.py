@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_dev.testbed import dtype as engine_dtype
+from kvpool_dev.testbed.engine import UNMARKED_TEST_ENV
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.servers import RedisServer, S3Server
 
@@ -34,6 +35,14 @@ ENGINE_DTYPE: engine_dtype.DtypeChoice | None = None
 
 def pytest_report_header(config) -> str:
     return ENGINE_DTYPE.describe() if ENGINE_DTYPE else ""
+
+
+@pytest.fixture(autouse=True)
+def _engines_only_in_vllm_tests(request, monkeypatch):
+    """A test that starts a vLLM engine (directly or through a dev-tool process) must carry
+    the `vllm` marker, which `make test-fast` deselects."""
+    if request.node.get_closest_marker("vllm") is None:
+        monkeypatch.setenv(UNMARKED_TEST_ENV, request.node.nodeid)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -75,3 +75,4 @@ def test_bench_order_alternates_arms():
     assert order(2) == ["bfloat16", "float32", "float32", "bfloat16"]
     text = report({"bfloat16": [2.0, 4.0], "float32": [0.5, 0.5]}, 256, "float32")
     assert "float32 / bfloat16: 6.0x" in text
+

@@ -25,6 +25,18 @@ TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
 ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
 
 
+# Set by the test suite for every test not marked `vllm` (tests/conftest.py): such a test
+# must not start an engine, or `make test-fast` (-m "not vllm") would start it after all.
+UNMARKED_TEST_ENV = "KVPOOL_TEST_WITHOUT_VLLM_MARK"
+
+
+def refuse_unmarked_test() -> None:
+    test = os.environ.get(UNMARKED_TEST_ENV)
+    if test:
+        raise RuntimeError(f"{test} starts a vLLM engine but is not marked "
+                           "@pytest.mark.vllm (make test-fast deselects those)")
+
+
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for an engine process: bounded CPU KV space, quiet logs. (vLLM's sha256
     prefix hashes need no shared PYTHONHASHSEED to match across processes.)"""
@@ -113,6 +125,7 @@ class VllmServer:
 
     def launch(self) -> "VllmServer":
         """Start the process without waiting: several servers can boot at the same time."""
+        refuse_unmarked_test()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, start_new_session=True)
@@ -179,6 +192,7 @@ class OfflineEngine:
 
     def launch(self) -> "OfflineEngine":
         """Start the process without waiting: several engines can boot at the same time."""
+        refuse_unmarked_test()
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
