@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvpool_dev.bench import kv_configs
+from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 
 REDIS_PASSWORD_ENV = "KVPOOL_DEMO_REDIS_PASSWORD"
 BLOCK_TOKENS = 128   # vLLM's block size on its CPU platform
@@ -217,15 +218,6 @@ def arm_order(turn: int) -> tuple[int, int]:
     """Which arm runs its round first: they alternate (ABBA), so drift on a shared machine
     falls on both (pure)."""
     return (0, 1) if turn % 2 == 0 else (1, 0)
-
-
-def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
-    """Paged KV bytes one token takes in every layer of a Llama-style model (pure)."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    width = {"float32": 4, "auto": 2, "bfloat16": 2, "float16": 2}[dtype]
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
 
 
 def cpu_tier_bytes(s: Settings, bytes_per_token: int, chunk_tokens: int = 256) -> int:

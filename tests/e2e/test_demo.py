@@ -144,7 +144,8 @@ def test_rounds_alternate_arms_and_direction():
 
 
 def test_cpu_tier_is_sized_below_the_working_set():
-    from kvpool_dev.demo import Settings, cpu_tier_bytes, kv_bytes_per_token
+    from kvpool_dev.demo import Settings, cpu_tier_bytes
+    from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 
     bench = {"num_attention_heads": 16, "hidden_size": 1024, "num_key_value_heads": 4,
              "num_hidden_layers": 8}

@@ -6,14 +6,18 @@ events must name the same block hashes, parents and tokens, chunk by chunk."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.engine import OfflineEngine
+from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 from kvpool_dev.testbed.kv_events import KVEventSubscriber
 from tests.e2e.conftest import kv_config, token_prompt
 
 BPC = 2           # 256-token chunks of 128-token blocks (vLLM's block size on CPU)
-CHUNK_BYTES = 128 * 1024  # tiny model: 2 layers x K,V x 2 heads x 32 x bf16 x 256 tokens
+CHUNK_TOKENS = 256
 CPU_CHUNKS = 8
 
 
@@ -23,7 +27,9 @@ def engine(tiny_model, tmp_path_factory, namespace):
     endpoint = f"ipc://{tmp_path_factory.mktemp('zmq')}/kv-events"
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
               "topic": "kvpool-test"}
-    tiers = [{"type": "cpu", "size": CPU_CHUNKS * CHUNK_BYTES},
+    config = json.loads((tiny_model / "config.json").read_text())
+    chunk_bytes = kv_bytes_per_token(config, engine_dtype()) * CHUNK_TOKENS
+    tiers = [{"type": "cpu", "size": CPU_CHUNKS * chunk_bytes},
              {"type": "disk", "path": str(tmp_path_factory.mktemp("disk")), "size": "64Mi"}]
     eng = OfflineEngine(tiny_model, kv_transfer_config=kv_config(tiers, namespace),
                         kv_events_config=events, max_model_len=4096)

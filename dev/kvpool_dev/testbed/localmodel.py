@@ -112,6 +112,16 @@ def _build(preset: ModelPreset, out_dir: Path) -> None:
     (out_dir / "kvpool-preset.json").write_text(json.dumps(asdict(preset), indent=2))
 
 
+def kv_bytes_per_token(config: dict, dtype: str) -> int:
+    """Paged KV bytes one token takes over all layers of a Llama-style model `config`
+    (config.json) in engine dtype `dtype` (auto: the stored bfloat16); pure."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    width = {"float32": 4, "auto": 2, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
+
+
 def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> Path:
     """Return the path of the generated model, building it once (atomic rename)."""
     spec = PRESETS[preset]
