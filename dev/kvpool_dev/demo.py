@@ -371,6 +371,9 @@ def redis_from_env(url: str | None) -> tuple[dict[str, Any], dict[str, str]] | N
 def _chat_turn(client, history: list[dict[str, str]], max_tokens: int,
                extra_headers: dict | None = None, extra_body: dict | None = None
                ) -> tuple[str, dict]:
+    """One streamed chat turn; TTFT is the arrival of the first generated token. vLLM
+    streams a chunk per token only with `return_token_ids` (otherwise it holds back tokens
+    that decode to no visible text yet, which a random-weight model produces often)."""
     t0 = time.perf_counter()
     ttft = None
     text = []
@@ -378,12 +381,14 @@ def _chat_turn(client, history: list[dict[str, str]], max_tokens: int,
     stream = client.chat.completions.create(
         model="local", messages=history, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_headers=extra_headers,
-        extra_body=extra_body)
+        extra_body={"return_token_ids": True, **(extra_body or {})})
     for chunk in stream:
-        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+        choice = chunk.choices[0] if chunk.choices else None
+        if choice is not None and (choice.delta.content or choice.finish_reason
+                                   or getattr(choice, "token_ids", None)):
             if ttft is None:
                 ttft = time.perf_counter() - t0
-            text.append(chunk.choices[0].delta.content or "")
+            text.append(choice.delta.content or "")
         if chunk.usage is not None:
             usage = chunk.usage
     latency = time.perf_counter() - t0
