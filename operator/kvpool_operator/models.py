@@ -429,13 +429,15 @@ class NativeOptions(_Model):
         "scheduler, eviction and secondary tiers), whose worker is kvpool's torch-copy worker on vLLM's "
         "CPU platform (where vLLM's own refuses to run) and vLLM's own on CUDA/XPU; needs the kvpool "
         "connector image. kvpool: the torch-copy worker always (CPU nodes only). vllm: vLLM's stock "
-        "spec (CPUOffloadingSpec, or TieringOffloadingSpec with secondary tiers), GPU nodes only; cpu "
-        "and disk tiers then run on a plain vLLM image.",
+        "spec (CPUOffloadingSpec, or TieringOffloadingSpec with secondary tiers), GPU nodes only; a cpu "
+        "tier alone (or with vLLM's fs disk tier, kvpoolSecondaryTier=false) then runs on a plain vLLM image.",
     )
     kvpool_secondary_tier: bool = Field(
         True,
-        description="In native mode, reach Redis/S3 tiers through kvpool's secondary tier for vLLM's "
-        "TieringOffloadingSpec (needs the kvpool connector image). False: native mode takes cpu and disk only.",
+        description="In native mode, reach disk, Redis and S3 through kvpool's secondary tier for vLLM's "
+        "TieringOffloadingSpec (needs the kvpool connector image): every object authenticated with the pool key. "
+        "False: native mode takes cpu and a disk tier on a per-pod volume (emptyDir, ephemeral) only, held by "
+        "vLLM's own fs tier, which neither authenticates nor encrypts its files.",
     )
 
 
@@ -643,6 +645,21 @@ _SPEC_RULES = (
         "native.kvpoolSecondaryTier=true or remove tiers.redis and tiers.s3",
         ".tiers",
     ),
+    (
+        "self.connector != 'native' || self.native.kvpoolSecondaryTier || !has(self.tiers.disk) || "
+        "has(self.tiers.disk.volume.emptyDir) || has(self.tiers.disk.volume.ephemeral)",
+        "native mode without the kvpool secondary tier keeps the disk tier in vLLM's fs tier, which neither "
+        "authenticates nor checks the files it loads: only a per-pod volume (emptyDir, ephemeral) may hold it; "
+        "set native.kvpoolSecondaryTier=true for hostPath or persistentVolumeClaim",
+        ".tiers.disk",
+    ),
+    (
+        "self.connector != 'native' || self.native.kvpoolSecondaryTier || !has(self.tiers.disk) || "
+        "!self.security.encryption",
+        "security.encryption: vLLM's fs tier (native mode with native.kvpoolSecondaryTier=false) writes the disk "
+        "tier in plaintext; set native.kvpoolSecondaryTier=true",
+        ".security.encryption",
+    ),
     ("self.chunkTokens % 16 == 0", "chunkTokens must be a multiple of 16 (vLLM's block size)", ".chunkTokens"),
     (
         "self.connector == 'tiered' || !self.security.requireCacheSalt",
@@ -661,7 +678,7 @@ class KVCachePoolSpec(_Model):
     connector: Literal["tiered", "native"] = Field(
         "tiered",
         description="tiered: kvpool's KVPoolConnector with all tiers; native: vLLM's OffloadingConnector "
-        "(cpu, optional fs disk tier, Redis/S3 through the kvpool secondary tier).",
+        "(its cpu tier; disk, Redis and S3 through the kvpool secondary tier, sealed with the pool key).",
     )
     chunk_tokens: int = Field(256, ge=16, le=65536, description="Tokens per stored KV chunk (multiple of 16).")
     tiers: Tiers = Field(description="Offloading tiers, fastest first.")
@@ -697,10 +714,15 @@ class KVCachePoolSpec(_Model):
             and (self.tiers.redis or self.tiers.s3)
         ):
             raise ValueError(_SPEC_RULES[1][1])
-        if self.chunk_tokens % 16:
+        vllm_fs_disk = self.connector == "native" and not self.native.kvpool_secondary_tier and self.tiers.disk
+        if vllm_fs_disk and self.tiers.disk.volume.kind not in ("empty_dir", "ephemeral"):
             raise ValueError(_SPEC_RULES[2][1])
-        if self.connector != "tiered" and self.security.require_cache_salt:
+        if vllm_fs_disk and self.security.encryption:
             raise ValueError(_SPEC_RULES[3][1])
+        if self.chunk_tokens % 16:
+            raise ValueError(_SPEC_RULES[4][1])
+        if self.connector != "tiered" and self.security.require_cache_salt:
+            raise ValueError(_SPEC_RULES[5][1])
         return self
 
 

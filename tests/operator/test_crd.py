@@ -98,6 +98,8 @@ INVALID = [
     ("native-cpu", "spec.tiers.cpu", _DELETE, "at least one tier"),
     ("native-shared", "spec.tiers.cpu", _DELETE, "native mode needs tiers.cpu"),
     ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
+    # vLLM's fs tier (no key, follows links, loads any file) only on a volume no one else writes
+    ("native-nvme", "spec.native", {"kvpoolSecondaryTier": False}, "only a per-pod volume (emptyDir, ephemeral)"),
     ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
     ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt/nvme0/../../etc", "must be a normal absolute path"),
