@@ -167,8 +167,8 @@ ALL_CHILDREN = [
 
 
 ROUTER_CHILDREN = [
-    ("v1/serviceaccounts", "tiered-full-router"), ("rbac.authorization.k8s.io/v1/roles", "tiered-full-router"),
-    ("rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router"),
+    ("v1/serviceaccounts", "tiered-full-router"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router-discovery"),
     ("apps/v1/deployments", "tiered-full-router"), ("v1/services", "tiered-full-router"),
 ]
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
@@ -208,8 +208,10 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         assert args[args.index("--policy") + 1] == "cache_aware" and args[args.index("--cache-threshold") + 1] == "0.5"
         assert "--enable-scale-out" in child(server, "apps/v1/deployments", "tiered-full")[
             "spec"]["template"]["spec"]["containers"][0]["args"]
-        assert child(server, "rbac.authorization.k8s.io/v1/roles", "tiered-full-router")["rules"] == [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+        binding = child(server, "rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router-discovery")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": op_settings.router_discovery_role}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiered-full-router", "namespace": NS}]
         assert child(server, "v1/services", "tiered-full")["spec"]["type"] == "ClusterIP"
 
         # engines and backends ready, the router not yet: clients cannot get in, the pool is not Ready
@@ -539,10 +541,9 @@ NOT_EXERCISED = {
     # Pruning works on every child kind; a pool always renders its ConfigMap, so it goes only when
     # an operator upgrade renames a child.
     ("", "configmaps", "delete"),
-    # Held, never used: Kubernetes lets the operator create a router's Role (pods list/watch) and
-    # bind it only when it holds those permissions itself (tests/operator/test_router_discovery.py
-    # shows the router uses exactly these).
-    ("", "pods", "list"), ("", "pods", "watch"),
+    # Not a request: the API server checks it when the operator creates the router's RoleBinding to
+    # the discovery ClusterRole (whose pods list/watch the operator does not hold itself).
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"),
 }
 
 
