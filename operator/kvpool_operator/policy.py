@@ -17,6 +17,15 @@ def under(path: str, prefix: str) -> bool:
     return prefix == "/" or path == prefix or path.startswith(prefix + "/")
 
 
+def image_under(image: str, prefix: str) -> bool:
+    """Whole image-name parts: `registry.example` admits registry.example/x, registry.example:5000/x
+    and registry.example@sha256:..., never registry.example.evil.com/x; a prefix that ends on a
+    boundary (`registry.example/`, `redis:`) is matched as written."""
+    if prefix.endswith(("/", ":", "@")):
+        return image.startswith(prefix)
+    return image == prefix or image.startswith((prefix + "/", prefix + ":", prefix + "@"))
+
+
 def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
     disk = spec.tiers.disk
@@ -38,7 +47,7 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
         images.append(("spec.router.image", spec.router.image))
     prefixes = settings.allowed_image_prefixes
     for field, image in images:
-        if image and prefixes and not image.startswith(prefixes):
+        if image and prefixes and not any(image_under(image, prefix) for prefix in prefixes):
             out.append(f"{field}: {image} does not start with an allowed prefix "
                        f"(operator setting allowedImagePrefixes: {', '.join(prefixes)})")
     if not settings.allow_external_backends:

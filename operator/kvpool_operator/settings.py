@@ -58,7 +58,8 @@ class Settings(BaseModel):
         (), description="Node directories a hostPath disk tier may live under; empty: hostPath is refused."
     )
     allowed_image_prefixes: tuple[str, ...] = Field(
-        (), description="Prefixes of the images a pool may name (model, managed backends); empty: any image."
+        (), description="Prefixes of the images a pool may name (model, router, managed backends), matched on a "
+        "/, : or @ boundary; empty: any image."
     )
     allow_external_backends: bool = Field(
         True, description="Whether pools may name an external Redis or S3 (engines connect wherever it points)."
