@@ -410,6 +410,23 @@ async def test_missing_secret_is_reported_then_picked_up(server):
         await eventually(lambda: ("Warning", "InsecureBackend") in event_reasons(server, with_type=True))
 
 
+async def test_plaintext_backends_and_an_open_load_balancer_are_warned_about(server, op_settings, caplog):
+    """tiered-full's managed Redis and MinIO run without TLS: BackendsSecure=False names both and a
+    Warning Event says so; its API on a LoadBalancer without an API key: a warning in the log."""
+    pool = load_example("tiered-full")
+    pool["spec"]["service"] = {"type": "LoadBalancer"}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        secure = await eventually(lambda: conditions(server).get("BackendsSecure"), message="BackendsSecure")
+        assert secure["status"] == "False" and secure["reason"] == "InsecureBackend"
+        assert "spec.tiers.redis.managed: no tls" in secure["message"]
+        assert "spec.tiers.s3.managed: no tls" in secure["message"]
+        await eventually(lambda: ("Warning", "InsecureBackend") in event_reasons(server, with_type=True))
+        await eventually(lambda: [r for r in caplog.records if r.levelname == "WARNING" and
+                                  "spec.service.type: LoadBalancer without apiKeySecretRef" in r.getMessage()],
+                         message="the open load balancer logged")
+
+
 async def test_engine_readiness_reaches_pool_status(server, op_settings):
     """Deployment status written by the (absent) controller flows into the pool's status."""
     async with running_operator(server, op_settings):
