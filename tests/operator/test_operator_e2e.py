@@ -658,10 +658,12 @@ def writes_to(server, resource: str, name: str, by_operator: bool = True) -> lis
 
 
 async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
-    """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set."""
+    """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set.
+    Routine: the previous key is kept for reads, then dropped; compromise: a new key and hash seed,
+    no previous key at all."""
     settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
     kubeconfig = write_kubeconfig(server, tmp_path)
-    rotate, drop = doc_bash_blocks("## Pool keys and their rotation")
+    rotate, drop, compromise = doc_bash_blocks("## Pool keys and their rotation")
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         keys = await eventually(lambda: child(server, "v1/secrets", "tiered-full-kvpool-keys"), message="keys")
@@ -700,6 +702,21 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         await bash(drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
         done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
+
+        # a leaked key: both values replaced, nothing of the old ones kept for reads
+        restarted_at = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]["metadata"][
+            "annotations"][restart]
+        await eventually(lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+                         > restarted_at[:19], message="the restart's second is over")
+        await bash(compromise, kubeconfig, tmp_path, server)
+        fresh = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
+        assert set(fresh) == {"poolKey", "hashSeed"}  # no previousPoolKey
+        assert fresh["poolKey"] not in (old, done["poolKey"]) and len(fresh["poolKey"]) >= 32
+        assert fresh["hashSeed"].isdigit() and 0 <= int(fresh["hashSeed"]) <= 4294967295
+        assert fresh["hashSeed"] != done["hashSeed"]  # 1 in 2**32 to fail by chance
+        template = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]
+        assert template["metadata"]["annotations"][restart] > restarted_at
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="the new keys pass")
 
 
 async def test_a_users_keys_secret_is_checked_and_used(server):
