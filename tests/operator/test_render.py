@@ -505,3 +505,21 @@ def test_no_example_renders_a_secret_value(name, settings):
 
     pool = load_example(name)
     assert_no_secret_values(pool, render(pool, settings, "kvpool"))
+
+
+def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):
+    """Long namespace + name: a prefix and 16 hex digits of sha256 over the whole, so pools that
+    share the prefix still get their own directory, Redis prefix and bucket prefix."""
+    import hashlib
+
+    from kvpool_operator.render.common import load_pool
+    from kvpool_operator.render.connector import STORE_NAMESPACE_MAX, store_namespace
+
+    namespace = "n" * 40
+    names = [store_namespace(load_pool({**load_example("tiered-emptydir"), "metadata": {"name": "pool-" + "x" * 30 + tail}},
+                                       settings, namespace)) for tail in ("a", "b")]
+    for name, tail in zip(names, ("a", "b")):
+        assert len(name) == STORE_NAMESPACE_MAX
+        full = f"{namespace}.pool-{'x' * 30}{tail}"
+        assert name == f"{full[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"
+    assert names[0] != names[1] and names[0][:-16] == names[1][:-16]

@@ -52,11 +52,13 @@ STORE_NAMESPACE_MAX = 63  # the store's namespace: [A-Za-z0-9][A-Za-z0-9._-]{0,6
 
 
 def store_namespace(pool: Pool) -> str:
-    """`<namespace>.<name>`: unique per pool (Kubernetes namespaces have no dots), store-safe."""
+    """`<namespace>.<name>`: unique per pool (Kubernetes namespaces have no dots), store-safe. Too
+    long, it keeps a prefix and a 64-bit digest of the whole: two pools must not share a namespace
+    (their directory, Redis prefix and bucket prefix) by a chosen or lucky collision."""
     value = f"{pool.namespace}.{pool.name}"
     if len(value) <= STORE_NAMESPACE_MAX:
         return value
-    return f"{value[:STORE_NAMESPACE_MAX - 9]}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+    return f"{value[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(value.encode()).hexdigest()[:16]}"
 
 
 # Host memory the connector may hold beyond its CPU tier, per pod (split across tensor-parallel
