@@ -17,6 +17,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -59,18 +60,40 @@ Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PositiveSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 
 
-_USERINFO = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@")
-_CREDENTIAL_QUERY = re.compile(r"(?i)[?&](password|username)=")
+# Query keys a backend URL may carry. redis-py percent-decodes every query key and passes it
+# to the connection as an argument that wins over the tier's own (`%70assword=` is the
+# password, `ssl_cert_reqs=none` turns TLS verification off), so keys are decoded the way it
+# decodes them and only these pass; an S3 endpoint has no use for a query at all.
+REDIS_QUERY_KEYS = frozenset({"db"})
+CREDENTIALS_IN_URL = "must not contain credentials (user:password@ or user@)"
 
 
-def no_credentials(url: str, field: str) -> None:
+def url_problem(url: str, query_keys: frozenset[str] = frozenset()) -> str | None:
+    """Why a backend URL must not be used, or None: userinfo, a fragment, or a query key (after
+    percent-decoding, as redis-py reads it) outside `query_keys`. One parser for the connector's
+    config and the operator's CRD models (whose CEL rule mirrors it with a stricter grammar)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if "@" in parts.netloc:
+        return CREDENTIALS_IN_URL
+    if "#" in url:
+        return "must not carry a fragment (#...)"
+    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in query_keys:
+            allowed = ", ".join(sorted(query_keys)) or "none"
+            return f"must not carry the query key {key!r} (allowed: {allowed})"
+    return None
+
+
+def no_credentials(url: str, field: str, query_keys: frozenset[str] = frozenset()) -> None:
     """Secrets never travel in a URL (configs land in ConfigMaps, logs and status)."""
-    if _USERINFO.search(url):
-        raise ValueError(f"{field}: must not contain credentials (user:password@ or user@); "
-                         "use username and password_env/password_file")
-    if _CREDENTIAL_QUERY.search(url):
-        raise ValueError(f"{field}: must not carry password= or username= in its query; use "
-                         "username and password_env/password_file")
+    problem = url_problem(url, query_keys)
+    if problem is not None:
+        raise ValueError(f"{field}: {problem}; credentials come from username and "
+                         "password_env/password_file (or the S3 key variables), TLS from the "
+                         "tier's tls_* keys")
 
 
 class _Strict(BaseModel):
@@ -137,8 +160,8 @@ class RedisTierConfig(_TierBase):
 
     @model_validator(mode="after")
     def _checked_url(self):
-        no_credentials(self.url, "url")
-        if self.cluster and not re.match(r"^rediss?://[^/]+(/0?)?$", self.url):
+        no_credentials(self.url, "url", REDIS_QUERY_KEYS)
+        if self.cluster and not re.match(r"^rediss?://[^/?#]+(/0?)?$", self.url):
             raise ValueError("url: a cluster is reached over redis:// or rediss:// host:port, "
                              "database 0 (Redis Cluster has no other)")
         return self

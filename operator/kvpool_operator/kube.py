@@ -25,7 +25,6 @@ PLURALS = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("v1", "ServiceAccount"): "serviceaccounts",
-    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (models.API_VERSION, models.KIND): models.PLURAL,

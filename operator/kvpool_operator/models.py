@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from kubernetes.utils.quantity import parse_quantity
+from kvpool_connector.config import CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, url_problem
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -47,30 +48,42 @@ Size = Annotated[
 ]
 
 
-# A URL in a spec is copied into ConfigMaps, pod specs and status: it must never carry a secret.
-# Userinfo (`user:password@`, even `user@`) and the query keys redis-py reads as credentials are
-# refused; credentials come from Secret references instead.
-URL_RULES = (
-    ("!self.matches('^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@')",
-     "must not contain credentials (user:password@ or user@): use a Secret reference"),
-    ("!self.matches('(?i)[?&](password|username)=')",
-     "must not carry password= or username= in its query: use a Secret reference"),
-)
+# A URL in a spec is copied into ConfigMaps, pod specs and status, and its client reads every part
+# of it: it must carry nothing but where the backend is. The models parse it as the connector does
+# (kvpool_connector.config.url_problem: userinfo, a fragment, percent-decoded query keys outside an
+# allow-list), and the CRD's CEL rule mirrors that with a grammar that admits exactly what both
+# accept: a plain host, a database number (Redis) or path (S3), and for Redis at most `?db=<n>`.
+_HOST = r"([A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?"
+REDIS_URL_PATTERN = rf"^rediss?://{_HOST}(/[0-9]*)?([?]db=[0-9]+)?$"
+S3_ENDPOINT_PATTERN = rf"^https?://{_HOST}(/[^?#]*)?$"
+_USERINFO_RULE = "!self.matches('^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@')"
+_CREDENTIALS_MESSAGE = f"{CREDENTIALS_IN_URL}: use a Secret reference"
+REDIS_URL_MESSAGE = ("must be redis[s]://host[:port][/db] with no query but db=<n> and no fragment: credentials "
+                     "come from passwordSecretRef, TLS settings from caSecretRef")
+S3_ENDPOINT_MESSAGE = ("must be http[s]://host[:port][/path] with no query and no fragment: credentials come "
+                       "from credentialsSecretRef, TLS settings from caSecretRef")
 
 
-def _secret_free_url(value: str) -> str:
-    for rule, message in URL_RULES:
-        pattern = rule.removeprefix("!self.matches('").removesuffix("')")
-        if re.search(pattern, value):
-            raise ValueError(message)
-    return value
+def _matches(pattern: str) -> str:
+    """A CEL `matches` call of a Python regex (RE2-compatible; backslashes escaped for CEL)."""
+    return "self.matches('" + pattern.replace("\\", "\\\\") + "')"
 
 
-SecretFreeUrl = Annotated[
-    str,
-    AfterValidator(_secret_free_url),
-    Field(json_schema_extra={"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in URL_RULES]}),
-]
+def _backend_url(pattern: str, message: str, query_keys: frozenset[str]) -> Any:
+    def check(value: str) -> str:
+        problem = url_problem(value, query_keys)
+        if problem == CREDENTIALS_IN_URL:
+            raise ValueError(_CREDENTIALS_MESSAGE)
+        if problem is not None or not re.match(pattern, value):
+            raise ValueError(f"{problem}: {message}" if problem else message)
+        return value
+
+    rules = [{"rule": _USERINFO_RULE, "message": _CREDENTIALS_MESSAGE}, {"rule": _matches(pattern), "message": message}]
+    return Annotated[str, AfterValidator(check), Field(json_schema_extra={"x-kubernetes-validations": rules})]
+
+
+RedisUrl = _backend_url(REDIS_URL_PATTERN, REDIS_URL_MESSAGE, REDIS_QUERY_KEYS)
+S3Endpoint = _backend_url(S3_ENDPOINT_PATTERN, S3_ENDPOINT_MESSAGE, frozenset())
 
 
 # Empty (the operator's default) or an image by tag or digest (`repo:tag@sha256:<64 hex>`).
@@ -284,17 +297,18 @@ class ManagedRedis(_Model):
 
 
 # What kvpool_connector.config.RedisTierConfig accepts for `cluster: true` (one node, database 0).
-CLUSTER_URL_PATTERN = r"^rediss?://[^/]+(/0?)?$"
+CLUSTER_URL_PATTERN = r"^rediss?://[^/?#]+(/0?)?$"
 _CLUSTER_URL_MESSAGE = ("cluster needs a redis:// or rediss:// url naming one node, database 0 at most "
                         "(Redis Cluster has no other)")
 
 
 class ExternalRedis(_Model):
-    url: SecretFreeUrl = Field(
+    url: RedisUrl = Field(
         min_length=1,
         max_length=2048,
         pattern=r"^rediss?://",
-        description="redis:// or rediss:// (TLS) URL, without credentials.",
+        description="redis:// or rediss:// (TLS) URL: host, port and database only (no credentials, no query "
+        "but db=<n>: redis-py would read any other key as a connection setting).",
     )
     username: str = Field(
         "", max_length=256, description="Redis ACL user the engines log in as (empty: the default user)."
@@ -368,8 +382,8 @@ class S3CredentialsRef(_Model):
 
 
 class ExternalS3(_Model):
-    endpoint: SecretFreeUrl = Field(
-        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL, without credentials."
+    endpoint: S3Endpoint = Field(
+        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL: host, port and path only (no credentials, no query, no fragment)."
     )
     bucket: str = Field(min_length=3, max_length=63, description="Bucket for KV objects.")
     region: str = Field("us-east-1", description="S3 region.")
@@ -415,13 +429,15 @@ class NativeOptions(_Model):
         "scheduler, eviction and secondary tiers), whose worker is kvpool's torch-copy worker on vLLM's "
         "CPU platform (where vLLM's own refuses to run) and vLLM's own on CUDA/XPU; needs the kvpool "
         "connector image. kvpool: the torch-copy worker always (CPU nodes only). vllm: vLLM's stock "
-        "spec (CPUOffloadingSpec, or TieringOffloadingSpec with secondary tiers), GPU nodes only; cpu "
-        "and disk tiers then run on a plain vLLM image.",
+        "spec (CPUOffloadingSpec, or TieringOffloadingSpec with secondary tiers), GPU nodes only; a cpu "
+        "tier alone (or with vLLM's fs disk tier, kvpoolSecondaryTier=false) then runs on a plain vLLM image.",
     )
     kvpool_secondary_tier: bool = Field(
         True,
-        description="In native mode, reach Redis/S3 tiers through kvpool's secondary tier for vLLM's "
-        "TieringOffloadingSpec (needs the kvpool connector image). False: native mode takes cpu and disk only.",
+        description="In native mode, reach disk, Redis and S3 through kvpool's secondary tier for vLLM's "
+        "TieringOffloadingSpec (needs the kvpool connector image): every object authenticated with the pool key. "
+        "False: native mode takes cpu and a disk tier on a per-pod volume (emptyDir, ephemeral) only, held by "
+        "vLLM's own fs tier, which neither authenticates nor encrypts its files.",
     )
 
 
@@ -629,6 +645,21 @@ _SPEC_RULES = (
         "native.kvpoolSecondaryTier=true or remove tiers.redis and tiers.s3",
         ".tiers",
     ),
+    (
+        "self.connector != 'native' || self.native.kvpoolSecondaryTier || !has(self.tiers.disk) || "
+        "has(self.tiers.disk.volume.emptyDir) || has(self.tiers.disk.volume.ephemeral)",
+        "native mode without the kvpool secondary tier keeps the disk tier in vLLM's fs tier, which neither "
+        "authenticates nor checks the files it loads: only a per-pod volume (emptyDir, ephemeral) may hold it; "
+        "set native.kvpoolSecondaryTier=true for hostPath or persistentVolumeClaim",
+        ".tiers.disk",
+    ),
+    (
+        "self.connector != 'native' || self.native.kvpoolSecondaryTier || !has(self.tiers.disk) || "
+        "!self.security.encryption",
+        "security.encryption: vLLM's fs tier (native mode with native.kvpoolSecondaryTier=false) writes the disk "
+        "tier in plaintext; set native.kvpoolSecondaryTier=true",
+        ".security.encryption",
+    ),
     ("self.chunkTokens % 16 == 0", "chunkTokens must be a multiple of 16 (vLLM's block size)", ".chunkTokens"),
     (
         "self.connector == 'tiered' || !self.security.requireCacheSalt",
@@ -647,7 +678,7 @@ class KVCachePoolSpec(_Model):
     connector: Literal["tiered", "native"] = Field(
         "tiered",
         description="tiered: kvpool's KVPoolConnector with all tiers; native: vLLM's OffloadingConnector "
-        "(cpu, optional fs disk tier, Redis/S3 through the kvpool secondary tier).",
+        "(its cpu tier; disk, Redis and S3 through the kvpool secondary tier, sealed with the pool key).",
     )
     chunk_tokens: int = Field(256, ge=16, le=65536, description="Tokens per stored KV chunk (multiple of 16).")
     tiers: Tiers = Field(description="Offloading tiers, fastest first.")
@@ -683,10 +714,15 @@ class KVCachePoolSpec(_Model):
             and (self.tiers.redis or self.tiers.s3)
         ):
             raise ValueError(_SPEC_RULES[1][1])
-        if self.chunk_tokens % 16:
+        vllm_fs_disk = self.connector == "native" and not self.native.kvpool_secondary_tier and self.tiers.disk
+        if vllm_fs_disk and self.tiers.disk.volume.kind not in ("empty_dir", "ephemeral"):
             raise ValueError(_SPEC_RULES[2][1])
-        if self.connector != "tiered" and self.security.require_cache_salt:
+        if vllm_fs_disk and self.security.encryption:
             raise ValueError(_SPEC_RULES[3][1])
+        if self.chunk_tokens % 16:
+            raise ValueError(_SPEC_RULES[4][1])
+        if self.connector != "tiered" and self.security.require_cache_salt:
+            raise ValueError(_SPEC_RULES[5][1])
         return self
 
 

@@ -17,6 +17,15 @@ def under(path: str, prefix: str) -> bool:
     return prefix == "/" or path == prefix or path.startswith(prefix + "/")
 
 
+def image_under(image: str, prefix: str) -> bool:
+    """Whole image-name parts: `registry.example` admits registry.example/x, registry.example:5000/x
+    and registry.example@sha256:..., never registry.example.evil.com/x; a prefix that ends on a
+    boundary (`registry.example/`, `redis:`) is matched as written."""
+    if prefix.endswith(("/", ":", "@")):
+        return image.startswith(prefix)
+    return image == prefix or image.startswith((prefix + "/", prefix + ":", prefix + "@"))
+
+
 def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
     disk = spec.tiers.disk
@@ -38,7 +47,7 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
         images.append(("spec.router.image", spec.router.image))
     prefixes = settings.allowed_image_prefixes
     for field, image in images:
-        if image and prefixes and not image.startswith(prefixes):
+        if image and prefixes and not any(image_under(image, prefix) for prefix in prefixes):
             out.append(f"{field}: {image} does not start with an allowed prefix "
                        f"(operator setting allowedImagePrefixes: {', '.join(prefixes)})")
     if not settings.allow_external_backends:
@@ -53,10 +62,16 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
 
 
 def insecure_backends(spec: models.KVCachePoolSpec) -> list[str]:
-    """External backends reached without a password or without TLS: allowed, but worth a Warning
-    (BackendsSecure=False): anyone who reaches them reads the cache (prompts can be reconstructed from
-    KV tensors unless security.encryption is on) or evicts it; objects stay authenticated by the pool key."""
+    """Backends reached without a password or without TLS, managed or external: allowed, but worth a
+    Warning (BackendsSecure=False): whoever reaches them, or reads the pod network, reads the cache
+    (prompts can be reconstructed from KV tensors unless security.encryption is on) or evicts it;
+    objects stay authenticated by the pool key."""
     out = []
+    for tier, what in (("redis", "the engines' password"), ("s3", "the engines' request signatures")):
+        managed = getattr(getattr(spec.tiers, tier), "managed", None)
+        if managed is not None and managed.tls is None:
+            out.append(f"spec.tiers.{tier}.managed: no tls, so the cache and {what} cross the pod network in "
+                       "cleartext (the NetworkPolicy limits who connects, not who reads the wire); set tls.secretName")
     redis = spec.tiers.redis.external if spec.tiers.redis else None
     if redis is not None:
         if redis.password_secret_ref is None:
@@ -69,3 +84,14 @@ def insecure_backends(spec: models.KVCachePoolSpec) -> list[str]:
     if s3 is not None and not s3.endpoint.startswith("https://"):
         out.append("spec.tiers.s3.external.endpoint: http:// sends the cache in cleartext; use https://")
     return out
+
+
+def exposure_warnings(spec: models.KVCachePoolSpec) -> list[str]:
+    """Allowed but worth a warning in the operator's log: an API reachable from outside the cluster
+    without an API key (anyone who reaches the node port or load balancer generates, and reads
+    /metrics)."""
+    service = spec.service
+    if service.type != "ClusterIP" and service.api_key_secret_ref is None:
+        return [f"spec.service.type: {service.type} without apiKeySecretRef: whoever reaches it outside the "
+                "cluster uses the engines (and reads /metrics); set service.apiKeySecretRef"]
+    return []

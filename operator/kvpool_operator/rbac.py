@@ -1,8 +1,9 @@
 """The one list of API permissions the operator uses (Kubernetes PolicyRule shape).
 
-The Helm chart's ClusterRole/Role and its tests derive from `RBAC_RULES`. Tests pin it verbatim
-and compare it with the requests the real operator sends to the emulator, so a verb the code
-stops using, or starts using, fails a test.
+The Helm chart's ClusterRole/Role and its tests derive from `RBAC_RULES` (and `rules_for`, which
+adds what the settings turn on). Tests pin it verbatim, compare it with the requests the real
+operator sends to the emulator and with the table in docs/helm.md, so a verb the code stops
+using, or starts using, fails a test.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvpool_operator import models
 
+RBAC_GROUP = "rbac.authorization.k8s.io"
 # Applied server-side (patch; create when absent), listed to find and compare children, pruned.
 # Never `get` (listing reads them all), never `update` (no PUT anywhere), `watch` only where a
 # handler watches (the workloads whose status flows into the pool's).
@@ -27,11 +29,9 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": [*APPLIED, "watch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": APPLIED},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": APPLIED},
-    # A pool's router: its Role and RoleBinding (render/router.py, DISCOVERY_RULES).
-    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": APPLIED},
-    # Never used by the operator itself: Kubernetes lets it create a Role (and bind it) only with
-    # every permission that Role grants, and a router's Role grants pods list/watch.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # A pool's router: a RoleBinding of its ServiceAccount to the shipped discovery ClusterRole
+    # (render/router.py); the `bind` on that one ClusterRole is in `router_binding_rule`.
+    {"apiGroups": [RBAC_GROUP], "resources": ["rolebindings"], "verbs": APPLIED},
     # Kubernetes Events about pools (kopf posts them to core/v1 events, never patches them).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf: CRD observation, namespace observation (namespaced mode), peering between replicas.
@@ -69,13 +69,32 @@ CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "n
                   ("kopf.dev", "clusterkopfpeerings")}
 
 
+# What a pool's router needs for service discovery (vllm-router 0.1.17 lists and watches every pod
+# of its namespace and filters by label itself, so no resourceNames or selector can narrow it). The
+# chart ships it once as the ClusterRole <fullname>-router-discovery (the operator setting
+# router_discovery_role names it); the operator binds it per pool with a RoleBinding, which grants
+# it in that namespace only. So the operator itself needs no pods access and creates no Roles.
+ROUTER_DISCOVERY_RULES: list[dict[str, Any]] = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+
+
+def router_binding_rule(role: str) -> dict[str, Any]:
+    """`bind` on exactly one ClusterRole: without it Kubernetes lets the operator create a RoleBinding
+    to a role only when it holds every permission of that role itself (pods list/watch)."""
+    return {"apiGroups": [RBAC_GROUP], "resources": ["clusterroles"], "verbs": ["bind"], "resourceNames": [role]}
+
+
 def rules_for(settings: Any) -> list[dict[str, Any]]:
-    """RBAC_RULES plus the optional rules these operator settings turn on."""
-    return [*RBAC_RULES, *(rule for key, rules in OPTIONAL_RULES.items() if getattr(settings, key) for rule in rules)]
+    """RBAC_RULES, the bind on the router discovery ClusterRole these settings name, and the
+    optional rules they turn on."""
+    return [*RBAC_RULES, router_binding_rule(settings.router_discovery_role),
+            *(rule for key, rules in OPTIONAL_RULES.items() if getattr(settings, key) for rule in rules)]
 
 
-def allows(api_group: str, resource: str, verb: str, rules: list[dict[str, Any]] = RBAC_RULES) -> bool:
+def allows(api_group: str, resource: str, verb: str, rules: list[dict[str, Any]] = RBAC_RULES,
+           name: str | None = None) -> bool:
+    """Whether `rules` grant `verb` on `resource` (named `name`, where a rule has resourceNames)."""
     return any(
         api_group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+        and ("resourceNames" not in rule or name in rule["resourceNames"])
         for rule in rules
     )

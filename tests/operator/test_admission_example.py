@@ -52,6 +52,10 @@ def test_a_pool_within_the_guardrails_is_admitted():
     pool = trusted_looking_pool()
     pool["spec"]["model"]["image"] = "registry.example/kvpool-vllm@sha256:" + "c" * 64
     assert denials(pool) == []
+    pool["spec"]["router"] = {}  # the operator's default router image
+    assert denials(pool) == []
+    pool["spec"]["router"] = {"image": "registry.example/kvpool-router:1"}
+    assert denials(pool) == []
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -61,8 +65,9 @@ def test_a_pool_within_the_guardrails_is_admitted():
      "external Redis/S3"),
     (lambda p: p["spec"]["model"].update(image="docker.io/someone/vllm:latest"), "images"),
     (lambda p: p["spec"]["tiers"].update(redis={"managed": {"memory": "1Gi", "image": "redis:7"}}), "images"),
+    (lambda p: p["spec"].update(router={"image": "docker.io/someone/router:latest"}), "images"),
     (lambda p: p["spec"].pop("service"), "apiKeySecretRef"),
-], ids=["hostPath", "external-redis", "external-s3", "model-image", "redis-image", "no-api-key"])
+], ids=["hostPath", "external-redis", "external-s3", "model-image", "redis-image", "router-image", "no-api-key"])
 def test_what_the_guardrails_refuse(change, message):
     pool = copy.deepcopy(trusted_looking_pool())
     change(pool)

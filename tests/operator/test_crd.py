@@ -98,6 +98,8 @@ INVALID = [
     ("native-cpu", "spec.tiers.cpu", _DELETE, "at least one tier"),
     ("native-shared", "spec.tiers.cpu", _DELETE, "native mode needs tiers.cpu"),
     ("native-shared", "spec.native", {"kvpoolSecondaryTier": False}, "only through the kvpool secondary tier"),
+    # vLLM's fs tier (no key, follows links, loads any file) only on a volume no one else writes
+    ("native-nvme", "spec.native", {"kvpoolSecondaryTier": False}, "only a per-pod volume (emptyDir, ephemeral)"),
     ("tiered-full", "metadata.name", "x" * 60, "at most 57 characters"),
     ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt/nvme0/../../etc", "must be a normal absolute path"),
@@ -107,9 +109,13 @@ INVALID = [
     ("tiered-full", "spec.model.extraArgs", ["--hf-token", "hf_x"], "must not pass --api-key or --hf-token"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "rediss://kv@r:6380/0", "must not contain credentials"),
-    ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "password= or username="),
+    ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "no query but db=<n>"),
+    ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?%70assword=pw", "no query but db=<n>"),
+    # redis-py passes every query key to the connection: this one would turn TLS verification off
+    ("tiered-external", "spec.tiers.redis.external.url", "rediss://r/0?ssl_cert_reqs=none", "no query but db=<n>"),
+    ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0#pw", "no fragment"),
     ("tiered-external", "spec.tiers.s3.external.endpoint", "https://ak:sk@s3.example", "must not contain credentials"),
-    ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example?username=u", "password= or username="),
+    ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example?username=u", "no query"),
 ]
 
 
@@ -132,8 +138,8 @@ def test_valid_variations_pass_both():
     variations = [
         ("native-nvme", "spec.tiers.disk.volume", {"emptyDir": {"medium": "Memory"}}),
         ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r.example:6380/1"}}),
-        ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r:6380/1?ssl_cert_reqs=required",
-                                                          "username": "kvpool-engine"}}),
+        ("tiered-full", "spec.tiers.redis", {"external": {"url": "rediss://r:6380?db=1", "username": "kvpool-engine"}}),
+        ("tiered-full", "spec.tiers.redis", {"external": {"url": "redis://[fd00::1]:6379/0"}}),
         ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example/path@v2"),
         ("tiered-full", "spec.model.gpus", 0),
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),

@@ -91,15 +91,33 @@ def _apps() -> dict[str, dict]:
     return {a["metadata"]["name"]: a for a in of_kind("Application")}
 
 
-def test_argocd_operator_app_installs_the_chart_with_valid_values(tmp_path):
+def _sources(app: dict) -> list[dict]:
+    return app["spec"].get("sources") or [app["spec"]["source"]]
+
+
+def _chart_source(app: dict) -> dict:
+    (source,) = [s for s in _sources(app) if "helm" in s]
+    return source
+
+
+def watched_namespaces(docs: list[dict]) -> list[str]:
+    """The namespaces the chart's operator watches (its Roles), from a rendered chart."""
+    return sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
+
+
+def test_argocd_operator_app_installs_the_chart_with_valid_values(tmp_path, kubectl):
     app = _apps()["kvpool-operator"]
-    source = app["spec"]["source"]
+    source = _chart_source(app)
     assert (repo_path(source["path"]) / "Chart.yaml").exists()
     assert repo_path(source["path"]) == CHART
     docs = assert_chart_values_render(source["helm"]["valuesObject"], tmp_path)
     assert any(d["kind"] == "Deployment" for d in docs)
     assert any(d["kind"] == "CustomResourceDefinition" for d in docs)
     assert "ServerSideApply=true" in app["spec"]["syncPolicy"]["syncOptions"]
+    # the namespaces it watches come with it (a Role cannot go into a namespace that does not exist)
+    created = [d["metadata"]["name"] for s in _sources(app) if "helm" not in s
+               for d in kustomize(kubectl, repo_path(s["path"])) if d["kind"] == "Namespace"]
+    assert watched_namespaces(docs) == sorted(created) == ["llm"]
 
 
 def test_argocd_pools_app_syncs_after_the_operator(kubectl):
@@ -112,7 +130,7 @@ def test_argocd_pools_app_syncs_after_the_operator(kubectl):
     kv_pools = [d for d in built if d["kind"] == "KVCachePool"]
     assert kv_pools and all(p["metadata"]["namespace"] == pools["spec"]["destination"]["namespace"] for p in kv_pools)
     for app in apps.values():
-        assert app["spec"]["source"]["repoURL"] == operator["spec"]["source"]["repoURL"]
+        assert {s["repoURL"] for s in _sources(app)} == {_chart_source(operator)["repoURL"]}
 
 
 def test_argocd_health_patch_carries_the_shipped_lua():
@@ -135,6 +153,7 @@ def test_flux_helmrelease_installs_the_chart_from_the_git_source(tmp_path):
     assert source["kind"] == "GitRepository" and (source["name"], source["namespace"]) in repos
     docs = assert_chart_values_render(release["spec"]["values"], tmp_path)
     assert any(d["kind"] == "Deployment" for d in docs)
+    assert watched_namespaces(docs) == ["llm"]
 
 
 def test_flux_kustomizations_resolve_paths_sources_and_dependencies(kubectl):
@@ -150,6 +169,9 @@ def test_flux_kustomizations_resolve_paths_sources_and_dependencies(kubectl):
         built[k["metadata"]["name"]] = kustomize(kubectl, repo_path(k["spec"]["path"]))
     assert any(d["kind"] == "HelmRelease" for d in built["kvpool-operator"])
     assert any(d["kind"] == "KVCachePool" for d in built["kvpool-pools"])
+    # the watched namespace is created with the operator (before its chart's Role there), not the pools
+    assert {"llm", "kvpool-system"} == {d["metadata"]["name"] for d in built["kvpool-operator"] if d["kind"] == "Namespace"}
+    assert not [d for d in built["kvpool-pools"] if d["kind"] == "Namespace"]
     pools = next(k for k in flux if k["metadata"]["name"] == "kvpool-pools")
     assert {"name": "kvpool-operator"} in pools["spec"]["dependsOn"] and pools["spec"]["wait"] is True
 
@@ -166,7 +188,7 @@ def test_flux_git_source_keeps_the_paths_it_serves():
         assert any(path == k or path.startswith(k + "/") for k in kept), f"{path} is ignored by the GitRepository"
 
 
-@pytest.mark.parametrize("directory", ["flux/cluster", "flux/operator", "pools"])
+@pytest.mark.parametrize("directory", ["flux/cluster", "flux/operator", "namespaces", "pools"])
 def test_kustomize_builds_offline_and_core_kinds_validate(kubectl, directory):
     for doc in kustomize(kubectl, GITOPS / directory):
         if "/" not in doc["apiVersion"] or doc["apiVersion"].split("/")[0].endswith("k8s.io"):
@@ -193,7 +215,7 @@ def gitops_operator_settings() -> list[Settings]:
     out = []
     for values in (of_kind("HelmRelease")[0]["spec"]["values"],
                    next(a for a in of_kind("Application") if a["metadata"]["name"] == "kvpool-operator")
-                   ["spec"]["source"]["helm"]["valuesObject"]):
+                   ["spec"]["sources"][0]["helm"]["valuesObject"]):
         docs = render({"operator.settings": values["operator"]["settings"]})
         container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
         out.append(Settings.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e}))

@@ -28,6 +28,7 @@ NS = "kvpool-system"
 SCENARIOS: dict[str, dict] = {
     "default": {},
     "namespaced": {"watch.namespaces": ["team-a", "team-b"]},
+    "cluster-wide": {"watch.allNamespaces": True},
     "peering": {"replicaCount": 3},
     "peering-namespaced": {"replicaCount": 2, "watch.namespaces": ["team-a"]},
     "service-monitor": {"metrics.serviceMonitor.enabled": True, "metrics.serviceMonitor.labels": {"release": "prom"}},
@@ -181,10 +182,10 @@ def _names(docs: list[dict]) -> set[tuple[str, str]]:
         ({"examplePool.enabled": True}, {("KVCachePool", "example")}, set()),
         (
             {"replicaCount": 2},
-            {("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev"), ("ClusterKopfPeering", "kvpool-operator")},
+            {("CustomResourceDefinition", "kopfpeerings.kopf.dev"), ("KopfPeering", "kvpool-operator")},
             set(),
         ),
-        ({"replicaCount": 2, "operator.peering.installCRDs": False}, {("ClusterKopfPeering", "kvpool-operator")}, set()),
+        ({"replicaCount": 2, "operator.peering.installCRDs": False}, {("KopfPeering", "kvpool-operator")}, set()),
         ({"crds.install": False}, set(), {("CustomResourceDefinition", "kvcachepools.kvpool.dev")}),
     ],
     ids=["servicemonitor", "podmonitor", "dashboard", "example-pool", "peering", "peering-no-crd", "no-crds"],
@@ -196,13 +197,27 @@ def test_each_toggle_adds_exactly_its_objects(values, added, removed):
     assert base - toggled == removed
 
 
-def test_default_is_one_replica_recreate_cluster_wide_standalone():
-    dep = one(render(), "Deployment")
+def test_default_is_one_replica_recreate_watching_the_release_namespace_standalone():
+    """Least privilege by default: the operator watches (and holds its verbs in) the release
+    namespace only; every other namespace is opted in by name, all of them by watch.allNamespaces."""
+    docs = render(namespace="ml-serving")
+    dep = one(docs, "Deployment")
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--all-namespaces" in args
-    assert not [a for a in args if a.startswith(("--namespace", "--peering"))], "no --peering: kopf standalone"
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=ml-serving"]
+    assert "--all-namespaces" not in args
+    assert not [a for a in args if a.startswith("--peering")], "no --peering: kopf standalone"
+    assert [(r["metadata"]["namespace"]) for r in by_kind(docs, "Role")] == ["ml-serving"]
+
+
+def test_cluster_wide_is_opt_in_and_excludes_a_namespace_list():
+    args = one(render({"watch.allNamespaces": True}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" in args and not [a for a in args if a.startswith("--namespace")]
+    assert not by_kind(render({"watch.allNamespaces": True}), "Role")
+    proc = helm("template", "kvpool", str(CHART), *set_args({"watch.allNamespaces": True, "watch.namespaces": ["a"]}),
+                check=False)
+    assert proc.returncode != 0 and "/watch/namespaces" in proc.stderr, proc.stderr
 
 
 def test_more_replicas_use_peering_and_rolling_update():
@@ -265,14 +280,17 @@ def test_default_values_keep_the_operator_defaults():
     env = _env(render())
     settings = Settings.from_env(env)
     defaults = Settings()
-    assert settings.model_dump(exclude={"log_format"}) == defaults.model_dump(exclude={"log_format"})
-    assert set(env) == {"KVPOOL_NAMESPACES", "KVPOOL_LOG_FORMAT"}
+    chart_set = {"log_format", "namespaces", "router_discovery_role"}  # the chart's own, checked below
+    assert settings.model_dump(exclude=chart_set) == defaults.model_dump(exclude=chart_set)
+    assert settings.namespaces == ("kvpool-system",)  # the release namespace
+    assert settings.router_discovery_role == "kvpool-router-discovery"  # the ClusterRole templates/rbac.yaml ships
+    assert set(env) == {"KVPOOL_NAMESPACES", "KVPOOL_LOG_FORMAT", "KVPOOL_ROUTER_DISCOVERY_ROLE"}
 
 
 def test_every_operator_setting_has_a_chart_value():
     """A new field in kvpool_operator.settings fails here until the chart can pass it."""
     chart_keys = {re.sub(r"(?<!^)(?=[A-Z])", "_", k).lower() for k in chart_values()["operator"]["settings"]}
-    assert chart_keys | {"namespaces", "log_format"} == set(Settings.model_fields)
+    assert chart_keys | {"namespaces", "log_format", "router_discovery_role"} == set(Settings.model_fields)
 
 
 def test_no_hard_coded_namespace_and_no_lookup():
@@ -365,9 +383,10 @@ def test_rendered_args_are_accepted_by_kvpool_operator_run(scenario, monkeypatch
     container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert cli.main(["run", *container["args"]]) == 0
     args = seen["args"]
-    watched = values.get("watch.namespaces", [])
+    cluster_wide = values.get("watch.allNamespaces", False)
+    watched = [] if cluster_wide else values.get("watch.namespaces") or [NS]
     assert (args.namespace or []) == watched
-    assert args.all_namespaces is (not watched)
+    assert args.all_namespaces is cluster_wide
     assert args.liveness == "http://0.0.0.0:8080/healthz"
     assert args.peering == ("kvpool-operator" if values.get("replicaCount", 1) > 1 else None)
     assert args.verbose is (values.get("operator.logLevel") == "debug")

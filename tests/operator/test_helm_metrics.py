@@ -99,6 +99,8 @@ def test_monitors_follow_the_watched_namespaces(kind, name):
     spec = monitor({toggle: True, "watch.namespaces": ["a", "b"]}, kind, name)["spec"]
     assert spec["namespaceSelector"] == {"matchNames": ["a", "b"]}
     spec = monitor({toggle: True}, kind, name)["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": ["kvpool-system"]}  # the default: the release namespace
+    spec = monitor({toggle: True, "watch.allNamespaces": True}, kind, name)["spec"]
     assert spec["namespaceSelector"] == {"any": True}
 
 

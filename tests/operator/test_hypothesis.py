@@ -37,6 +37,8 @@ REDIS = st.fixed_dictionaries({}, optional={
                                  {"url": "redis://kv@r:6379/0"},
                                  {"url": f"redis://r:6379/0?Password={SENTINEL}"},
                                  {"url": f"redis://r:6379/0?db=1&username={SENTINEL}"},
+                                 {"url": f"redis://r:6379/0?%70assword={SENTINEL}"},
+                                 {"url": "redis://r:6379?db=2"},
                                  {"url": "redis://r:6379", "cluster": True},
                                  {"url": "rediss://r:6380/0", "cluster": True},
                                  {"url": "redis://r:6379/1", "cluster": True},

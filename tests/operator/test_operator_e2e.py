@@ -167,8 +167,8 @@ ALL_CHILDREN = [
 
 
 ROUTER_CHILDREN = [
-    ("v1/serviceaccounts", "tiered-full-router"), ("rbac.authorization.k8s.io/v1/roles", "tiered-full-router"),
-    ("rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router"),
+    ("v1/serviceaccounts", "tiered-full-router"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router-discovery"),
     ("apps/v1/deployments", "tiered-full-router"), ("v1/services", "tiered-full-router"),
 ]
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
@@ -208,8 +208,10 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         assert args[args.index("--policy") + 1] == "cache_aware" and args[args.index("--cache-threshold") + 1] == "0.5"
         assert "--enable-scale-out" in child(server, "apps/v1/deployments", "tiered-full")[
             "spec"]["template"]["spec"]["containers"][0]["args"]
-        assert child(server, "rbac.authorization.k8s.io/v1/roles", "tiered-full-router")["rules"] == [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+        binding = child(server, "rbac.authorization.k8s.io/v1/rolebindings", "tiered-full-router-discovery")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": op_settings.router_discovery_role}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiered-full-router", "namespace": NS}]
         assert child(server, "v1/services", "tiered-full")["spec"]["type"] == "ClusterIP"
 
         # engines and backends ready, the router not yet: clients cannot get in, the pool is not Ready
@@ -408,6 +410,23 @@ async def test_missing_secret_is_reported_then_picked_up(server):
         await eventually(lambda: ("Warning", "InsecureBackend") in event_reasons(server, with_type=True))
 
 
+async def test_plaintext_backends_and_an_open_load_balancer_are_warned_about(server, op_settings, caplog):
+    """tiered-full's managed Redis and MinIO run without TLS: BackendsSecure=False names both and a
+    Warning Event says so; its API on a LoadBalancer without an API key: a warning in the log."""
+    pool = load_example("tiered-full")
+    pool["spec"]["service"] = {"type": "LoadBalancer"}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        secure = await eventually(lambda: conditions(server).get("BackendsSecure"), message="BackendsSecure")
+        assert secure["status"] == "False" and secure["reason"] == "InsecureBackend"
+        assert "spec.tiers.redis.managed: no tls" in secure["message"]
+        assert "spec.tiers.s3.managed: no tls" in secure["message"]
+        await eventually(lambda: ("Warning", "InsecureBackend") in event_reasons(server, with_type=True))
+        await eventually(lambda: [r for r in caplog.records if r.levelname == "WARNING" and
+                                  "spec.service.type: LoadBalancer without apiKeySecretRef" in r.getMessage()],
+                         message="the open load balancer logged")
+
+
 async def test_engine_readiness_reaches_pool_status(server, op_settings):
     """Deployment status written by the (absent) controller flows into the pool's status."""
     async with running_operator(server, op_settings):
@@ -539,10 +558,9 @@ NOT_EXERCISED = {
     # Pruning works on every child kind; a pool always renders its ConfigMap, so it goes only when
     # an operator upgrade renames a child.
     ("", "configmaps", "delete"),
-    # Held, never used: Kubernetes lets the operator create a router's Role (pods list/watch) and
-    # bind it only when it holds those permissions itself (tests/operator/test_router_discovery.py
-    # shows the router uses exactly these).
-    ("", "pods", "list"), ("", "pods", "watch"),
+    # Not a request: the API server checks it when the operator creates the router's RoleBinding to
+    # the discovery ClusterRole (whose pods list/watch the operator does not hold itself).
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"),
 }
 
 
@@ -640,10 +658,12 @@ def writes_to(server, resource: str, name: str, by_operator: bool = True) -> lis
 
 
 async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
-    """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set."""
+    """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set.
+    Routine: the previous key is kept for reads, then dropped; compromise: a new key and hash seed,
+    no previous key at all."""
     settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
     kubeconfig = write_kubeconfig(server, tmp_path)
-    rotate, drop = doc_bash_blocks("## Pool keys and their rotation")
+    rotate, drop, compromise = doc_bash_blocks("## Pool keys and their rotation")
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         keys = await eventually(lambda: child(server, "v1/secrets", "tiered-full-kvpool-keys"), message="keys")
@@ -682,6 +702,21 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         await bash(drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
         done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
+
+        # a leaked key: both values replaced, nothing of the old ones kept for reads
+        restarted_at = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]["metadata"][
+            "annotations"][restart]
+        await eventually(lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+                         > restarted_at[:19], message="the restart's second is over")
+        await bash(compromise, kubeconfig, tmp_path, server)
+        fresh = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
+        assert set(fresh) == {"poolKey", "hashSeed"}  # no previousPoolKey
+        assert fresh["poolKey"] not in (old, done["poolKey"]) and len(fresh["poolKey"]) >= 32
+        assert fresh["hashSeed"].isdigit() and 0 <= int(fresh["hashSeed"]) <= 4294967295
+        assert fresh["hashSeed"] != done["hashSeed"]  # 1 in 2**32 to fail by chance
+        template = child(server, "apps/v1/deployments", "tiered-full")["spec"]["template"]
+        assert template["metadata"]["annotations"][restart] > restarted_at
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="the new keys pass")
 
 
 async def test_a_users_keys_secret_is_checked_and_used(server):

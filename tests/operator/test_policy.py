@@ -79,3 +79,24 @@ def test_settings_read_lists_and_booleans_from_the_environment():
     assert s.allowed_image_prefixes == ("registry.example/",) and s.engine_run_as_user == 5
     with pytest.raises(ValueError, match="connector_image"):
         Settings(connector_image="vllm@latest")
+
+
+@pytest.mark.parametrize("image,admitted", [
+    ("registry.example/vllm:1", True),
+    ("registry.example:5000/vllm:1", True),
+    ("registry.example@sha256:" + "a" * 64, True),
+    ("registry.example", True),
+    ("registry.example.evil.com/vllm:1", False),  # a longer host name, not the registry
+    ("registry.examplevllm:1", False),
+])
+def test_image_prefixes_end_on_a_name_boundary(image, admitted):
+    """A prefix without a trailing `/`, `:` or `@` still names whole parts of the image name."""
+    pool = spec("tiered-full", model={"name": "m", "image": image})
+    settings = Settings(allowed_host_path_prefixes=("/mnt",), allowed_image_prefixes=("registry.example",))
+    assert (not any("spec.model.image" in r for r in refusals(pool, settings))) is admitted
+
+
+def test_router_image_is_held_to_the_prefixes():
+    pool = spec("tiered-router", router={"image": "registry.example.evil.com/router:1"})
+    settings = Settings(allowed_image_prefixes=("registry.example",))
+    assert [r.split(":")[0] for r in refusals(pool, settings)] == ["spec.router.image"]

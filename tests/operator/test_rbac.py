@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from kvpool_operator import models
 from kvpool_operator.kube import PLURALS
-from kvpool_operator.rbac import OPTIONAL_RULES, RBAC_RULES, allows, rules_for
-from kvpool_operator.render import CHILD_KINDS, OPTIONAL_KINDS, child_kinds
-from kvpool_operator.render.router import DISCOVERY_RULES
+from kvpool_operator.rbac import (
+    OPTIONAL_RULES,
+    RBAC_RULES,
+    ROUTER_DISCOVERY_RULES,
+    allows,
+    router_binding_rule,
+    rules_for,
+)
+from kvpool_operator.render import CHILD_KINDS, OPTIONAL_KINDS, child_kinds, render
 from kvpool_operator.settings import Settings
+from tests.operator.conftest import load_example
 
 # (apiGroup, resource) -> verbs. A change here is a change of the operator's privileges: review it.
 EXPECTED = {
@@ -18,9 +25,7 @@ EXPECTED = {
     ("", "configmaps"): {"list", "create", "patch", "delete"},
     ("", "services"): {"list", "create", "patch", "delete"},
     ("", "serviceaccounts"): {"list", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"list", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"list", "create", "patch", "delete"},
-    ("", "pods"): {"list", "watch"},  # never used: held to grant them to a pool's router (RBAC escalation)
     ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
     ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "create", "patch", "delete"},
@@ -46,27 +51,44 @@ def grants(rules=RBAC_RULES) -> dict[tuple[str, str], set[str]]:
     return out
 
 
+# The one named grant: binding the routers' discovery ClusterRole (and no other) in a watched namespace.
+BIND = {("rbac.authorization.k8s.io", "clusterroles"): {"bind"}}
+
+
 def test_rules_are_policy_rules():
     for rule in RBAC_RULES + [r for rules in OPTIONAL_RULES.values() for r in rules]:
         assert set(rule) == {"apiGroups", "resources", "verbs"}
         assert all(isinstance(rule[k], list) and rule[k] for k in rule)
         assert len(set(rule["verbs"])) == len(rule["verbs"])
+    assert router_binding_rule("r") == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                                        "verbs": ["bind"], "resourceNames": ["r"]}
 
 
 def test_rules_grant_exactly_the_expected_verbs():
     assert grants() == EXPECTED
     assert {key: grants(rules) for key, rules in OPTIONAL_RULES.items()} == EXPECTED_OPTIONAL
-    assert grants(rules_for(Settings())) == EXPECTED
-    assert grants(rules_for(Settings(inference_pools=True))) == EXPECTED | EXPECTED_OPTIONAL["inference_pools"]
+    assert grants(rules_for(Settings())) == EXPECTED | BIND
+    assert grants(rules_for(Settings(inference_pools=True))) == EXPECTED | BIND | EXPECTED_OPTIONAL["inference_pools"]
 
 
-def test_the_operator_holds_every_permission_of_the_roles_it_creates():
-    """Kubernetes refuses to create (or bind) a Role granting what its creator lacks."""
-    for rule in DISCOVERY_RULES:
+def test_the_router_is_bound_to_the_one_clusterrole_the_operator_may_bind():
+    """Kubernetes lets the operator create a RoleBinding only to a role whose permissions it holds
+    itself, or one it may `bind`: the router's binding names exactly the role of that grant, and
+    the operator holds none of the role's permissions (no pods access at all)."""
+    settings = Settings(router_discovery_role="rel-router-discovery")
+    pool = load_example("tiered-router")
+    (binding,) = [m for m in render(pool, settings, "ml") if m["kind"] == "RoleBinding"]
+    ref = binding["roleRef"]
+    assert ref == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "rel-router-discovery"}
+    rules = rules_for(settings)
+    assert allows("rbac.authorization.k8s.io", "clusterroles", "bind", rules, name=ref["name"])
+    assert not allows("rbac.authorization.k8s.io", "clusterroles", "bind", rules, name="admin")
+    for rule in ROUTER_DISCOVERY_RULES:
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
-                    assert allows(group, resource, verb), (group, resource, verb)
+                    assert not allows(group, resource, verb, rules), (group, resource, verb)
+    assert not [m for m in render(pool, settings, "ml") if m["kind"] in ("Role", "ClusterRole")]
 
 
 def test_optional_kinds_follow_their_setting():
@@ -85,10 +107,12 @@ def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
     assert not allows("", "secrets", "list") and not allows("", "secrets", "watch")
     assert not any("update" in rule["verbs"] or "*" in rule["verbs"] for rule in RBAC_RULES)
     assert not any("*" in rule["resources"] or "*" in rule["apiGroups"] for rule in RBAC_RULES)
-    assert not allows("", "pods", "delete") and not allows("", "pods", "get")  # nothing beyond what is needed
-    assert not allows("rbac.authorization.k8s.io", "roles", "escalate")
-    assert not allows("rbac.authorization.k8s.io", "roles", "bind")
-    assert not any(r in rule["resources"] for rule in RBAC_RULES for r in ("clusterroles", "clusterrolebindings"))
+    assert not any(allows("", "pods", verb, rules_for(Settings())) for verb in ("get", "list", "watch", "delete"))
+    for resource in ("roles", "clusterroles"):
+        assert not allows("rbac.authorization.k8s.io", resource, "escalate", rules_for(Settings()))
+        assert not any(allows("rbac.authorization.k8s.io", resource, verb, rules_for(Settings()), name="x")
+                       for verb in ("create", "patch", "bind"))
+    assert not any(r in rule["resources"] for rule in RBAC_RULES for r in ("roles", "clusterroles", "clusterrolebindings"))
 
 
 def test_every_child_kind_can_be_applied_and_pruned():

@@ -206,21 +206,47 @@ def test_kvpool_offloading_spec_is_what_vllm_loads():
     assert set(values) == set(native_spec.WORKER_CHOICES) and native_spec.WORKER_KEY == "offload_worker"
 
 
-def test_native_nvme_adds_fs_secondary_tier(settings):
+KVPOOL_TIER = {"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers", "config_file": "/etc/kvpool/connector.yaml"}
+
+
+def test_native_disk_is_kvpools_sealed_tier_keyed_by_the_pool_key(settings):
+    """A native pool's disk tier is kvpool's store (every object authenticated with the pool key,
+    read without following links), never vLLM's fs tier, which loads whatever file it finds."""
     m = rendered("native-nvme", settings)
     extra = kv_config(m)["kv_connector_extra_config"]
     assert extra["spec_name"] == "KVPoolOffloadingSpec"  # vLLM's TieringOffloadingSpec, CPU-capable worker
     assert extra["eviction_policy"] == "arc"
-    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/var/lib/kvpool/disk"}]
-    assert "connector.yaml" not in by_kind(m, "ConfigMap")["data"]  # vLLM needs no kvpool store config
+    assert extra["secondary_tiers"] == [KVPOOL_TIER]
+    store = mounted_store_config(m)
+    assert store["tiers"] == [{"type": "disk", "path": "/var/lib/kvpool/disk", "size": 500 << 30}]
+    assert store["security"]["key_env"] == "KVPOOL_POOL_KEY"
+    assert {"name": "KVPOOL_POOL_KEY", "valueFrom": {"secretKeyRef": {"name": "native-nvme-kvpool-keys",
+                                                                       "key": "poolKey"}}} in engine(m)["env"]
 
 
-def test_native_shared_reaches_redis_through_kvpool_secondary_tier(settings):
+def test_native_fs_tier_only_without_kvpool_tier_and_only_on_a_per_pod_volume(settings):
+    """Opting out of kvpool's secondary tier leaves the disk tier to vLLM's unauthenticated fs
+    tier: allowed on an emptyDir or ephemeral volume only (nobody else writes there), plaintext."""
+    pool = load_example("native-nvme")
+    pool["spec"]["native"] = {"kvpoolSecondaryTier": False}
+    for volume in ({"hostPath": {"path": "/mnt/nvme0/kvpool"}}, {"persistentVolumeClaim": {"claimName": "kv"}}):
+        pool["spec"]["tiers"]["disk"]["volume"] = volume
+        with pytest.raises(InvalidPool, match="only a per-pod volume"):
+            render(pool, settings, "kvpool")
+    pool["spec"]["tiers"]["disk"]["volume"] = {"emptyDir": {}}
+    m = render(pool, settings, "kvpool")
+    assert kv_config(m)["kv_connector_extra_config"]["secondary_tiers"] == [
+        {"type": "fs", "root_dir": "/var/lib/kvpool/disk"}]
+    assert "connector.yaml" not in by_kind(m, "ConfigMap")["data"]
+    pool["spec"]["security"] = {"encryption": True}
+    with pytest.raises(InvalidPool, match="writes the disk tier in plaintext"):
+        render(pool, settings, "kvpool")
+
+
+def test_native_shared_reaches_disk_and_redis_through_kvpool_secondary_tier(settings):
     m = rendered("native-shared", settings)
-    tiers = kv_config(m)["kv_connector_extra_config"]["secondary_tiers"]
-    assert tiers[1] == {"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers",
-                        "config_file": "/etc/kvpool/connector.yaml"}
-    assert [t["type"] for t in mounted_store_config(m)["tiers"]] == ["redis"]
+    assert kv_config(m)["kv_connector_extra_config"]["secondary_tiers"] == [KVPOOL_TIER]
+    assert [t["type"] for t in mounted_store_config(m)["tiers"]] == ["disk", "redis"]
 
 
 def test_native_extra_config_keys_are_the_ones_vllm_reads():
@@ -479,3 +505,21 @@ def test_no_example_renders_a_secret_value(name, settings):
 
     pool = load_example(name)
     assert_no_secret_values(pool, render(pool, settings, "kvpool"))
+
+
+def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):
+    """Long namespace + name: a prefix and 16 hex digits of sha256 over the whole, so pools that
+    share the prefix still get their own directory, Redis prefix and bucket prefix."""
+    import hashlib
+
+    from kvpool_operator.render.common import load_pool
+    from kvpool_operator.render.connector import STORE_NAMESPACE_MAX, store_namespace
+
+    namespace = "n" * 40
+    names = [store_namespace(load_pool({**load_example("tiered-emptydir"), "metadata": {"name": "pool-" + "x" * 30 + tail}},
+                                       settings, namespace)) for tail in ("a", "b")]
+    for name, tail in zip(names, ("a", "b")):
+        assert len(name) == STORE_NAMESPACE_MAX
+        full = f"{namespace}.pool-{'x' * 30}{tail}"
+        assert name == f"{full[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"
+    assert names[0] != names[1] and names[0][:-16] == names[1][:-16]

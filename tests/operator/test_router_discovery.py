@@ -3,7 +3,8 @@ operator renders, against kmock's Kubernetes emulator and a stub engine on loopb
 
 What this pins: the rendered flags are accepted; service discovery with the rendered selector and
 namespace finds the pool's ready engine pods and nothing else; the router sends the API only the
-requests its rendered Role allows (list and watch of pods in the pool's namespace); its readiness
+requests the ClusterRole its rendered RoleBinding names allows (list and watch of pods, in the pool's
+namespace: a RoleBinding grants nothing elsewhere); its readiness
 follows its engines; it forwards the client's Authorization header to the engines, on cache_aware's
 render call too, so no key is ever given to the router. Only addresses are changed for loopback:
 --host, --port, --prometheus-host/-port, and --service-discovery-port (the stub's port; 8000 is
@@ -28,6 +29,7 @@ import yaml
 from aiohttp import web
 
 from kvpool_dev.golden import GOLDEN_SETTINGS
+from kvpool_operator.rbac import ROUTER_DISCOVERY_RULES
 from kvpool_operator.render import render
 from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT
 from tests.operator.conftest import load_example
@@ -128,7 +130,10 @@ async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clie
     deployment = by[("Deployment", "tiered-router-router")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["vllm-router"] and "env" not in container  # no key, no env at all
-    role = by[("Role", "tiered-router-router")]
+    binding = by[("RoleBinding", "tiered-router-router-discovery")]
+    assert binding["roleRef"]["name"] == GOLDEN_SETTINGS.router_discovery_role  # the chart ships it with these rules
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiered-router-router", "namespace": NS}]
+    role = {"rules": ROUTER_DISCOVERY_RULES}
     engine_labels = by[("Deployment", "tiered-router")]["spec"]["template"]["metadata"]["labels"]
     other_labels = {**engine_labels, "app.kubernetes.io/instance": "other", "kvpool.dev/pool": "other"}
 

@@ -124,4 +124,33 @@ def test_insecure_backends_name_what_is_missing():
     spec["tiers"]["redis"]["external"]["passwordSecretRef"] = {"name": "r", "key": "p"}
     spec["tiers"]["s3"]["external"]["endpoint"] = "https://s3.example"
     assert insecure_backends(parse_spec(spec)) == []
-    assert insecure_backends(parse_spec(load_example("tiered-full")["spec"])) == []  # managed: not external
+
+
+def test_plaintext_managed_backends_are_flagged_too():
+    """Managed Redis/MinIO without tls: the NetworkPolicy limits who connects, not who reads the pod
+    network, so the cache (and the engines' credentials) travel in cleartext: BackendsSecure=False."""
+    from kvpool_operator.models import parse_spec
+    from kvpool_operator.policy import insecure_backends
+    from tests.operator.conftest import load_example
+
+    spec = load_example("tiered-full")["spec"]
+    assert [w.split(":")[0] for w in insecure_backends(parse_spec(spec))] == [
+        "spec.tiers.redis.managed", "spec.tiers.s3.managed"]
+    for tier in ("redis", "s3"):
+        spec["tiers"][tier]["managed"]["tls"] = {"secretName": f"{tier}-tls"}
+    assert insecure_backends(parse_spec(spec)) == []
+
+
+def test_an_api_outside_the_cluster_without_a_key_is_a_warning():
+    from kvpool_operator.models import parse_spec
+    from kvpool_operator.policy import exposure_warnings
+    from tests.operator.conftest import load_example
+
+    spec = load_example("tiered-emptydir")["spec"]
+    assert exposure_warnings(parse_spec(spec)) == []  # ClusterIP
+    for kind in ("LoadBalancer", "NodePort"):
+        spec["service"] = {"type": kind}
+        (warning,) = exposure_warnings(parse_spec(spec))
+        assert warning.startswith(f"spec.service.type: {kind} without apiKeySecretRef")
+    spec["service"]["apiKeySecretRef"] = {"name": "api", "key": "token"}
+    assert exposure_warnings(parse_spec(spec)) == []

@@ -72,11 +72,16 @@ def chart_key(setting: str) -> str:
     return first + "".join(part.title() for part in rest)
 
 
+ROUTER_ROLE_PLACEHOLDER = "<fullname>-router-discovery"  # templates/rbac.yaml sets the release's name
+
+
 def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]], user_roles: dict[str, list[dict]],
-              optional: dict[str, list[dict]] | None = None) -> str:
+              optional: dict[str, list[dict]] | None = None, router_discovery: list[dict] | None = None,
+              router_binding: dict | None = None) -> str:
     """files/rbac.yaml: the operator's rules verbatim (cluster-wide mode) and split (namespaced
-    mode), the opt-in rules by the chart value (operator.settings.<key>) that grants them, and the
-    people's roles aggregated into the built-in admin and view ClusterRoles."""
+    mode), the opt-in rules by the chart value (operator.settings.<key>) that grants them, the
+    people's roles aggregated into the built-in admin and view ClusterRoles, and the routers'
+    discovery ClusterRole with the operator's `bind` on it (its name set by the template)."""
     cluster, namespaced = split_rules(rules, cluster_scoped)
     optional = {chart_key(k): v for k, v in (optional or {}).items()}
     for key, extra in optional.items():  # appended to the Role of every watched namespace, too
@@ -84,8 +89,10 @@ def rbac_yaml(rules: list[dict], cluster_scoped: set[tuple[str, str]], user_role
             raise ValueError(f"optional rules {key} name a cluster-scoped resource")
     # A JSON round trip unshares the verb lists, so the YAML carries no anchors/aliases.
     doc = json.loads(json.dumps({"all": rules, "clusterScoped": cluster, "namespaced": namespaced,
-                                 "optional": optional, "userRoles": user_roles}))
-    source = "kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED, OPTIONAL_RULES, USER_ROLES)"
+                                 "optional": optional, "userRoles": user_roles,
+                                 "routerDiscovery": router_discovery or [], "routerBinding": router_binding or {}}))
+    source = ("kvpool_operator.rbac (RBAC_RULES, CLUSTER_SCOPED, OPTIONAL_RULES, USER_ROLES, ROUTER_DISCOVERY_RULES, "
+              "router_binding_rule)")
     return GENERATED.format(source=source) + yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -98,7 +105,8 @@ def expected_files(repo: Path = REPO) -> dict[Path, str]:
     from kvpool_operator import rbac
 
     out[chart / "files" / "rbac.yaml"] = rbac_yaml(rbac.RBAC_RULES, rbac.CLUSTER_SCOPED, rbac.USER_ROLES,
-                                                   rbac.OPTIONAL_RULES)
+                                                   rbac.OPTIONAL_RULES, rbac.ROUTER_DISCOVERY_RULES,
+                                                   rbac.router_binding_rule(ROUTER_ROLE_PLACEHOLDER))
     lua = (chart / "health" / "kvcachepool.lua").read_text()
     out[repo / "examples" / "gitops" / "argocd" / "argocd-cm-health.yaml"] = argocd_cm_patch(lua)
     return out

@@ -58,17 +58,29 @@ app.kubernetes.io/component: operator
 {{- if gt (int .Values.replicaCount) 1 }}true{{ end }}
 {{- end }}
 
-{{/* Namespaced mode: a non-empty list of watched namespaces. */}}
+{{/* Namespaced mode (the default): everything but watch.allNamespaces. */}}
 {{- define "kvpool.namespaced" -}}
-{{- if .Values.watch.namespaces }}true{{ end }}
+{{- if not .Values.watch.allNamespaces }}true{{ end }}
+{{- end }}
+
+{{/* The watched namespaces in namespaced mode, as JSON: watch.namespaces, or the release's own. */}}
+{{- define "kvpool.watchedNamespaces" -}}
+{{- if include "kvpool.namespaced" . }}
+{{- default (list .Release.Namespace) .Values.watch.namespaces | toJson }}
+{{- else }}[]{{ end }}
+{{- end }}
+
+{{/* The ClusterRole (pods list/watch) the operator binds each pool's router to, in the pool's namespace. */}}
+{{- define "kvpool.routerDiscoveryRole" -}}
+{{- printf "%s-router-discovery" (include "kvpool.fullname" .) }}
 {{- end }}
 
 {{/* Monitors look where the operator looks: the watched namespaces, or all of them. */}}
 {{- define "kvpool.monitorNamespaces" -}}
 namespaceSelector:
-{{- if .Values.watch.namespaces }}
+{{- if include "kvpool.namespaced" . }}
   matchNames:
-    {{- toYaml .Values.watch.namespaces | nindent 4 }}
+    {{- include "kvpool.watchedNamespaces" . | fromJsonArray | toYaml | nindent 4 }}
 {{- else }}
   any: true
 {{- end }}

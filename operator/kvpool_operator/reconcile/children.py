@@ -139,6 +139,7 @@ class Outcome:
     invalid: str | None = None
     recheck: bool = False  # invalid because of something outside the spec (a Secret): look again later
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # allowed, but logged as a warning every pass
 
 
 def selector_string(pool_name: str) -> str:
@@ -251,7 +252,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
         invalid = "; ".join(steps.conflicts)
         status = compute_status(_observation(body, pool, live, invalid=invalid), now)
         return Outcome(status=status, invalid=invalid, recheck=True, unchanged=len(live))
-    outcome = Outcome(status={}, unchanged=len(steps.unchanged))
+    outcome = Outcome(status={}, unchanged=len(steps.unchanged), warnings=policy.exposure_warnings(pool.spec))
     for action in steps.secrets:
         try:
             outcome.applied.append(execute(kube, action))

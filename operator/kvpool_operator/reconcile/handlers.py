@@ -57,6 +57,8 @@ def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous:
         logger.warning("invalid spec, children untouched: %s", outcome.invalid)
     for error in outcome.errors:
         kopf.event(body, type="Warning", reason="ApplyFailed", message=error)
+    for warning in outcome.warnings:
+        logger.warning("%s", warning)
 
 
 def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,

@@ -48,7 +48,6 @@ CHILD_KINDS = (
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
     ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 )
 # Kinds the operator renders, lists and prunes only when a setting allows them (it holds no RBAC

@@ -1,9 +1,11 @@
 """The engine's KV connector configuration: `--kv-transfer-config` and the mounted store config.
 
 tiered: kvpool's KVPoolConnector reads every tier from /etc/kvpool/connector.yaml.
-native: vLLM's OffloadingConnector (`cpu_bytes_to_use`, `eviction_policy`, `block_size`); a disk
-tier becomes TieringOffloadingSpec's `fs` secondary tier, Redis/S3 become kvpool's secondary tier
-(`kvpool_connector.vllm_tiers`) which reads the same store config file.
+native: vLLM's OffloadingConnector (`cpu_bytes_to_use`, `eviction_policy`, `block_size`); disk,
+Redis and S3 become kvpool's secondary tier (`kvpool_connector.vllm_tiers`), which reads the same
+store config file and seals every object with the pool key. vLLM's own `fs` tier (no key, no
+checks on what it reads back) holds the disk tier only when the pool opts out of kvpool's tier,
+and then only on a per-pod volume (models.py refuses the rest).
 The store config is built from the connector's own pydantic models (one schema, one size
 grammar). Secrets never appear here: the store config names environment variables instead. Every shared
 tier is keyed: `security.key_env` names the pool key (and the previous one during a rotation).
@@ -50,11 +52,13 @@ STORE_NAMESPACE_MAX = 63  # the store's namespace: [A-Za-z0-9][A-Za-z0-9._-]{0,6
 
 
 def store_namespace(pool: Pool) -> str:
-    """`<namespace>.<name>`: unique per pool (Kubernetes namespaces have no dots), store-safe."""
+    """`<namespace>.<name>`: unique per pool (Kubernetes namespaces have no dots), store-safe. Too
+    long, it keeps a prefix and a 64-bit digest of the whole: two pools must not share a namespace
+    (their directory, Redis prefix and bucket prefix) by a chosen or lucky collision."""
     value = f"{pool.namespace}.{pool.name}"
     if len(value) <= STORE_NAMESPACE_MAX:
         return value
-    return f"{value[:STORE_NAMESPACE_MAX - 9]}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+    return f"{value[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(value.encode()).hexdigest()[:16]}"
 
 
 # Host memory the connector may hold beyond its CPU tier, per pod (split across tensor-parallel
@@ -141,6 +145,13 @@ def _s3_tier(pool: Pool) -> S3TierConfig:
                         **credentials, path_style=ext.path_style, create_bucket=False, **ca)
 
 
+def vllm_fs_disk(pool: Pool) -> bool:
+    """Whether the disk tier is vLLM's `fs` tier: native mode without kvpool's secondary tier (a
+    per-pod volume, models.py). Everywhere else it is kvpool's, authenticated with the pool key."""
+    spec = pool.spec
+    return spec.tiers.disk is not None and spec.connector == "native" and not spec.native.kvpool_secondary_tier
+
+
 def connector_config(pool: Pool) -> ConnectorConfig | None:
     """The connector's own config model for this pool, or None when the mode needs none.
 
@@ -149,11 +160,10 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
     render time, not at engine start."""
     tiers = pool.spec.tiers
     out: list[Any] = []
-    if pool.spec.connector == "tiered":
-        if tiers.cpu:
-            out.append(CpuTierConfig(type="cpu", size=_per_rank(pool, tiers.cpu.size), eviction=tiers.cpu.eviction_policy))
-        if tiers.disk:
-            out.append(DiskTierConfig(type="disk", path=DISK_PATH, size=_per_rank(pool, tiers.disk.size)))
+    if pool.spec.connector == "tiered" and tiers.cpu:
+        out.append(CpuTierConfig(type="cpu", size=_per_rank(pool, tiers.cpu.size), eviction=tiers.cpu.eviction_policy))
+    if tiers.disk and not vllm_fs_disk(pool):
+        out.append(DiskTierConfig(type="disk", path=DISK_PATH, size=_per_rank(pool, tiers.disk.size)))
     if tiers.redis:
         out.append(_redis_tier(pool))
     if tiers.s3:
@@ -195,9 +205,9 @@ def kv_transfer_config(pool: Pool) -> dict[str, Any]:
         "block_size": pool.spec.chunk_tokens,
     }
     secondary: list[dict[str, Any]] = []
-    if tiers.disk:
+    if vllm_fs_disk(pool):
         secondary.append({"type": "fs", "root_dir": DISK_PATH})
-    if tiers.redis or tiers.s3:
+    if connector_config(pool) is not None:  # disk, Redis, S3: sealed with the pool key
         secondary.append({"type": KVPOOL_TIER_TYPE, "module_path": KVPOOL_TIER_MODULE, "config_file": CONFIG_FILE})
     worker = pool.spec.native.offload_worker
     if worker != "vllm":  # kvpool's spec: vLLM's tiering spec whose worker also runs on CPU nodes

@@ -1,10 +1,12 @@
 """`<name>-router`: vllm-router (the vLLM project's Rust router) in front of the engines.
 
-Children of a pool with `spec.router`: a ServiceAccount, a Role + RoleBinding that let it list
-and watch the pods of the pool's namespace (what its Kubernetes service discovery does: vllm-router
-0.1.17 lists and watches every pod of the namespace and filters by label itself, so RBAC cannot
-narrow it further), the Deployment and its Service (`spec.service.port` -> the router's 8000, and
-`metrics` 29000 for the chart's monitors).
+Children of a pool with `spec.router`: a ServiceAccount, a RoleBinding `<name>-router-discovery`
+of it to the discovery ClusterRole the chart ships (rbac.ROUTER_DISCOVERY_RULES: list and watch the
+pods of the pool's namespace, what vllm-router 0.1.17's Kubernetes service discovery does; it
+filters by label itself, so RBAC cannot narrow it further), the Deployment and its Service
+(`spec.service.port` -> the router's 8000, and `metrics` 29000 for the chart's monitors). The
+binding has its own name because a RoleBinding's roleRef cannot change: an older operator's
+`<name>-router` binding to a per-pool Role is pruned, and its Role goes with the pool.
 
 The router forwards each client's Authorization header to the engines (and on cache_aware's
 render call), so `spec.service.apiKeySecretRef` needs nothing on the router: no key is ever in
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool_operator import models
+from kvpool_operator.rbac import RBAC_GROUP
 from kvpool_operator.render.backends import RESTRICTED_CONTAINER, pod_security
 from kvpool_operator.render.common import HTTP_PORT, Pool, child_name, merge
 
@@ -25,8 +28,6 @@ ROUTER_METRICS_PORT = 29000
 ROUTER_UID = 65532  # the Dockerfile's `router` target user
 ROUTER_HEALTH_CHECK_SECONDS = 15  # the router's own engine health checks (its default: 60)
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}}
-# What service discovery needs (kube-rs watcher: an initial list, then a watch): nothing else.
-DISCOVERY_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
 
 
 def router_name(pool: Pool) -> str:
@@ -53,14 +54,11 @@ def router_args(pool: Pool, router: models.RouterSpec) -> list[str]:
 
 def _rbac(pool: Pool) -> list[dict[str, Any]]:
     name = router_name(pool)
-    rbac = "rbac.authorization.k8s.io"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": pool.meta(name, "router"),
          "automountServiceAccountToken": False},  # mounted by the router pod only
-        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": pool.meta(name, "router"),
-         "rules": [dict(rule) for rule in DISCOVERY_RULES]},
-        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": pool.meta(name, "router"),
-         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+        {"apiVersion": f"{RBAC_GROUP}/v1", "kind": "RoleBinding", "metadata": pool.meta(f"{name}-discovery", "router"),
+         "roleRef": {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": pool.settings.router_discovery_role},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]},
     ]
 
