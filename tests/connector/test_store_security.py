@@ -79,6 +79,43 @@ def test_forged_objects_are_never_served(kind, tier_cfgs, namespace, servers):
     s.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes"])
+@pytest.mark.parametrize("kind", SHARED)
+def test_a_forged_foreign_layout_header_is_checked_before_it_is_kept(kind, encrypt, tier_cfgs,
+                                                                     namespace, servers):
+    """An object that claims another KV layout is left in place (another engine of a mixed
+    fleet may own it) only once its tag proves a pool member wrote it: a forgery under that
+    claim is corrupt and removed, on every shared tier, whether read into a buffer or not."""
+    s = build(namespace, tier_cfgs[kind], security={**SECURITY, "encrypt": encrypt})
+    key = os.urandom(32)
+    name = s.object_names([key])[0]
+    attacker = PoolKey(b"the attacker's own key, 32+ chars")
+
+    def foreign(pool_key: PoolKey) -> bytes:
+        rec = Record(name, layout_digest(b"another-model"), memoryview(b"poison" * 1000),
+                     key=pool_key, encrypt=encrypt)
+        return bytes(rec.freeze().blob)
+
+    for read in (lambda: s.get_many([key])[0], lambda: s.get_into(key, bytearray(6000))):
+        plant(kind, tier_cfgs[kind], namespace, name, foreign(attacker), servers)
+        assert read() is None
+        assert _exists(kind, tier_cfgs[kind], namespace, name, servers) is False
+    st = s.stats()["tiers"][kind]
+    assert (st["corrupt"], st["foreign_layout"]) == (2, 0)
+    plant(kind, tier_cfgs[kind], namespace, name, foreign(s.keyring.current), servers)
+    assert s.get_into(key, bytearray(6000)) is None  # the genuine one: a miss, kept, counted
+    assert _exists(kind, tier_cfgs[kind], namespace, name, servers) is True
+    assert s.stats()["tiers"][kind]["foreign_layout"] == 1
+    s.close()
+
+
+def _exists(kind, tier, namespace, name, servers) -> bool:
+    try:
+        return bool(_read_raw(kind, tier, namespace, name, servers))
+    except (FileNotFoundError, servers["s3"].client().exceptions.NoSuchKey):
+        return False
+
+
 @pytest.mark.parametrize("kind", SHARED)
 def test_encrypted_objects_hide_the_payload_and_any_tamper_is_a_miss(kind, tier_cfgs, namespace,
                                                                       servers, tmp_path):
