@@ -180,8 +180,9 @@ class SecurityConfig(_Strict):
 
     The pool key comes from an environment variable or a mounted file, never from the config
     itself; it must hold at least 32 characters (the operator generates 43). The previous key
-    is optional: during a rotation objects written under it stay readable (and are rewritten
-    under the current key on their next hit); an unset variable or a missing file means none.
+    is optional: during a routine rotation objects written under it stay readable (served,
+    never sealed again under the current key into a shared tier); an unset variable or a
+    missing file means none. After a leak, rotate without it (docs/connector.md).
     """
 
     key_env: str | None = Field(None, min_length=1, description="environment variable with the "

@@ -165,29 +165,38 @@ def _read_raw(kind, tier, namespace, name, servers) -> bytes:
 
 
 @pytest.mark.parametrize("kind", SHARED)
-def test_key_rotation(kind, tier_cfgs, namespace, monkeypatch):
-    """Old key readable while rotating, every hit rewritten under the new key, after which
-    the old key can go."""
+def test_key_rotation_never_reseals_what_the_previous_key_signed(kind, tier_cfgs, namespace,
+                                                                  servers, monkeypatch):
+    """Routine rotation: objects under the previous key stay readable while it is configured
+    (then from the process's own cpu tier), but are never sealed again under the new key into
+    a shared tier. So whatever the holder of a leaked old key forged is a miss once the
+    previous key is removed, like every other old object."""
     monkeypatch.setenv("KEY_OLD", "o" * 40)
     monkeypatch.setenv("KEY_NEW", "n" * 40)
-    keys, vals = [os.urandom(32) for _ in range(3)], [os.urandom(50_000) for _ in range(3)]
+    keys, vals = [os.urandom(32) for _ in range(3)], [os.urandom(50_000) for _ in range(2)]
     old = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_OLD"})
-    old.put_many(keys, vals)
+    old.put_many(keys[:2], vals)
     assert old.flush(10)
+    poison = b"forged with the leaked old key" * 1000
+    name = old.object_names(keys[2:])[0]
+    plant(kind, tier_cfgs[kind], namespace, name, forged(name, poison, old.keyring.current),
+          servers)
     old.close()
     new_only = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_NEW"})
     assert new_only.get_many(keys) == [None] * 3  # another key: nothing to see
     new_only.close()
-    rotating = build(namespace, tier_cfgs[kind], security={
+    rotating = build(namespace, tier_cfgs["cpu"], tier_cfgs[kind], security={
         "key_env": "KEY_NEW", "previous_key_env": "KEY_OLD"})
     assert rotating.contains_prefix(keys) == 3
-    assert [bytes(v) for v in rotating.get_many(keys[:2])] == vals[:2]
-    out = bytearray(50_000)
-    assert rotating.get_into(keys[2], out) == 50_000 and out == vals[2]
+    assert [bytes(v) for v in rotating.get_many(keys[:2])] == vals
+    out = bytearray(len(poison))
+    assert rotating.get_into(keys[2], out) == len(poison)  # served during the rotation ...
+    assert [bytes(v) for v in rotating.get_many(keys)] == vals + [poison]
+    assert rotating.stats()["tiers"]["cpu"]["hits"] == 3  # ... from this process's own copy
     assert rotating.flush(10)
     rotating.close()
     after = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_NEW"})
-    assert [bytes(v) for v in after.get_many(keys)] == vals  # rewritten under the new key
+    assert after.get_many(keys) == [None] * 3  # nothing was sealed under the new key
     after.close()
 
 

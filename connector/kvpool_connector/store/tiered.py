@@ -12,8 +12,9 @@ lengths).
 
 Keys become object names with the pool key (sealing.py); lower-tier writes carry sealed
 objects. With a previous key configured (a rotation), a miss under the current key is
-looked up under the previous one, and what is found there is rewritten under the current
-key into every tier.
+looked up under the previous one; what is found there is served, and copied only into the
+process's own (unshared) tiers, never sealed again under the current key into a shared
+one: if the previous key leaked, whatever its holder forged must not outlive the rotation.
 """
 
 from __future__ import annotations
@@ -430,28 +431,28 @@ class TieredStore:
 
     def _promote(self, hits: list[tuple[int, int, Record]], keys: list[bytes],
                  lay: bytes) -> None:
-        """Copy lower-tier hits into every faster tier (a local first tier synchronously);
-        hits under the previous key are rewritten under the current key into every tier."""
-        if not hits:
-            return
-        cur = self.keyring.current
-        if self._event_keys is not None:
-            for _, i, rec in hits:
-                self._remember_names([keys[i]], [rec])
+        """Copy lower-tier hits into every faster tier (a local first tier synchronously).
+        A hit under the previous key goes only into the unshared tiers (under the current
+        key's name, which is all they are probed with): sealing it again under the current
+        key would make a forgery made with a leaked previous key outlive the rotation."""
         for ti, i, rec in hits:
-            if ti == len(self.runners):  # found under the previous key: rotate it
-                fresh = self._record(keys[i], lay, rec.payload, cur).freeze()
-                self._write([fresh])
+            self._remember_names([keys[i]], [rec])
+            if ti == len(self.runners):  # found under the previous key
+                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
+                self._remember_names([keys[i]], [rec])
+                targets = [j for j, r in enumerate(self.runners) if not r.tier.shared]
+            else:
+                targets = list(range(ti))
+            if not self.cfg.promote or not targets:
                 continue
-            if not self.cfg.promote:
-                continue
-            for j in range(ti):
+            if ti < len(self.runners):
+                self.runners[ti].stats.inc("promotions")
+            for j in targets:
                 runner = self.runners[j]
                 if j == 0 and runner.queue is None:
                     runner.put_now([rec])
                 else:
                     runner.enqueue([rec.freeze()])
-            self.runners[ti].stats.inc("promotions")
 
     def get_many(self, keys: Sequence[bytes], layout: bytes | str | None = None
                  ) -> list[memoryview | bytes | None]:
