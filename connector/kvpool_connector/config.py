@@ -195,6 +195,10 @@ class SecurityConfig(_Strict):
                                           "previous pool key, accepted for reads")
     encrypt: bool = Field(False, description="encrypt objects in the disk, redis and s3 tiers "
                           "with AES-256-GCM (authenticated: a bad tag is a miss)")
+    refuse_plaintext: bool = Field(False, description="with encrypt: objects that are only "
+                                   "MAC'd (written before encryption was turned on) are misses "
+                                   "instead of being served; turn on once every engine "
+                                   "encrypts")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -202,6 +206,9 @@ class SecurityConfig(_Strict):
             raise ValueError("key_env, key_file: set one of them, not both")
         if self.previous_key_env and self.previous_key_file:
             raise ValueError("previous_key_env, previous_key_file: set one of them, not both")
+        if self.refuse_plaintext and not self.encrypt:
+            raise ValueError("refuse_plaintext: needs encrypt: true (the store would refuse "
+                             "every object it writes)")
         return self
 
     @property

@@ -144,6 +144,54 @@ def test_encrypted_objects_hide_the_payload_and_any_tamper_is_a_miss(kind, tier_
     other.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_after_encryption_is_turned_on_plaintext_is_promoted_encrypted(kind, tier_cfgs,
+                                                                       namespace, servers,
+                                                                       tmp_path):
+    """An object written before `encrypt: true` (MAC only) is still served, but the copy a
+    hit promotes into a faster shared tier is encrypted, not the plaintext again."""
+    secret_kv = b"PROMPT-DERIVED-KV " * 5000
+    key = os.urandom(32)
+    before = build(namespace, tier_cfgs[kind])
+    before.put_many([key], [secret_kv])
+    assert before.flush(10)
+    before.close()
+    disk = _disk(tmp_path)
+    s = build(namespace, disk, tier_cfgs[kind], security={**SECURITY, "encrypt": True})
+    assert bytes(s.get(key)) == secret_kv
+    assert s.flush(10)
+    name = s.object_names([key])[0]
+    promoted = _read_raw("disk", disk, namespace, name, servers)
+    assert b"PROMPT-DERIVED-KV" not in promoted and promoted[5] & 1  # the flags' encrypted bit
+    assert s.stats()["tiers"][kind]["promotions"] == 1
+    s.close()
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_refuse_plaintext_makes_pre_encryption_objects_misses(kind, tier_cfgs, namespace,
+                                                               servers):
+    """`security.refuse_plaintext`: once every engine encrypts, MAC-only objects left from
+    before are misses (counted as rejected, left to age out), never served."""
+    keys, vals = [os.urandom(32) for _ in range(2)], [os.urandom(20_000) for _ in range(2)]
+    plain = build(namespace, tier_cfgs[kind])
+    plain.put_many(keys[:1], vals[:1])
+    assert plain.flush(10)
+    plain.close()
+    strict = build(namespace, tier_cfgs[kind],
+                   security={**SECURITY, "encrypt": True, "refuse_plaintext": True})
+    strict.put_many(keys[1:], vals[1:])
+    assert strict.flush(10)
+    assert strict.get_many(keys)[0] is None
+    out = bytearray(b"\xee" * 20_000)
+    assert strict.get_into(keys[0], out) is None and out == bytes(20_000)  # nothing of it left
+    assert bytes(strict.get_many(keys)[1]) == vals[1]  # its own (encrypted) objects: hits
+    st = strict.stats()["tiers"][kind]
+    assert st["rejected"] == 3 and st["corrupt"] == 0
+    strict.close()
+    with pytest.raises(ValueError, match="refuse_plaintext: needs encrypt: true"):
+        build(namespace, tier_cfgs[kind], security={**SECURITY, "refuse_plaintext": True})
+
+
 @pytest.fixture(autouse=True)
 def _other_pool_key(monkeypatch):
     monkeypatch.setenv("OTHER_POOL_KEY", "another pool's key with enough characters")

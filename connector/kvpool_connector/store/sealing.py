@@ -125,6 +125,7 @@ class Keyring:
     current: PoolKey
     previous: PoolKey | None = None
     encrypt: bool = False
+    refuse_plaintext: bool = False  # MAC-only objects of a shared tier are misses
 
     @classmethod
     def from_config(cls, security, needs_key: bool) -> "Keyring":
@@ -143,7 +144,7 @@ class Keyring:
                       "security.previous_key", optional=True)
         return cls(_pool_key(cur, "security.key"),
                    _pool_key(prev, "security.previous_key") if prev else None,
-                   security.encrypt)
+                   security.encrypt, security.refuse_plaintext)
 
     def generations(self) -> list[PoolKey]:
         return [self.current] + ([self.previous] if self.previous is not None else [])

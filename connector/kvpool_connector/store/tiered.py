@@ -417,6 +417,8 @@ class TieredStore:
                     continue
                 still = []
                 for i, rec in zip(pending, res):
+                    if rec is not None and self._refused(runner, rec, outs, i):
+                        rec = None
                     if rec is None:
                         still.append(i)
                         continue
@@ -428,6 +430,18 @@ class TieredStore:
                 pending = still
         self._promote(promote, keys, lay)
         return found
+
+    def _refused(self, runner: TierRunner, rec: Record, outs: list[memoryview] | None,
+                 i: int) -> bool:
+        """`security.refuse_plaintext`: an authentic object of a shared tier that is only
+        MAC'd (written before encryption was on) is a miss; whatever of it landed in the
+        caller's buffer is wiped. Counted as rejected; left in place to age out."""
+        if not self.keyring.refuse_plaintext or rec.encrypt or not runner.tier.shared:
+            return False
+        runner.stats.inc("rejected")
+        if outs is not None:
+            _zero_all([outs[i][:len(rec.payload)]])
+        return True
 
     def _promote(self, hits: list[tuple[int, int, Record]], keys: list[bytes],
                  lay: bytes) -> None:
@@ -445,6 +459,10 @@ class TieredStore:
                 targets = list(range(ti))
             if not self.cfg.promote or not targets:
                 continue
+            if self.keyring.encrypt and not rec.encrypt and any(
+                    self.runners[j].tier.shared for j in targets):
+                # written before encryption was on: never copied on in plaintext
+                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
             if ti < len(self.runners):
                 self.runners[ti].stats.inc("promotions")
             for j in targets:
