@@ -21,11 +21,13 @@ host memory, so a kvpool `cpu` tier is refused here.
 
 Every object goes through the kvpool store: it carries a header with the key and a layout
 fingerprint (model, dtype, block and chunk geometry, KV groups, parallelism, chunk bytes:
-vLLM's own `FileMapper` identity) and is sealed with the pool key (a keyed MAC, or AES-GCM
-with `security.encrypt`), so a corrupted, forged or foreign object is a miss and is
-recomputed, never loaded; a shared tier needs the `security` block. Keys are vLLM's sha256
-chained block hashes prefixed with the digest of that identity, so different models or
-layouts never collide.
+vLLM's own `FileMapper` identity; plus what the tiered connector's keys also hold: vLLM's
+model config hash with hf_overrides, which tells revisions and quantizations apart, the
+prefix-hash algorithm and the vLLM version) and is sealed with the pool key (a keyed MAC,
+or AES-GCM with `security.encrypt`), so a corrupted, forged or foreign object is a miss
+and is recomputed, never loaded; a shared tier needs the `security` block. Keys are vLLM's
+sha256 chained block hashes prefixed with the digest of that identity, so different
+models, revisions or layouts never collide.
 
 What runs where: everything in this class runs in vLLM's scheduler process and moves bytes
 between the primary tier's shared host-memory region and the store, on any platform.
@@ -45,6 +47,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -71,6 +74,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
@@ -79,15 +83,31 @@ logger = logging.getLogger(__name__)
 FORMAT_TAG = "kvpool-vllm-tiering-v1"
 
 
-def layout_identity(offloading_spec: "OffloadingSpec", chunk_bytes: int) -> dict[str, Any]:
+def engine_identity(vllm_config: "VllmConfig | None") -> dict[str, Any]:
+    """What of the engine's VllmConfig changes the KV of the same tokens, as the tiered
+    connector's keys have it (connector/keys.py): vLLM's model config hash with hf_overrides
+    (model, revision, quantization, dtype, ...), the prefix-hash algorithm and the vLLM
+    version. Without the engine's config (a tier built outside vLLM's connector) the first
+    two are None: a key space of its own."""
+    from .connector.keys import model_config_hash
+
+    if vllm_config is None:
+        return {"model_config_hash": None, "hash_algo": None, "vllm_version": vllm.__version__}
+    return {"model_config_hash": model_config_hash(vllm_config.model_config),
+            "hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
+            "vllm_version": vllm.__version__}
+
+
+def layout_identity(offloading_spec: "OffloadingSpec", chunk_bytes: int,
+                    engine: dict[str, Any]) -> dict[str, Any]:
     """What must match for two engines to exchange a chunk: vLLM's own `FileMapper` fields
-    (model, dtype, tokens per hash, blocks per chunk, KV groups, parallelism) plus the byte
-    size of one primary-tier row and this module's format tag."""
+    (model, dtype, tokens per hash, blocks per chunk, KV groups, parallelism), the byte size
+    of one primary-tier row, this module's format tag and the `engine_identity`."""
     mapper = FileMapper.from_offloading_spec(
         root_dir="", offloading_spec=offloading_spec,
         blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
     return {**mapper.get_run_config(), "rank": mapper.rank, "chunk_bytes": int(chunk_bytes),
-            "format": FORMAT_TAG}
+            "format": FORMAT_TAG, **engine}
 
 
 def layout_fingerprint(identity: dict[str, Any]) -> bytes:
@@ -165,9 +185,17 @@ class KVPoolTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         from .store import open_store
 
+        from .native.contract import engine_vllm_config
+
         self.locality = Locality(locality) if locality is not None else None
         self.config = secondary_tier_store_config(options)
-        self.identity = layout_identity(offloading_spec, self.block_size_bytes)
+        vllm_config = engine_vllm_config()
+        if vllm_config is None:
+            logger.warning("KVPoolTier: built outside vLLM's OffloadingConnector, so without "
+                           "the engine's config: its keys do not tell model revisions, "
+                           "quantizations or prefix-hash algorithms apart")
+        self.identity = layout_identity(offloading_spec, self.block_size_bytes,
+                                        engine_identity(vllm_config))
         self.fingerprint = layout_fingerprint(self.identity)
         self._prefix = key_prefix(self.fingerprint)
         self.store = open_store(self.config, layout=self.fingerprint)

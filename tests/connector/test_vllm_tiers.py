@@ -1,5 +1,7 @@
 """kvpool as a secondary tier of vLLM's native offloading, driven through vLLM's real
-`TieringOffloadingSpec` / `TieringOffloadingManager` (scheduler side) with real Redis and S3.
+`TieringOffloadingSpec` / `TieringOffloadingManager` (scheduler side) with real Redis and S3,
+either built from an `OffloadingConfig` directly or, as in an engine, by vLLM's real
+`OffloadingConnector` from a real `VllmConfig` of a local model (no engine started).
 
 Only vLLM's GPU <-> host copy (`CPUOffloadingWorker`) needs CUDA; the test plays that part by
 writing and reading the primary tier's shared host region directly, exactly the bytes the
@@ -12,6 +14,7 @@ import hashlib
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from vllm.v1.kv_offload.base import (
@@ -54,17 +57,58 @@ def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bflo
     )
 
 
-class Engine:
-    """The scheduler side of one vLLM engine using native tiering with a kvpool tier."""
+def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256",
+                        **model_kwargs):
+    """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it: from a
+    real VllmConfig of `model` and a KV cache config of two layers of BLOCK_BYTES / 2 per
+    block of 16 tokens (the geometry of `offloading_config`)."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, KVCacheTensor)
 
-    def __init__(self, tier_options: dict, tier_type: str = "kvpool", **cfg_kwargs):
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="bfloat16", **model_kwargs),
+        cache_config=CacheConfig(block_size=16, prefix_caching_hash_algo=hash_algo),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"spec_name": "TieringOffloadingSpec",
+                                       "block_size": 16 * BLOCKS_PER_CHUNK, **extra}))
+    layer = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64,
+                              dtype=torch.bfloat16)
+    page, blocks = layer.page_size_bytes, 64
+    assert 2 * page == BLOCK_BYTES
+    kv_cache_config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[KVCacheTensor(size=2 * blocks * page, layers=["l0", "l1"],
+                                        layer_stride=blocks * page, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], layer)])
+    return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+class Engine:
+    """The scheduler side of one vLLM engine using native tiering with a kvpool tier; with
+    `engine_model`, built by vLLM's OffloadingConnector from that model's real VllmConfig."""
+
+    def __init__(self, tier_options: dict, tier_type: str = "kvpool",
+                 engine_model: Path | None = None, hash_algo: str = "sha256",
+                 model_kwargs: dict | None = None, **cfg_kwargs):
         extra = {
             "cpu_bytes_to_use": NUM_CHUNKS * BLOCK_BYTES * BLOCKS_PER_CHUNK,
             "secondary_tiers": [{"type": tier_type, "module_path": "kvpool_connector.vllm_tiers",
                                  **tier_options}],
         }
-        self.spec = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs))
-        self.manager = self.spec.get_manager()
+        self.connector = None
+        if engine_model is None:
+            self.manager = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs)).get_manager()
+        else:
+            self.connector = scheduler_connector(extra, engine_model, hash_algo,
+                                                 **(model_kwargs or {}))
+            self.manager = self.connector.connector_scheduler.manager
         self.tier = self.manager.secondary_tiers[0]
         self.rows = self.manager.primary_tier.get_kv_memoryview().cast("B")
         self.row_bytes = self.tier.block_size_bytes
@@ -128,7 +172,7 @@ class Engine:
 
     def close(self) -> None:
         self.rows.release()
-        self.manager.shutdown()
+        (self.connector or self.manager).shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -241,7 +285,7 @@ def test_bad_config_names_the_field(redis_options):
 
 def test_layout_identity_is_vllms_file_mapper_identity():
     spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
-    ident = vllm_tiers.layout_identity(spec, 32768)
+    ident = vllm_tiers.layout_identity(spec, 32768, vllm_tiers.engine_identity(None))
     assert ident["model_name"] == "test-model" and ident["dtype"] == "bfloat16"
     assert ident["blocks_per_file"] == BLOCKS_PER_CHUNK and ident["chunk_bytes"] == 32768
     fp = vllm_tiers.layout_fingerprint(ident)
@@ -262,3 +306,27 @@ def test_store_counters_reach_vllms_offloading_stats(redis_options):
     assert definitions["kvpool_tier_hit_chunks"].labelnames == ("tier",)
     hits = {k: v for k, v in reduced.items() if k.startswith("kvpool_tier_hit_chunks")}
     assert sum(hits.values()) == 2, reduced
+
+
+def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, tiny_model):
+    """Built by vLLM's OffloadingConnector, the tier keys with the model config hash (the
+    tiered connector's model_config_hash: revision, quantization, hf_overrides, ...), the
+    prefix-hash algorithm and the vLLM version: an engine on another revision or with other
+    hf_overrides of the same model path never loads what this one stored."""
+    import vllm
+    from vllm.config import ModelConfig
+
+    from kvpool_connector.connector.keys import model_config_hash
+
+    keys, data = chunk_keys("revision", 3), payloads(3)
+    with Engine(redis_options, engine_model=tiny_model) as a:
+        a.offload(keys, data)
+        ident = a.tier.identity
+    with Engine(redis_options, engine_model=tiny_model) as same:
+        assert same.load(keys) == data and same.tier.identity == ident
+    for kwargs in ({"revision": "v2"}, {"hf_overrides": {"rope_theta": 5000.0}}):
+        with Engine(redis_options, engine_model=tiny_model, model_kwargs=kwargs) as other:
+            assert other.load(keys) == [], kwargs
+    assert ident["model_config_hash"] == model_config_hash(
+        ModelConfig(model=str(tiny_model), dtype="bfloat16"))
+    assert ident["vllm_version"] == vllm.__version__ and ident["hash_algo"] == "sha256"
