@@ -185,12 +185,16 @@ class KVPoolTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         from .store import open_store
 
+        from .connector.config import check_hash_algo
         from .native.contract import engine_vllm_config
 
         self.locality = Locality(locality) if locality is not None else None
         self.config = secondary_tier_store_config(options)
         vllm_config = engine_vllm_config()
-        if vllm_config is None:
+        if vllm_config is not None:
+            check_hash_algo(str(vllm_config.cache_config.prefix_caching_hash_algo),
+                            [t.type for t in self.config.tiers])  # all shared: cpu is refused
+        else:
             logger.warning("KVPoolTier: built outside vLLM's OffloadingConnector, so without "
                            "the engine's config: its keys do not tell model revisions, "
                            "quantizations or prefix-hash algorithms apart")

@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvpool_connector import vllm_tiers
 from tests.conftest import SECURITY
+from tests.connector.conftest import engine_configs
 
 BLOCK_BYTES = 8192       # one worker's KV bytes per vLLM block
 BLOCKS_PER_CHUNK = 4     # a chunk (one object) = 32 KiB
@@ -59,34 +60,19 @@ def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bflo
 
 def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256",
                         **model_kwargs):
-    """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it: from a
-    real VllmConfig of `model` and a KV cache config of two layers of BLOCK_BYTES / 2 per
-    block of 16 tokens (the geometry of `offloading_config`)."""
-    import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it (the KV
+    geometry of `offloading_config`: two layers of BLOCK_BYTES / 2 per block of 16 tokens)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, KVCacheTensor)
 
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="bfloat16", **model_kwargs),
-        cache_config=CacheConfig(block_size=16, prefix_caching_hash_algo=hash_algo),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both",
-            kv_connector_extra_config={"spec_name": "TieringOffloadingSpec",
-                                       "block_size": 16 * BLOCKS_PER_CHUNK, **extra}))
-    layer = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64,
-                              dtype=torch.bfloat16)
-    page, blocks = layer.page_size_bytes, 64
-    assert 2 * page == BLOCK_BYTES
-    kv_cache_config = KVCacheConfig(
-        num_blocks=blocks,
-        kv_cache_tensors=[KVCacheTensor(size=2 * blocks * page, layers=["l0", "l1"],
-                                        layer_stride=blocks * page, block_stride=page)],
-        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], layer)])
+    vllm_config, kv_cache_config = engine_configs(
+        model, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "block_size": 16 * BLOCKS_PER_CHUNK, **extra}},
+        hash_algo, **model_kwargs)
+    assert 2 * kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes == BLOCK_BYTES
     return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
@@ -330,3 +316,15 @@ def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, 
     assert ident["model_config_hash"] == model_config_hash(
         ModelConfig(model=str(tiny_model), dtype="bfloat16"))
     assert ident["vllm_version"] == vllm.__version__ and ident["hash_algo"] == "sha256"
+
+
+def test_xxhash_prefix_hashes_are_refused_at_engine_start(redis_options, tiny_model,
+                                                          monkeypatch):
+    """vLLM's xxhash is seeded with a 32-bit PYTHONHASHSEED, no secret: a tier other engines
+    share refuses it (even with a seed set), naming the setting; sha256 starts."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
+    for algo in ("xxhash", "xxhash_cbor"):
+        with pytest.raises(ValueError, match=r"--prefix-caching-hash-algo\) '" + algo):
+            Engine(redis_options, engine_model=tiny_model, hash_algo=algo)
+    with Engine(redis_options, engine_model=tiny_model, hash_algo="sha256_cbor") as ok:
+        assert ok.tier.identity["hash_algo"] == "sha256_cbor"
