@@ -161,8 +161,9 @@ class _KVPoolLookup(AsyncLookupManager):
         return [i < n for i in range(len(keys))]
 
 
-class _PartialLoad(Exception):
-    """Some chunks of a load job were missing, corrupt or of another layout."""
+class _JobFailed(Exception):
+    """Some chunks of a job were not stored (a failing or full backend) or not loaded
+    (missing, corrupt, of another layout, a failing backend); the job reports failure."""
 
 
 class KVPoolTier(SecondaryTierManager):
@@ -208,10 +209,12 @@ class KVPoolTier(SecondaryTierManager):
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self.events = []
         # Per-job bookkeeping, written by the scheduler thread (submit) and read back in
-        # get_finished_jobs; `_loaded` is written by a pool thread before it publishes the
-        # job as finished (same ordering argument as vLLM's fs tier).
+        # get_finished_jobs; `_done` (the keys a job stored or loaded) is written by a pool
+        # thread before it publishes the job as finished (same ordering argument as vLLM's
+        # fs tier).
         self._job_keys: dict[JobId, tuple[bool, list[OffloadKey]]] = {}
-        self._loaded: dict[JobId, list[OffloadKey]] = {}
+        self._done: dict[JobId, list[OffloadKey]] = {}
+        self._num_rows = len(self._rows) // self.block_size_bytes
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="kvpool_tier")
         self._lookup = _KVPoolLookup(self, tier_type)
@@ -228,6 +231,18 @@ class KVPoolTier(SecondaryTierManager):
         size = self.block_size_bytes
         return self._rows[int(chunk_id) * size:(int(chunk_id) + 1) * size]
 
+    def _checked_rows(self, job: TransferJob) -> tuple[list[OffloadKey], list[int]]:
+        """The job's keys and primary rows; a chunk id outside the primary tier (or a key
+        without a row) fails the job before any byte moves, as vLLM's own tiers do, instead
+        of storing an empty object under a real key."""
+        keys, chunk_ids = list(job.keys), [int(c) for c in job.chunk_ids]
+        bad = [c for c in chunk_ids if not 0 <= c < self._num_rows]
+        if bad or len(keys) != len(chunk_ids):
+            raise ValueError(f"job {job.job_id}: {len(keys)} keys, chunk ids {chunk_ids[:8]} "
+                             f"(out of range: {bad[:8]}); the primary tier has "
+                             f"{self._num_rows} rows")
+        return keys, chunk_ids
+
     # -- vLLM's SecondaryTierManager interface ---------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -240,55 +255,63 @@ class KVPoolTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
-        self._job_keys[job_metadata.job_id] = (False, keys)
+        """Queue the job; a pool thread stores its rows. Success means every chunk is in
+        the store's first tier (readable by any engine of the pool); chunks already there
+        are stored again: presence by name says nothing about what sits there (a planted
+        object is replaced, not trusted)."""
+        job_id = job_metadata.job_id
+        self._job_keys[job_id] = (False, list(job_metadata.keys))
 
         def store_task() -> None:
-            # put_many returns once the store owns the bytes (it copies for its lower tiers),
-            # so the primary slots may be unpinned as soon as this job is reported.
-            self.store.put_many([self.store_key(k) for k in keys],
-                                [self._row(c) for c in chunk_ids])
+            self._done[job_id] = []
+            keys, chunk_ids = self._checked_rows(job_metadata)
+            # put_many returns once the store owns the bytes (it copies for its lower
+            # tiers), so the primary slots may be unpinned as soon as this job is reported
+            landed = self.store.put_many([self.store_key(k) for k in keys],
+                                         [self._row(c) for c in chunk_ids])
+            self._done[job_id] = [k for k, ok in zip(keys, landed) if ok]
+            if not all(landed):
+                raise _JobFailed(f"{landed.count(False)} of {len(keys)} chunks not stored")
 
-        self._pool.enqueue_store(job_metadata.job_id, 1, [store_task])
+        self._pool.enqueue_store(job_id, 1, [store_task])
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        """Queue the job; a pool thread reads the objects, verified, into the primary rows.
+        Chunks not loaded fail the job (`successful_keys` names the others) and are marked
+        missing for this request."""
         job_id = job_metadata.job_id
-        keys = list(job_metadata.keys)
-        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
-        self._job_keys[job_id] = (True, keys)
+        self._job_keys[job_id] = (True, list(job_metadata.keys))
 
         def load_task() -> None:
-            size = self.block_size_bytes
-            try:  # verified objects are copied straight into the primary rows
-                got = self.store.get_many_into([self.store_key(k) for k in keys],
-                                               [self._row(c) for c in chunk_ids])
-            except ValueError:  # an object larger than a row: not ours to load
-                got = [None] * len(keys)
-            loaded = [k for k, n in zip(keys, got) if n == size]
-            self._loaded[job_id] = loaded
+            self._done[job_id] = loaded = []
+            keys, chunk_ids = self._checked_rows(job_metadata)
+            got = self.store.get_many_into([self.store_key(k) for k in keys],
+                                           [self._row(c) for c in chunk_ids])
+            # a shorter object is not a row of this layout
+            loaded += [k for k, n in zip(keys, got) if n == self.block_size_bytes]
             if len(loaded) != len(keys):
-                raise _PartialLoad(f"{len(keys) - len(loaded)} of {len(keys)} chunks missing")
+                raise _JobFailed(f"{len(keys) - len(loaded)} of {len(keys)} chunks not loaded")
 
         self._pool.enqueue_load(job_id, 1, [load_task])
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every finished job once, failed as soon as one of its chunks failed; KV events
+        announce exactly the chunks a store job put into the store."""
         results = []
         for job_id, success, transfer_time in self._pool.get_finished():
             is_load, keys = self._job_keys.pop(job_id, (False, []))
-            loaded = self._loaded.pop(job_id, None)
+            done = self._done.pop(job_id, [])
             nbytes = len(keys) * self.block_size_bytes if keys else None
             if is_load and not success:
-                ok = loaded or []
-                ok_set = set(ok)
+                done_set = set(done)
                 # Stop the scheduler from promoting these keys again (vLLM's livelock guard).
-                self._lookup.mark_miss([k for k in keys if k not in ok_set])
+                self._lookup.mark_miss([k for k in keys if k not in done_set])
                 results.append(JobResult(job_id=job_id, success=False,
-                                         successful_keys=tuple(ok) if ok else None,
+                                         successful_keys=tuple(done) if done else None,
                                          transfer_time=transfer_time, transfer_bytes=nbytes))
                 continue
-            if not is_load and success and self.events is not None and keys:
-                self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=False,
+            if not is_load and done and self.events is not None:
+                self.events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False,
                                                    locality=self.locality))
             results.append(JobResult(job_id=job_id, success=success,
                                      transfer_time=transfer_time, transfer_bytes=nbytes))

@@ -42,11 +42,11 @@ NUM_CHUNKS = 64
 
 
 def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bfloat16",
-                      block_bytes: int = BLOCK_BYTES) -> OffloadingConfig:
+                      block_bytes: int = BLOCK_BYTES, kv_events: bool = False) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=block_bytes,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config=extra,
         engine_id=f"kvpool-test-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name=model, dtype=dtype),

@@ -101,6 +101,8 @@ class TierRunner:
         self.batch_max = cfg.batch_max
         self._pool = (ThreadPoolExecutor(4, thread_name_prefix=f"kvpool-{name}")
                       if tier.blocking else None)
+        # a write that may be given up on at the deadline while the tier still sends it
+        self.puts_on_pool = self._pool is not None and not tier.local
         self.queue: queue.Queue | None = None
         self.queue_limit = tcfg.queue_bytes or cfg.queue_bytes
         self._queued = 0  # bytes of sealed objects waiting in the queue
@@ -148,7 +150,7 @@ class TierRunner:
             return default
         t0 = time.perf_counter()
         try:
-            if self._pool is not None and (op != "put" or not self.tier.local):
+            if self._pool is not None and (op != "put" or self.puts_on_pool):
                 guard = CallGuard()
                 fut = self._pool.submit(run_guarded, guard, fn, args)
                 try:
@@ -180,11 +182,14 @@ class TierRunner:
             return known
         return self.call("contains", self.tier.contains_many, names, timeout=timeout)
 
-    def put_now(self, records: list[Record]) -> None:
-        """Write synchronously; records the tier did not take (backing off, failed, timed
-        out) are dropped and counted."""
-        if self.call("put", self.tier.put_many, records, default=_NOT_WRITTEN) is _NOT_WRITTEN:
+    def put_now(self, records: list[Record]) -> list[bool]:
+        """Write synchronously; which records the tier holds now. Records the tier did not
+        take (backing off, failed, timed out) are dropped and counted."""
+        taken = self.call("put", self.tier.put_many, records, default=_NOT_WRITTEN)
+        if taken is _NOT_WRITTEN:
             self.stats.inc("drops", len(records))
+            return [False] * len(records)
+        return [True] * len(records) if taken is None else list(taken)
 
     def _failed(self, op: str, e: Exception, default):
         self.stats.inc("errors")
@@ -361,31 +366,36 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
-                 layout: bytes | str | None = None) -> None:
+                 layout: bytes | str | None = None) -> list[bool]:
+        """Store the payloads; per key whether the first tier holds it now (the lower tiers
+        are written behind it, best effort: a full queue or a failing tier drops)."""
         keys = self._check_keys(keys)
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
         if not keys or self._closed:
-            return
+            return [False] * len(keys)
         lay = self._layout(layout)
         cur = self.keyring.current
         records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
         self._remember_names(keys, records)
-        self._write(records)
+        return self._write(records)
 
-    def _write(self, records: list[Record]) -> None:
+    def _write(self, records: list[Record]) -> list[bool]:
         first, lower = self.runners[0], self.runners[1:]
         nbytes = sum(r.size for r in records)
-        if lower or first.tier.needs_blob:  # one owned sealed copy, shared by every lower tier
+        # one owned sealed copy, shared by every lower tier; also when a write given up on
+        # at the deadline could go on reading the caller's buffers after this returns
+        if lower or first.tier.needs_blob or first.puts_on_pool:
             cpu_pool.run_each(Record.freeze, records, nbytes)
         elif first.tier.shared:  # MAC'd (or encrypted) for the one tier, side by side
             cpu_pool.run_each(Record.parts, records, nbytes)
-        first.put_now(records)
+        landed = first.put_now(records)
         for runner in lower:
             runner.enqueue(records)
+        return landed
 
-    def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> None:
-        self.put_many([key], [payload], layout)
+    def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> bool:
+        return self.put_many([key], [payload], layout)[0]
 
     # -- reads ----------------------------------------------------------------------------
     def _probe(self, keys: list[bytes], lay: bytes, outs: list[memoryview] | None

@@ -254,21 +254,20 @@ class DiskTier(Tier):
             self._index[name] = size
 
     # -- writes ---------------------------------------------------------------------------
-    def put_many(self, records: list[Record]) -> None:
-        for rec in records:
-            self._put(rec)
+    def put_many(self, records: list[Record]) -> list[bool]:
+        return [self._put(rec) for rec in records]
 
-    def _put(self, rec: Record) -> None:
+    def _put(self, rec: Record) -> bool:
         hdr, body, tag = rec.parts()
         size = len(hdr) + len(body) + len(tag)
         if size > self.capacity:
             self.stats.inc("rejected")
-            return
+            return False
         same = xxhash.xxh3_64_intdigest(rec.payload)
         with self._lock:
             if rec.name in self._index and self._written.get(rec.name) == same:
                 self._index.move_to_end(rec.name)  # the same bytes are on disk already
-                return
+                return True
             old = self._index.pop(rec.name, None)
             self._used -= old or 0
             victims = self._evict_locked(size)
@@ -294,6 +293,7 @@ class DiskTier(Tier):
         self._written[rec.name] = same
         self.stats.inc("bytes_in", len(body))
         self.note(True, (rec.name,))
+        return True
 
     def _write_file(self, tmp: str, parts: list, size: int) -> None:
         fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
