@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -81,6 +82,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT_TAG = "kvpool-vllm-tiering-v1"
+LOAD_BATCH = 8              # chunks per store read of a load job
+SCRATCH_BYTES = 32 << 20    # receive buffers per load thread (at least one row)
 
 
 def engine_identity(vllm_config: "VllmConfig | None") -> dict[str, Any]:
@@ -215,6 +218,7 @@ class KVPoolTier(SecondaryTierManager):
         self._job_keys: dict[JobId, tuple[bool, list[OffloadKey]]] = {}
         self._done: dict[JobId, list[OffloadKey]] = {}
         self._num_rows = len(self._rows) // self.block_size_bytes
+        self._scratch = threading.local()
         self._pool = DualQueueThreadPool(n_read_threads, n_write_threads,
                                          thread_name_prefix="kvpool_tier")
         self._lookup = _KVPoolLookup(self, tier_type)
@@ -242,6 +246,18 @@ class KVPoolTier(SecondaryTierManager):
                              f"(out of range: {bad[:8]}); the primary tier has "
                              f"{self._num_rows} rows")
         return keys, chunk_ids
+
+    def _scratch_rows(self) -> list[memoryview]:
+        """This thread's receive buffers, one row each (at most SCRATCH_BYTES): a load lands
+        there and only verified objects are copied into the primary rows, which other
+        processes map (vLLM's shared host region), so no unverified byte ever sits there."""
+        rows = getattr(self._scratch, "rows", None)
+        if rows is None:
+            size = self.block_size_bytes
+            n = max(1, min(LOAD_BATCH, SCRATCH_BYTES // size))
+            buf = memoryview(bytearray(n * size))
+            rows = self._scratch.rows = [buf[i * size:(i + 1) * size] for i in range(n)]
+        return rows
 
     # -- vLLM's SecondaryTierManager interface ---------------------------------------------
 
@@ -276,19 +292,24 @@ class KVPoolTier(SecondaryTierManager):
         self._pool.enqueue_store(job_id, 1, [store_task])
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Queue the job; a pool thread reads the objects, verified, into the primary rows.
-        Chunks not loaded fail the job (`successful_keys` names the others) and are marked
-        missing for this request."""
+        """Queue the job; a pool thread reads each object into its own scratch buffer and
+        copies only verified ones into the primary rows. Chunks not loaded fail the job
+        (`successful_keys` names the others) and are marked missing for this request."""
         job_id = job_metadata.job_id
         self._job_keys[job_id] = (True, list(job_metadata.keys))
 
         def load_task() -> None:
             self._done[job_id] = loaded = []
             keys, chunk_ids = self._checked_rows(job_metadata)
-            got = self.store.get_many_into([self.store_key(k) for k in keys],
-                                           [self._row(c) for c in chunk_ids])
-            # a shorter object is not a row of this layout
-            loaded += [k for k, n in zip(keys, got) if n == self.block_size_bytes]
+            scratch, size = self._scratch_rows(), self.block_size_bytes
+            for i in range(0, len(keys), len(scratch)):
+                batch = keys[i:i + len(scratch)]
+                got = self.store.get_many_into([self.store_key(k) for k in batch],
+                                               scratch[:len(batch)])
+                for j, n in enumerate(got):
+                    if n == size:  # a shorter object is not a row of this layout
+                        self._row(chunk_ids[i + j])[:] = scratch[j]
+                        loaded.append(batch[j])
             if len(loaded) != len(keys):
                 raise _JobFailed(f"{len(keys) - len(loaded)} of {len(keys)} chunks not loaded")
 

@@ -290,3 +290,39 @@ def test_shutdown_ends_the_tiers_threads(backends, namespace):
     threads = list(t.tier._pool._threads)
     t.close()
     assert threads and not any(th.is_alive() for th in threads)
+
+
+@pytest.mark.parametrize("backend", ["disk", "redis", "s3"])
+def test_unverified_bytes_never_reach_vllms_shared_host_rows(backend, backends, namespace):
+    """vLLM's host tier is a shared mapping other processes read: a load is received into
+    the tier's own scratch and copied there only once its tag checked out, so a tampered
+    object leaves the row as it was (not even zeroed: nothing was written)."""
+    keys = chunk_keys(f"scratch-{backend}", 2)
+    with Tier(backends[backend], namespace) as t:
+        data = t.fill([0, 1])
+        assert t.store(keys, [0, 1])[0].success
+        store = t.tier.store
+        name = store.object_names([t.tier.store_key(keys[1])])[0]
+        tier = store.runners[0].tier
+        blob = bytearray(tier.get_many([name], store.layout, store.keyring.current)[0]
+                         .freeze().blob)
+        blob[-100] ^= 1  # late in the payload: the pieces before it would have landed
+        plant_blob(backend, tier, name, bytes(blob))
+        [res] = t.load(keys, [4, 5])
+        assert res.success is False and list(res.successful_keys) == [keys[0]]
+        assert bytes(t.rows[4]) == data[0]
+        assert (t.rows[5] == MARK).all()
+
+
+def plant_blob(backend: str, tier, name: bytes, blob: bytes) -> None:
+    """Replace an object's bytes in its backend (what someone with write access can do)."""
+    if backend == "disk":
+        with open(tier.path(name), "wb") as f:
+            f.write(blob)
+    elif backend == "redis":
+        import redis
+
+        client = redis.Redis(connection_pool=tier.pool)
+        client.set(tier.object_key(name), blob)
+    else:
+        tier.client.put_object(Bucket=tier.bucket, Key=tier.object_key(name), Body=blob)
