@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_dev.bench import kv_configs
+from kvpool_dev.demo import kv_bytes_per_token
+from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.engine import OfflineEngine, metric_total
 from tests.conftest import SECURITY
 
@@ -133,10 +135,9 @@ def generate(engine: OfflineEngine, names: list[str]):
 
 
 def chunk_bytes(model: Path) -> int:
-    """KV bytes of one CHUNK-token chunk, all layers (bf16 K and V)."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2 * CHUNK
+    """KV bytes of one CHUNK-token chunk, all layers, in the dtype the engines compute in."""
+    return kv_bytes_per_token(json.loads((model / "config.json").read_text()),
+                              engine_dtype()) * CHUNK
 
 
 def stored_objects(pool: dict, backend: str) -> set:
