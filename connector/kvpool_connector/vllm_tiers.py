@@ -189,10 +189,9 @@ class KVPoolTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from .store import open_store
-
         from .connector.config import check_hash_algo
         from .native.contract import engine_vllm_config
+        from .store import open_store
 
         self.locality = Locality(locality) if locality is not None else None
         self.config = secondary_tier_store_config(options)
