@@ -203,8 +203,9 @@ class SecurityConfig(_Strict):
 
     The pool key comes from an environment variable or a mounted file, never from the config
     itself; it must hold at least 32 characters (the operator generates 43). The previous key
-    is optional: during a rotation objects written under it stay readable (and are rewritten
-    under the current key on their next hit); an unset variable or a missing file means none.
+    is optional: during a routine rotation objects written under it stay readable (served,
+    never sealed again under the current key into a shared tier); an unset variable or a
+    missing file means none. After a leak, rotate without it (docs/connector.md).
     """
 
     key_env: str | None = Field(None, min_length=1, description="environment variable with the "
@@ -217,6 +218,10 @@ class SecurityConfig(_Strict):
                                           "previous pool key, accepted for reads")
     encrypt: bool = Field(False, description="encrypt objects in the disk, redis and s3 tiers "
                           "with AES-256-GCM (authenticated: a bad tag is a miss)")
+    refuse_plaintext: bool = Field(False, description="with encrypt: objects that are only "
+                                   "MAC'd (written before encryption was turned on) are misses "
+                                   "instead of being served; turn on once every engine "
+                                   "encrypts")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -224,6 +229,9 @@ class SecurityConfig(_Strict):
             raise ValueError("key_env, key_file: set one of them, not both")
         if self.previous_key_env and self.previous_key_file:
             raise ValueError("previous_key_env, previous_key_file: set one of them, not both")
+        if self.refuse_plaintext and not self.encrypt:
+            raise ValueError("refuse_plaintext: needs encrypt: true (the store would refuse "
+                             "every object it writes)")
         return self
 
     @property

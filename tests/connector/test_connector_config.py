@@ -86,3 +86,33 @@ def test_config_files_hold_one_mapping(tmp_path):
     empty.write_text("null")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_store_config(str(empty))
+
+
+@pytest.mark.parametrize("tiers,refused", [
+    ([{"type": "cpu", "size": "16Mi"}], False),
+    ([{"type": "cpu", "size": "16Mi"}, {"type": "disk", "path": "DISK", "size": "16Mi"}], True),
+])
+def test_xxhash_prefix_hashes_are_refused_in_a_pool_with_a_shared_tier(tiers, refused, tiny_model,
+                                                                       tmp_path, monkeypatch):
+    """vLLM's xxhash is seeded with a 32-bit PYTHONHASHSEED, no secret even when set: a pool
+    with a disk, redis or s3 tier refuses it at connector start, naming the setting; a
+    cpu-only pool (nothing shared) may use it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpool_connector.vllm import KVPoolConnector
+    from tests.conftest import SECURITY
+    from tests.connector.conftest import engine_configs
+
+    monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
+    tiers = [{**t, "path": str(tmp_path)} if t["type"] == "disk" else t for t in tiers]
+    for algo in ("xxhash", "xxhash_cbor", "sha256"):
+        vllm_config, kv_cache_config = engine_configs(tiny_model, {
+            "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_connector.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": tiers, "security": SECURITY}}, algo)
+        if refused and algo.startswith("xxhash"):
+            with pytest.raises(ConnectorConfigError,
+                               match=r"--prefix-caching-hash-algo\) '" + algo + "'.*disk"):
+                KVPoolConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+            continue
+        KVPoolConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config).shutdown()

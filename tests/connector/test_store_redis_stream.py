@@ -106,17 +106,12 @@ def test_an_error_reply_fails_the_read_and_the_next_one_succeeds(redis_tier, red
     s2.close()
 
 
-class StallingProxy:
-    """A loopback TCP proxy in front of a real redis-server. Once armed, it forwards only
-    `budget` more bytes from the server, then holds the rest until released: a server (or
-    network) that stalls in the middle of a value."""
+class LoopbackServer:
+    """A TCP listener on loopback handing each connection to `handle` on its own thread."""
 
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
+    def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.budget: int | None = None
-        self.released = threading.Event()
         self.stop = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, daemon=True)
         self._acceptor.start()
@@ -125,13 +120,33 @@ class StallingProxy:
         self.listener.settimeout(0.2)
         while not self.stop.is_set():
             try:
-                client, _ = self.listener.accept()
+                conn, _ = self.listener.accept()
             except socket.timeout:
                 continue
-            server = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
 
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self._acceptor.join()
+        self.listener.close()
+
+
+class StallingProxy(LoopbackServer):
+    """A loopback TCP proxy in front of a real redis-server. Once armed, it forwards only
+    `budget` more bytes from the server, then holds the rest until released: a server (or
+    network) that stalls in the middle of a value."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.budget: int | None = None
+        self.released = threading.Event()
+        super().__init__()
+
+    def handle(self, client: socket.socket) -> None:
+        server = socket.create_connection(("127.0.0.1", self.upstream))
         with client, server, contextlib.suppress(OSError):  # either side may hang up
             while not self.stop.is_set():
                 ready, _, _ = select.select([client, server], [], [], 0.2)
@@ -150,10 +165,8 @@ class StallingProxy:
                     (client if src is server else server).sendall(data)
 
     def close(self) -> None:
-        self.stop.set()
         self.released.set()
-        self._acceptor.join()
-        self.listener.close()
+        super().close()
 
 
 def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(
@@ -185,3 +198,111 @@ def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(
     assert s2.get_into(key, out2) == BIG and bytes(out2) == val
     s2.close()
     proxy.close()
+
+
+class HostileRedis(LoopbackServer):
+    """A loopback TCP (or TLS) server that speaks just enough RESP for redis-py to connect,
+    then answers the first GETRANGE with `mode`: an endless first line, a bulk length far
+    beyond what was asked followed by an endless value, a value dripping one byte every
+    50 ms, or nothing at all. `closed` is set once the client drops the connection, which
+    is how the test sees that the tier's thread stopped reading."""
+
+    def __init__(self, mode: str, tls_dir=None) -> None:
+        self.mode = mode
+        self.ctx = None
+        if tls_dir is not None:
+            import ssl
+
+            from tests.conftest import self_signed_cert
+
+            self.cert, key = self_signed_cert(tls_dir)
+            self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.ctx.load_cert_chain(self.cert, key)
+        self.answering = threading.Event()  # the hostile reply has started
+        self.closed = threading.Event()
+        super().__init__()
+
+    def handle(self, conn) -> None:
+        buf = b""
+
+        def command() -> list[bytes]:
+            nonlocal buf
+
+            def line() -> bytes:
+                nonlocal buf
+                while b"\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        raise ConnectionError
+                    buf += data
+                out, buf = buf.split(b"\r\n", 1)
+                return out
+
+            args = []
+            for _ in range(int(line()[1:])):
+                n = int(line()[1:])
+                while len(buf) < n + 2:
+                    buf += conn.recv(65536)
+                args.append(buf[:n])
+                buf = buf[n + 2:]
+            return args
+
+        try:
+            if self.ctx is not None:
+                conn = self.ctx.wrap_socket(conn, server_side=True)
+            with conn:
+                while not self.stop.is_set():
+                    if command()[0].upper() != b"GETRANGE":
+                        conn.sendall(b"+OK\r\n")  # CLIENT SETINFO and the like
+                        continue
+                    self.answering.set()
+                    self._misbehave(conn)
+        except (OSError, ConnectionError, ValueError):
+            self.closed.set()
+
+    def _misbehave(self, conn) -> None:
+        if self.mode == "stall":
+            while conn.recv(65536):  # answers nothing; returns once the client hangs up
+                pass
+            raise ConnectionError
+        if self.mode == "drip":
+            conn.sendall(b"$100000\r\n")
+        head, body = {"endless-line": (b"$", b"9" * 65536),
+                      "huge-bulk": (b"$" + b"9" * 18 + b"\r\n", bytes(65536)),
+                      "drip": (b"", b"x")}[self.mode]
+        conn.sendall(head)
+        while True:  # raises once the client dropped the connection
+            conn.sendall(body)
+            if self.mode == "drip":
+                time.sleep(0.05)
+
+
+@pytest.mark.parametrize("read", ["into", "whole"])
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+@pytest.mark.parametrize("mode", ["endless-line", "huge-bulk", "drip", "stall"])
+def test_a_hostile_server_costs_a_miss_within_the_bound_and_frees_the_tier(mode, tls, read,
+                                                                         tmp_path, namespace):
+    """A malicious server (or a man in the middle on plaintext redis://) cannot keep a tier
+    thread reading: every exchange has an absolute deadline, a reply's first line is capped
+    and a value longer than was asked for drops the connection, on TCP and TLS, for reads
+    into the caller's buffer and whole ones alike."""
+    server = HostileRedis(mode, tmp_path if tls else None)
+    url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{server.port}/0"
+    tier = {"type": "redis", "url": url, **({"tls_ca_file": str(server.cert)} if tls else {})}
+    s = build(namespace, tier, timeout=0.5)
+    # connected first (TLS handshake and all, outside the store's bound on a busy machine):
+    # the pooled connection then carries the GETRANGE the server answers with its attack
+    s.runners[0].tier.contains_many([os.urandom(32)])
+    key = os.urandom(32)
+    out = bytearray(b"\xee" * 1000)
+    t0 = time.monotonic()
+    got = s.get_into(key, out) if read == "into" else s.get_many([key])[0]
+    assert got is None and time.monotonic() - t0 < 2.5  # a hang detector: the bound is 0.5 s
+    assert server.answering.wait(5)
+    assert server.closed.wait(5), "the tier's thread is still reading from the server"
+    assert time.monotonic() - t0 < 5
+    assert out == b"\xee" * 1000 or out == bytes(1000)  # nothing of the server's bytes
+    st = s.stats()["tiers"]["redis"]
+    assert st["timeouts"] + st["errors"] == 1 and st["hits"] == 0
+    s.close()
+    server.close()

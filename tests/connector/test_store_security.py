@@ -79,6 +79,43 @@ def test_forged_objects_are_never_served(kind, tier_cfgs, namespace, servers):
     s.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes"])
+@pytest.mark.parametrize("kind", SHARED)
+def test_a_forged_foreign_layout_header_is_checked_before_it_is_kept(kind, encrypt, tier_cfgs,
+                                                                     namespace, servers):
+    """An object that claims another KV layout is left in place (another engine of a mixed
+    fleet may own it) only once its tag proves a pool member wrote it: a forgery under that
+    claim is corrupt and removed, on every shared tier, whether read into a buffer or not."""
+    s = build(namespace, tier_cfgs[kind], security={**SECURITY, "encrypt": encrypt})
+    key = os.urandom(32)
+    name = s.object_names([key])[0]
+    attacker = PoolKey(b"the attacker's own key, 32+ chars")
+
+    def foreign(pool_key: PoolKey) -> bytes:
+        rec = Record(name, layout_digest(b"another-model"), memoryview(b"poison" * 1000),
+                     key=pool_key, encrypt=encrypt)
+        return bytes(rec.freeze().blob)
+
+    for read in (lambda: s.get_many([key])[0], lambda: s.get_into(key, bytearray(6000))):
+        plant(kind, tier_cfgs[kind], namespace, name, foreign(attacker), servers)
+        assert read() is None
+        assert _exists(kind, tier_cfgs[kind], namespace, name, servers) is False
+    st = s.stats()["tiers"][kind]
+    assert (st["corrupt"], st["foreign_layout"]) == (2, 0)
+    plant(kind, tier_cfgs[kind], namespace, name, foreign(s.keyring.current), servers)
+    assert s.get_into(key, bytearray(6000)) is None  # the genuine one: a miss, kept, counted
+    assert _exists(kind, tier_cfgs[kind], namespace, name, servers) is True
+    assert s.stats()["tiers"][kind]["foreign_layout"] == 1
+    s.close()
+
+
+def _exists(kind, tier, namespace, name, servers) -> bool:
+    try:
+        return bool(_read_raw(kind, tier, namespace, name, servers))
+    except (FileNotFoundError, servers["s3"].client().exceptions.NoSuchKey):
+        return False
+
+
 @pytest.mark.parametrize("kind", SHARED)
 def test_encrypted_objects_hide_the_payload_and_any_tamper_is_a_miss(kind, tier_cfgs, namespace,
                                                                       servers, tmp_path):
@@ -107,6 +144,54 @@ def test_encrypted_objects_hide_the_payload_and_any_tamper_is_a_miss(kind, tier_
     other.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_after_encryption_is_turned_on_plaintext_is_promoted_encrypted(kind, tier_cfgs,
+                                                                       namespace, servers,
+                                                                       tmp_path):
+    """An object written before `encrypt: true` (MAC only) is still served, but the copy a
+    hit promotes into a faster shared tier is encrypted, not the plaintext again."""
+    secret_kv = b"PROMPT-DERIVED-KV " * 5000
+    key = os.urandom(32)
+    before = build(namespace, tier_cfgs[kind])
+    before.put_many([key], [secret_kv])
+    assert before.flush(10)
+    before.close()
+    disk = _disk(tmp_path)
+    s = build(namespace, disk, tier_cfgs[kind], security={**SECURITY, "encrypt": True})
+    assert bytes(s.get(key)) == secret_kv
+    assert s.flush(10)
+    name = s.object_names([key])[0]
+    promoted = _read_raw("disk", disk, namespace, name, servers)
+    assert b"PROMPT-DERIVED-KV" not in promoted and promoted[5] & 1  # the flags' encrypted bit
+    assert s.stats()["tiers"][kind]["promotions"] == 1
+    s.close()
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_refuse_plaintext_makes_pre_encryption_objects_misses(kind, tier_cfgs, namespace,
+                                                               servers):
+    """`security.refuse_plaintext`: once every engine encrypts, MAC-only objects left from
+    before are misses (counted as rejected, left to age out), never served."""
+    keys, vals = [os.urandom(32) for _ in range(2)], [os.urandom(20_000) for _ in range(2)]
+    plain = build(namespace, tier_cfgs[kind])
+    plain.put_many(keys[:1], vals[:1])
+    assert plain.flush(10)
+    plain.close()
+    strict = build(namespace, tier_cfgs[kind],
+                   security={**SECURITY, "encrypt": True, "refuse_plaintext": True})
+    strict.put_many(keys[1:], vals[1:])
+    assert strict.flush(10)
+    assert strict.get_many(keys)[0] is None
+    out = bytearray(b"\xee" * 20_000)
+    assert strict.get_into(keys[0], out) is None and out == bytes(20_000)  # nothing of it left
+    assert bytes(strict.get_many(keys)[1]) == vals[1]  # its own (encrypted) objects: hits
+    st = strict.stats()["tiers"][kind]
+    assert st["rejected"] == 3 and st["corrupt"] == 0
+    strict.close()
+    with pytest.raises(ValueError, match="refuse_plaintext: needs encrypt: true"):
+        build(namespace, tier_cfgs[kind], security={**SECURITY, "refuse_plaintext": True})
+
+
 @pytest.fixture(autouse=True)
 def _other_pool_key(monkeypatch):
     monkeypatch.setenv("OTHER_POOL_KEY", "another pool's key with enough characters")
@@ -128,29 +213,38 @@ def _read_raw(kind, tier, namespace, name, servers) -> bytes:
 
 
 @pytest.mark.parametrize("kind", SHARED)
-def test_key_rotation(kind, tier_cfgs, namespace, monkeypatch):
-    """Old key readable while rotating, every hit rewritten under the new key, after which
-    the old key can go."""
+def test_key_rotation_never_reseals_what_the_previous_key_signed(kind, tier_cfgs, namespace,
+                                                                  servers, monkeypatch):
+    """Routine rotation: objects under the previous key stay readable while it is configured
+    (then from the process's own cpu tier), but are never sealed again under the new key into
+    a shared tier. So whatever the holder of a leaked old key forged is a miss once the
+    previous key is removed, like every other old object."""
     monkeypatch.setenv("KEY_OLD", "o" * 40)
     monkeypatch.setenv("KEY_NEW", "n" * 40)
-    keys, vals = [os.urandom(32) for _ in range(3)], [os.urandom(50_000) for _ in range(3)]
+    keys, vals = [os.urandom(32) for _ in range(3)], [os.urandom(50_000) for _ in range(2)]
     old = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_OLD"})
-    old.put_many(keys, vals)
+    old.put_many(keys[:2], vals)
     assert old.flush(10)
+    poison = b"forged with the leaked old key" * 1000
+    name = old.object_names(keys[2:])[0]
+    plant(kind, tier_cfgs[kind], namespace, name, forged(name, poison, old.keyring.current),
+          servers)
     old.close()
     new_only = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_NEW"})
     assert new_only.get_many(keys) == [None] * 3  # another key: nothing to see
     new_only.close()
-    rotating = build(namespace, tier_cfgs[kind], security={
+    rotating = build(namespace, tier_cfgs["cpu"], tier_cfgs[kind], security={
         "key_env": "KEY_NEW", "previous_key_env": "KEY_OLD"})
     assert rotating.contains_prefix(keys) == 3
-    assert [bytes(v) for v in rotating.get_many(keys[:2])] == vals[:2]
-    out = bytearray(50_000)
-    assert rotating.get_into(keys[2], out) == 50_000 and out == vals[2]
+    assert [bytes(v) for v in rotating.get_many(keys[:2])] == vals
+    out = bytearray(len(poison))
+    assert rotating.get_into(keys[2], out) == len(poison)  # served during the rotation ...
+    assert [bytes(v) for v in rotating.get_many(keys)] == vals + [poison]
+    assert rotating.stats()["tiers"]["cpu"]["hits"] == 3  # ... from this process's own copy
     assert rotating.flush(10)
     rotating.close()
     after = build(namespace, tier_cfgs[kind], security={"key_env": "KEY_NEW"})
-    assert [bytes(v) for v in after.get_many(keys)] == vals  # rewritten under the new key
+    assert after.get_many(keys) == [None] * 3  # nothing was sealed under the new key
     after.close()
 
 

@@ -1,5 +1,7 @@
 """kvpool as a secondary tier of vLLM's native offloading, driven through vLLM's real
-`TieringOffloadingSpec` / `TieringOffloadingManager` (scheduler side) with real Redis and S3.
+`TieringOffloadingSpec` / `TieringOffloadingManager` (scheduler side) with real Redis and S3,
+either built from an `OffloadingConfig` directly or, as in an engine, by vLLM's real
+`OffloadingConnector` from a real `VllmConfig` of a local model (no engine started).
 
 Only vLLM's GPU <-> host copy (`CPUOffloadingWorker`) needs CUDA; the test plays that part by
 writing and reading the primary tier's shared host region directly, exactly the bytes the
@@ -12,6 +14,7 @@ import hashlib
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from vllm.v1.kv_offload.base import (
@@ -31,6 +34,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvpool_connector import vllm_tiers
 from tests.conftest import SECURITY
+from tests.connector.conftest import engine_configs
 
 BLOCK_BYTES = 8192       # one worker's KV bytes per vLLM block
 BLOCKS_PER_CHUNK = 4     # a chunk (one object) = 32 KiB
@@ -38,11 +42,11 @@ NUM_CHUNKS = 64
 
 
 def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bfloat16",
-                      block_bytes: int = BLOCK_BYTES) -> OffloadingConfig:
+                      block_bytes: int = BLOCK_BYTES, kv_events: bool = False) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=block_bytes,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config=extra,
         engine_id=f"kvpool-test-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name=model, dtype=dtype),
@@ -54,17 +58,43 @@ def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bflo
     )
 
 
-class Engine:
-    """The scheduler side of one vLLM engine using native tiering with a kvpool tier."""
+def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256",
+                        **model_kwargs):
+    """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it (the KV
+    geometry of `offloading_config`: two layers of BLOCK_BYTES / 2 per block of 16 tokens)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
 
-    def __init__(self, tier_options: dict, tier_type: str = "kvpool", **cfg_kwargs):
+    vllm_config, kv_cache_config = engine_configs(
+        model, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "block_size": 16 * BLOCKS_PER_CHUNK, **extra}},
+        hash_algo, **model_kwargs)
+    assert 2 * kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes == BLOCK_BYTES
+    return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+class Engine:
+    """The scheduler side of one vLLM engine using native tiering with a kvpool tier; with
+    `engine_model`, built by vLLM's OffloadingConnector from that model's real VllmConfig."""
+
+    def __init__(self, tier_options: dict, tier_type: str = "kvpool",
+                 engine_model: Path | None = None, hash_algo: str = "sha256",
+                 model_kwargs: dict | None = None, **cfg_kwargs):
         extra = {
             "cpu_bytes_to_use": NUM_CHUNKS * BLOCK_BYTES * BLOCKS_PER_CHUNK,
             "secondary_tiers": [{"type": tier_type, "module_path": "kvpool_connector.vllm_tiers",
                                  **tier_options}],
         }
-        self.spec = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs))
-        self.manager = self.spec.get_manager()
+        self.connector = None
+        if engine_model is None:
+            self.manager = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs)).get_manager()
+        else:
+            self.connector = scheduler_connector(extra, engine_model, hash_algo,
+                                                 **(model_kwargs or {}))
+            self.manager = self.connector.connector_scheduler.manager
         self.tier = self.manager.secondary_tiers[0]
         self.rows = self.manager.primary_tier.get_kv_memoryview().cast("B")
         self.row_bytes = self.tier.block_size_bytes
@@ -128,7 +158,7 @@ class Engine:
 
     def close(self) -> None:
         self.rows.release()
-        self.manager.shutdown()
+        (self.connector or self.manager).shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -241,7 +271,7 @@ def test_bad_config_names_the_field(redis_options):
 
 def test_layout_identity_is_vllms_file_mapper_identity():
     spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
-    ident = vllm_tiers.layout_identity(spec, 32768)
+    ident = vllm_tiers.layout_identity(spec, 32768, vllm_tiers.engine_identity(None))
     assert ident["model_name"] == "test-model" and ident["dtype"] == "bfloat16"
     assert ident["blocks_per_file"] == BLOCKS_PER_CHUNK and ident["chunk_bytes"] == 32768
     fp = vllm_tiers.layout_fingerprint(ident)
@@ -262,3 +292,39 @@ def test_store_counters_reach_vllms_offloading_stats(redis_options):
     assert definitions["kvpool_tier_hit_chunks"].labelnames == ("tier",)
     hits = {k: v for k, v in reduced.items() if k.startswith("kvpool_tier_hit_chunks")}
     assert sum(hits.values()) == 2, reduced
+
+
+def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, tiny_model):
+    """Built by vLLM's OffloadingConnector, the tier keys with the model config hash (the
+    tiered connector's model_config_hash: revision, quantization, hf_overrides, ...), the
+    prefix-hash algorithm and the vLLM version: an engine on another revision or with other
+    hf_overrides of the same model path never loads what this one stored."""
+    import vllm
+    from vllm.config import ModelConfig
+
+    from kvpool_connector.connector.keys import model_config_hash
+
+    keys, data = chunk_keys("revision", 3), payloads(3)
+    with Engine(redis_options, engine_model=tiny_model) as a:
+        a.offload(keys, data)
+        ident = a.tier.identity
+    with Engine(redis_options, engine_model=tiny_model) as same:
+        assert same.load(keys) == data and same.tier.identity == ident
+    for kwargs in ({"revision": "v2"}, {"hf_overrides": {"rope_theta": 5000.0}}):
+        with Engine(redis_options, engine_model=tiny_model, model_kwargs=kwargs) as other:
+            assert other.load(keys) == [], kwargs
+    assert ident["model_config_hash"] == model_config_hash(
+        ModelConfig(model=str(tiny_model), dtype="bfloat16"))
+    assert ident["vllm_version"] == vllm.__version__ and ident["hash_algo"] == "sha256"
+
+
+def test_xxhash_prefix_hashes_are_refused_at_engine_start(redis_options, tiny_model,
+                                                          monkeypatch):
+    """vLLM's xxhash is seeded with a 32-bit PYTHONHASHSEED, no secret: a tier other engines
+    share refuses it (even with a seed set), naming the setting; sha256 starts."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
+    for algo in ("xxhash", "xxhash_cbor"):
+        with pytest.raises(ValueError, match=r"--prefix-caching-hash-algo\) '" + algo):
+            Engine(redis_options, engine_model=tiny_model, hash_algo=algo)
+    with Engine(redis_options, engine_model=tiny_model, hash_algo="sha256_cbor") as ok:
+        assert ok.tier.identity["hash_algo"] == "sha256_cbor"

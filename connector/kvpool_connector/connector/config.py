@@ -112,25 +112,17 @@ def check_block_size(cfg: ConnectorConfig, block_size: int) -> int:
     return cfg.chunk_tokens // block_size
 
 
-# Public seeds: vLLM derives its block hashes' root from PYTHONHASHSEED verbatim.
-_KNOWN_SEEDS = {"", "0", "random"}
+def check_hash_algo(algo: str, shared_tiers: list[str]) -> None:
+    """Refuse a non-cryptographic prefix hash in a pool with a shared tier.
 
-
-def check_hash_algo(algo: str, environ=None) -> None:
-    """Refuse a non-cryptographic prefix hash unless its seed is secret.
-
-    Chunk keys come from vLLM's block hashes. With xxhash, anyone who knows the seed can
-    craft a prompt whose blocks collide with another user's, and so read or poison that
-    user's chunks in a shared pool; sha256 (vLLM's default) has no such attack. vLLM seeds
-    xxhash from PYTHONHASHSEED, which every engine of a pool must share (the operator
-    generates a random one per pool and passes it from a Secret)."""
-    import os
-
-    if not algo.startswith("xxhash"):
-        return
-    seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED", "")
-    if seed.strip() in _KNOWN_SEEDS:
+    Chunk keys come from vLLM's block hashes. vLLM's xxhash variants are seeded from
+    PYTHONHASHSEED, a 32-bit value that is no secret (guessable, and every engine of the
+    pool must hold it): whoever knows it can craft a prompt whose blocks collide with
+    another user's, and so read or poison that user's chunks in a tier other engines share.
+    sha256 (vLLM's default) has no such attack. A pool whose tiers all live in the engine's
+    own memory (cpu) shares nothing and may use xxhash."""
+    if algo.startswith("xxhash") and shared_tiers:
         raise ConnectorConfigError(
-            f"prefix_caching_hash_algo {algo!r} is not collision resistant: a shared pool needs "
-            "a secret PYTHONHASHSEED shared by its engines (not unset, 0 or 'random'), or the "
-            "default sha256")
+            f"prefix_caching_hash_algo (--prefix-caching-hash-algo) {algo!r} is not collision "
+            f"resistant and this pool has shared tiers ({', '.join(shared_tiers)}): use "
+            "sha256 (vLLM's default) or sha256_cbor")

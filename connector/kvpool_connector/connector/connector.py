@@ -83,7 +83,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "the request", getattr(ktc, "kv_load_failure_policy", None))
         mc = vllm_config.model_config
         hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
-        check_hash_algo(hash_algo)
+        check_hash_algo(hash_algo, [t.type for t in self.cfg.tiers if tier_class(t.type).shared])
         self.spec_fp = spec_fingerprint(kv_cache_config, str(mc.model))
         rank, size = _tp(vllm_config, role)
         self.keyspace = KeySpace(

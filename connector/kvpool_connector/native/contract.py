@@ -8,9 +8,10 @@ Two checks keep them honest:
   created; a problem fails engine start with the name of what changed.
 - `changed_sources()`: digests of the vLLM functions whose *behaviour* `HostCopyWorker`
   reproduces (the block <-> host sub-block mapping of vLLM's CUDA worker) or relies on (how
-  vLLM's connector worker submits, fences and collects transfers). A changed digest means
-  "re-read that function against host_copy.py, then update the digest here". The test suite
-  asserts there is none; at run time a vLLM other than `PINNED_VLLM` only logs them.
+  vLLM's connector worker submits, fences and collects transfers; where the connector
+  builds its tiers, for `engine_vllm_config`). A changed digest means "re-read that
+  function against host_copy.py (or vllm_tiers.py), then update the digest here". The test
+  suite asserts there is none; at run time a vLLM other than `PINNED_VLLM` only logs them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import hashlib
 import importlib
 import inspect
 import logging
+import sys
 
 import vllm
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -56,6 +60,10 @@ WATCHED_SOURCES = {
     _CONNECTOR_WORKER + "OffloadingConnectorWorker.handle_preemptions": "b996b4be3c4bf6fa",
     _CONNECTOR_WORKER + "OffloadingConnectorWorker.start_kv_transfers": "674a1443677f996a",
     _CONNECTOR_WORKER + "OffloadingConnectorWorker.get_finished": "25366c71a01a2403",
+    # builds the spec and, through the scheduler half, every secondary tier: the frame
+    # engine_vllm_config reads the engine's VllmConfig from
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+    "OffloadingConnector.__init__": "b5b824d34657c389",
 }
 
 # what the spec reads from vLLM's spec instance after TieringOffloadingSpec.__init__
@@ -72,6 +80,26 @@ def platform_kind() -> str:
     if current_platform.is_xpu():
         return "xpu"
     return "other"
+
+
+def engine_vllm_config() -> VllmConfig | None:
+    """The VllmConfig of the OffloadingConnector being built on this thread, or None.
+
+    vLLM hands the spec and its secondary tiers only the normalised OffloadingConfig (model
+    name, KV dtype, geometry); what tells two revisions, quantizations, hf_overrides or
+    prefix-hash algorithms apart is in the VllmConfig the connector was built with. vLLM
+    builds every tier inside `OffloadingConnector.__init__` (spec, scheduler half, tiering
+    manager, tiers), so that call is on the stack; its parameters are checked by
+    contract_problems and its source is watched. None: built some other way (a test of a
+    tier alone)."""
+    code = OffloadingConnector.__init__.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            cfg = frame.f_locals.get("vllm_config")
+            return cfg if isinstance(cfg, VllmConfig) else None
+        frame = frame.f_back
+    return None
 
 
 def source_digest(target: str) -> str:
@@ -142,6 +170,9 @@ def contract_problems() -> list[str]:
            _params(SharedOffloadRegion.cleanup) == ["self"])
     expect("TieringOffloadingSpec.get_worker(self, kv_caches)",
            _params(TieringOffloadingSpec.get_worker) == ["self", "kv_caches"])
+    expect("OffloadingConnector.__init__(self, vllm_config, role, kv_cache_config)",
+           _params(OffloadingConnector.__init__) == ["self", "vllm_config", "role",
+                                                      "kv_cache_config"])
     return problems
 
 

@@ -2,7 +2,8 @@
 
     from kvpool_connector.store import open_store
     store = open_store(config, layout=b"llama-8b|bf16|kv:2x32x8x128|blk16")
-    store.put_many(keys, payloads)               # returns once the first tier holds them
+    store.put_many(keys, payloads) -> [bool, ...]  # returns once the first tier holds them
+                                                 # (True) or refused/failed (False)
     store.get_many(keys) -> [memoryview | bytes | None, ...]   # None = miss
     store.get_many_into(keys, buffers) -> [nbytes | None, ...]  # fill caller buffers
     store.contains_prefix(keys) -> int           # leading keys present in some tier

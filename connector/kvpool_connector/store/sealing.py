@@ -17,7 +17,10 @@ A fresh key per object means no nonce is ever reused and no per-key message limi
 Subkeys come from the secret with BLAKE3's key derivation mode, one context per purpose.
 
 Rotation: a `Keyring` holds the current key (all writes) and optionally the previous one
-(reads only); objects found under the previous key are rewritten under the current one.
+(reads only). Objects found under the previous key are served but never sealed again under
+the current one into a shared tier: a key is also rotated because it leaked, and what its
+holder forged must become a miss once the previous key is removed (docs/connector.md,
+Key rotation).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Keyring:
     current: PoolKey
     previous: PoolKey | None = None
     encrypt: bool = False
+    refuse_plaintext: bool = False  # MAC-only objects of a shared tier are misses
 
     @classmethod
     def from_config(cls, security, needs_key: bool) -> "Keyring":
@@ -140,7 +144,7 @@ class Keyring:
                       "security.previous_key", optional=True)
         return cls(_pool_key(cur, "security.key"),
                    _pool_key(prev, "security.previous_key") if prev else None,
-                   security.encrypt)
+                   security.encrypt, security.refuse_plaintext)
 
     def generations(self) -> list[PoolKey]:
         return [self.current] + ([self.previous] if self.previous is not None else [])

@@ -12,8 +12,9 @@ lengths).
 
 Keys become object names with the pool key (sealing.py); lower-tier writes carry sealed
 objects. With a previous key configured (a rotation), a miss under the current key is
-looked up under the previous one, and what is found there is rewritten under the current
-key into every tier.
+looked up under the previous one; what is found there is served, and copied only into the
+process's own (unshared) tiers, never sealed again under the current key into a shared
+one: if the previous key leaked, whatever its holder forged must not outlive the rotation.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class TierRunner:
         self.batch_max = cfg.batch_max
         self._pool = (ThreadPoolExecutor(4, thread_name_prefix=f"kvpool-{name}")
                       if tier.blocking else None)
+        # a write that may be given up on at the deadline while the tier still sends it
+        self.puts_on_pool = self._pool is not None and not tier.local
         self.queue: queue.Queue | None = None
         self.queue_limit = tcfg.queue_bytes or cfg.queue_bytes
         self._queued = 0  # bytes of sealed objects waiting in the queue
@@ -147,7 +150,7 @@ class TierRunner:
             return default
         t0 = time.perf_counter()
         try:
-            if self._pool is not None and (op != "put" or not self.tier.local):
+            if self._pool is not None and (op != "put" or self.puts_on_pool):
                 guard = CallGuard()
                 fut = self._pool.submit(run_guarded, guard, fn, args)
                 try:
@@ -179,11 +182,14 @@ class TierRunner:
             return known
         return self.call("contains", self.tier.contains_many, names, timeout=timeout)
 
-    def put_now(self, records: list[Record]) -> None:
-        """Write synchronously; records the tier did not take (backing off, failed, timed
-        out) are dropped and counted."""
-        if self.call("put", self.tier.put_many, records, default=_NOT_WRITTEN) is _NOT_WRITTEN:
+    def put_now(self, records: list[Record]) -> list[bool]:
+        """Write synchronously; which records the tier holds now. Records the tier did not
+        take (backing off, failed, timed out) are dropped and counted."""
+        taken = self.call("put", self.tier.put_many, records, default=_NOT_WRITTEN)
+        if taken is _NOT_WRITTEN:
             self.stats.inc("drops", len(records))
+            return [False] * len(records)
+        return [True] * len(records) if taken is None else list(taken)
 
     def _failed(self, op: str, e: Exception, default):
         self.stats.inc("errors")
@@ -360,31 +366,36 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
-                 layout: bytes | str | None = None) -> None:
+                 layout: bytes | str | None = None) -> list[bool]:
+        """Store the payloads; per key whether the first tier holds it now (the lower tiers
+        are written behind it, best effort: a full queue or a failing tier drops)."""
         keys = self._check_keys(keys)
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
         if not keys or self._closed:
-            return
+            return [False] * len(keys)
         lay = self._layout(layout)
         cur = self.keyring.current
         records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
         self._remember_names(keys, records)
-        self._write(records)
+        return self._write(records)
 
-    def _write(self, records: list[Record]) -> None:
+    def _write(self, records: list[Record]) -> list[bool]:
         first, lower = self.runners[0], self.runners[1:]
         nbytes = sum(r.size for r in records)
-        if lower or first.tier.needs_blob:  # one owned sealed copy, shared by every lower tier
+        # one owned sealed copy, shared by every lower tier; also when a write given up on
+        # at the deadline could go on reading the caller's buffers after this returns
+        if lower or first.tier.needs_blob or first.puts_on_pool:
             cpu_pool.run_each(Record.freeze, records, nbytes)
         elif first.tier.shared:  # MAC'd (or encrypted) for the one tier, side by side
             cpu_pool.run_each(Record.parts, records, nbytes)
-        first.put_now(records)
+        landed = first.put_now(records)
         for runner in lower:
             runner.enqueue(records)
+        return landed
 
-    def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> None:
-        self.put_many([key], [payload], layout)
+    def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> bool:
+        return self.put_many([key], [payload], layout)[0]
 
     # -- reads ----------------------------------------------------------------------------
     def _probe(self, keys: list[bytes], lay: bytes, outs: list[memoryview] | None
@@ -416,6 +427,8 @@ class TieredStore:
                     continue
                 still = []
                 for i, rec in zip(pending, res):
+                    if rec is not None and self._refused(runner, rec, outs, i):
+                        rec = None
                     if rec is None:
                         still.append(i)
                         continue
@@ -428,30 +441,46 @@ class TieredStore:
         self._promote(promote, keys, lay)
         return found
 
+    def _refused(self, runner: TierRunner, rec: Record, outs: list[memoryview] | None,
+                 i: int) -> bool:
+        """`security.refuse_plaintext`: an authentic object of a shared tier that is only
+        MAC'd (written before encryption was on) is a miss; whatever of it landed in the
+        caller's buffer is wiped. Counted as rejected; left in place to age out."""
+        if not self.keyring.refuse_plaintext or rec.encrypt or not runner.tier.shared:
+            return False
+        runner.stats.inc("rejected")
+        if outs is not None:
+            _zero_all([outs[i][:len(rec.payload)]])
+        return True
+
     def _promote(self, hits: list[tuple[int, int, Record]], keys: list[bytes],
                  lay: bytes) -> None:
-        """Copy lower-tier hits into every faster tier (a local first tier synchronously);
-        hits under the previous key are rewritten under the current key into every tier."""
-        if not hits:
-            return
-        cur = self.keyring.current
-        if self._event_keys is not None:
-            for _, i, rec in hits:
-                self._remember_names([keys[i]], [rec])
+        """Copy lower-tier hits into every faster tier (a local first tier synchronously).
+        A hit under the previous key goes only into the unshared tiers (under the current
+        key's name, which is all they are probed with): sealing it again under the current
+        key would make a forgery made with a leaked previous key outlive the rotation."""
         for ti, i, rec in hits:
-            if ti == len(self.runners):  # found under the previous key: rotate it
-                fresh = self._record(keys[i], lay, rec.payload, cur).freeze()
-                self._write([fresh])
+            self._remember_names([keys[i]], [rec])
+            if ti == len(self.runners):  # found under the previous key
+                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
+                self._remember_names([keys[i]], [rec])
+                targets = [j for j, r in enumerate(self.runners) if not r.tier.shared]
+            else:
+                targets = list(range(ti))
+            if not self.cfg.promote or not targets:
                 continue
-            if not self.cfg.promote:
-                continue
-            for j in range(ti):
+            if self.keyring.encrypt and not rec.encrypt and any(
+                    self.runners[j].tier.shared for j in targets):
+                # written before encryption was on: never copied on in plaintext
+                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
+            if ti < len(self.runners):
+                self.runners[ti].stats.inc("promotions")
+            for j in targets:
                 runner = self.runners[j]
                 if j == 0 and runner.queue is None:
                     runner.put_now([rec])
                 else:
                     runner.enqueue([rec.freeze()])
-            self.runners[ti].stats.inc("promotions")
 
     def get_many(self, keys: Sequence[bytes], layout: bytes | str | None = None
                  ) -> list[memoryview | bytes | None]:

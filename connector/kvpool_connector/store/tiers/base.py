@@ -70,10 +70,11 @@ class Tier(abc.ABC):
         self.max_object_size = max_object_size
 
     @abc.abstractmethod
-    def put_many(self, records: list[Record]) -> None:
+    def put_many(self, records: list[Record]) -> list[bool] | None:
         """Store each record under its name (replacing an older object of that name). A
-        tier may refuse (count `rejected`) or evict what does not fit; raises on a backend
-        error (the orchestrator counts and drops the batch)."""
+        tier may refuse (count `rejected`) or evict what does not fit: it then returns
+        which records it stored (None: all of them); raises on a backend error (the
+        orchestrator counts and drops the batch)."""
 
     @abc.abstractmethod
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:

@@ -99,11 +99,10 @@ class CpuTier(Tier):
         self._policy.remove(key, evicted)
         self.note(False, (key,))
 
-    def put_many(self, records: list[Record]) -> None:
-        for rec in records:
-            self._put(rec)
+    def put_many(self, records: list[Record]) -> list[bool]:
+        return [self._put(rec) for rec in records]
 
-    def _put(self, rec: Record) -> None:
+    def _put(self, rec: Record) -> bool:
         n = len(rec.payload)
         with self._lock:
             if not self.slot_size:
@@ -112,7 +111,7 @@ class CpuTier(Tier):
             units = max(1, -(-n // ss))
             if units > self.nslots:
                 self.stats.inc("rejected")
-                return
+                return False
             if rec.name in self._index:
                 self._release(rec.name, evicted=False)
             self._policy.admit(rec.name)
@@ -129,6 +128,7 @@ class CpuTier(Tier):
             self._policy.insert(rec.name, units)
             self.note(True, (rec.name,))
         self.stats.inc("bytes_in", n)
+        return True
 
     def _lookup(self, key: bytes, layout: bytes) -> _Entry | None:
         """Entry of key under the lock; a foreign-layout entry is dropped and counted."""

@@ -254,21 +254,20 @@ class DiskTier(Tier):
             self._index[name] = size
 
     # -- writes ---------------------------------------------------------------------------
-    def put_many(self, records: list[Record]) -> None:
-        for rec in records:
-            self._put(rec)
+    def put_many(self, records: list[Record]) -> list[bool]:
+        return [self._put(rec) for rec in records]
 
-    def _put(self, rec: Record) -> None:
+    def _put(self, rec: Record) -> bool:
         hdr, body, tag = rec.parts()
         size = len(hdr) + len(body) + len(tag)
         if size > self.capacity:
             self.stats.inc("rejected")
-            return
+            return False
         same = xxhash.xxh3_64_intdigest(rec.payload)
         with self._lock:
             if rec.name in self._index and self._written.get(rec.name) == same:
                 self._index.move_to_end(rec.name)  # the same bytes are on disk already
-                return
+                return True
             old = self._index.pop(rec.name, None)
             self._used -= old or 0
             victims = self._evict_locked(size)
@@ -294,6 +293,7 @@ class DiskTier(Tier):
         self._written[rec.name] = same
         self.stats.inc("bytes_in", len(body))
         self.note(True, (rec.name,))
+        return True
 
     def _write_file(self, tmp: str, parts: list, size: int) -> None:
         fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
@@ -385,11 +385,15 @@ class DiskTier(Tier):
             hs = header_size(name)
             h = check_header(os.pread(fd, hs, 0), name, layout, size)
             status = h.status
-            if status is Status.OK:
+            if status is not Status.CORRUPT:
                 n = h.payload_len
-                target = out[:n] if out is not None else uninitialized(n)
+                if status is Status.OK:
+                    target = out[:n] if out is not None else uninitialized(n)
                 tag = os.pread(fd, TAG_SIZE, hs + n)
-                status = self._read_verified(fd, h, key, tag, target)
+                # another layout's object is kept only once its tag proves a pool member
+                # wrote it (checked without a byte reaching the caller); a forgery is corrupt
+                authentic = self._read_verified(fd, h, key, tag, target)
+                status = h.status if authentic is Status.OK else authentic
         finally:
             os.close(fd)
         if status is not Status.OK:
@@ -405,13 +409,13 @@ class DiskTier(Tier):
         return Record(name, layout, target, key=key, encrypt=h.encrypted)
 
     def _read_verified(self, fd: int, h: Header, key: PoolKey, tag: bytes,
-                       target: memoryview) -> Status | None:
+                       target: memoryview | None) -> Status | None:
         """Fill target with the (decrypted) payload. Pieces are read into this thread's
         scratch buffer and MAC'd there while cache-hot, then copied out, or decrypted from
         there straight into target, while the caller still waits (None: it gave up; nothing
         more was written). Until the tag checks out target is unverified: the caller zeroes
-        it on any failure."""
-        n, off = len(target), h.size
+        it on any failure. Without a target the tag is only checked (nothing is written)."""
+        n, off = h.payload_len, h.size
         raw, plain = self._scratch.raw, self._scratch.plain
         guard = current_guard()
         if h.encrypted:
@@ -424,7 +428,7 @@ class DiskTier(Tier):
             m = os.preadv(fd, [raw[:min(_PIECE, n - done)]], off + done)
             if m == 0:
                 return Status.CORRUPT  # truncated under us
-            if h.encrypted and n - done >= m + GCM_SLACK:
+            if h.encrypted and target is not None and n - done >= m + GCM_SLACK:
                 with guard.writing() as ok:  # decrypted straight into place: one copy less
                     if not ok:
                         return None
@@ -437,6 +441,9 @@ class DiskTier(Tier):
             else:
                 dec.authenticate_additional_data(raw[:m])
                 piece = raw[:m]
+            if target is None:
+                done += m
+                continue
             with guard.writing() as ok:
                 if not ok:
                     return None

@@ -1,5 +1,5 @@
-"""Redis tier: redis-py (hiredis parser) over bounded, blocking connection pools; a single
-server or a Redis Cluster (`cluster: true`).
+"""Redis tier: redis-py's connections (setup, AUTH, TLS) over bounded, blocking connection
+pools, replies read by hand; a single server or a Redis Cluster (`cluster: true`).
 
 Every operation is a pipeline of single-key commands sent on a raw pooled connection:
 SETs (with EX when ttl_seconds is set) whose values go out straight from the sealed object's
@@ -18,14 +18,18 @@ map and resends those keys once. A failed connection refreshes the map on the ne
 (a failover). The client is created on first use, so an engine starts while its cluster is
 still down.
 
-Reads into the caller's buffers (the connector's loads) take each GETRANGE reply off the
-socket by hand (`ReplyStream`): the payload goes from the socket straight into the caller's
-buffer in pieces, each authenticated while cache-hot (or, encrypted, decrypted from a small
-scratch buffer into place), and a failed tag zeroes what was written. redis-py (hiredis)
-would first assemble each value in its own growing buffer and then copy it into a new bytes
-object: two copies and a fresh multi-MiB allocation per chunk, which on the tier's pool
-threads (malloc arenas trimmed after each batch) made a read cost 3x a plain GET. TLS
-connections keep redis-py's reader.
+Every reply is taken off the socket (TCP, Unix or TLS) by hand (`ReplyStream`), within one
+absolute deadline per exchange (`socket_timeout`, the larger of the store's bound and 1 s),
+with a reply's first line capped and a value longer than was asked for refused: a hostile
+server or a man in the middle on plain redis:// costs a dropped connection and a miss, never
+a tier thread (hiredis would read an endless line, or a drip-fed value, for as long as it
+keeps coming). Reads into the caller's buffers (the connector's loads) move the payload
+from the socket straight into the caller's buffer in pieces, each authenticated while
+cache-hot (or, encrypted, decrypted from a small scratch buffer into place), and a failed
+tag zeroes what was written. redis-py (hiredis) would first assemble each value in its own
+growing buffer and then copy it into a new bytes object: two copies and a fresh multi-MiB
+allocation per chunk, which on the tier's pool threads (malloc arenas trimmed after each
+batch) made a read cost 3x a plain GET.
 
 Names: <key_prefix><namespace>:<object name hex>. Password from password_env/password_file
 only; rediss:// enables TLS. redis-py's own retries are off: the orchestrator decides.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import select
 import ssl
 import threading
+import time
 from typing import Callable, NamedTuple
 
 import redis
@@ -54,6 +59,7 @@ from .base import GCM_SLACK, PieceBuffers, Tier, secret
 _JOIN_BELOW = 64 * 1024
 _PIECE = 256 * 1024  # authenticated right after it arrived, while in the CPU's cache
 _LINE_READ = 64  # read-ahead for a reply's first line: at most this much of a value is copied
+_LINE_MAX = 512  # "$<length>", ":<n>", "+OK" or an error message: anything longer is hostile
 
 
 def resp(*args: bytes) -> bytes:
@@ -67,51 +73,69 @@ class GaveUp(Exception):
 
 
 class ReplyStream:
-    """The replies of one pipelined exchange, read off a plain TCP or Unix socket.
+    """The replies of one pipelined exchange, read off the connection's socket (TCP, Unix or
+    TLS) by hand, so that a malicious server (or a man in the middle on plain redis://)
+    cannot keep the reading thread: every wait counts against one absolute deadline for the
+    whole exchange (a server dripping a byte at a time cannot stretch it), a reply's first
+    line may hold at most `_LINE_MAX` bytes, and the caller refuses a bulk reply longer than
+    it asked for. Any of those raises, and the caller drops the connection.
 
     Small reads for a reply's first line and the object's header and tag (kept in `buf`),
-    `into()` for payloads: whatever is buffered, then `recv_into` the caller's memory. Each
-    receive into the caller's memory waits for data first without holding the call's guard,
-    then receives what is there while holding it, so a stalled server never keeps a caller
-    from giving up. The connection's own parser holds no unread bytes at the start (every
-    earlier reply on it was read whole); bytes left here at the end mean the stream is out
-    of step, and the caller drops the connection.
+    `into()` for payloads: whatever is buffered, then `recv_into` the caller's memory. The
+    socket is non-blocking while the stream reads it: each receive into the caller's memory
+    waits for data first without holding the call's guard, then takes what is there while
+    holding it (a TLS record not yet complete is "wait again"), so a stalled server never
+    keeps a caller from giving up. The connection's own parser holds no unread bytes at the
+    start (every earlier reply on it was read whole); bytes left here at the end mean the
+    stream is out of step, and the caller drops the connection.
     """
 
-    def __init__(self, sock, timeout: float | None, parse_error: Callable) -> None:
+    def __init__(self, sock, deadline: float, parse_error: Callable) -> None:
         self.sock = sock
-        self.timeout = timeout
+        self.deadline = deadline
         self.parse_error = parse_error
         self.buf = bytearray()
         self.pos = 0
+        self._tls = isinstance(sock, ssl.SSLSocket)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._blocking_timeout = sock.gettimeout()
+        sock.settimeout(0.0)
 
     @classmethod
-    def of(cls, conn) -> "ReplyStream | None":
-        """A stream over a redis-py connection's socket; None for TLS (redis-py reads it)."""
-        get = getattr(conn, "_get_socket", None)
-        sock = get() if get is not None else None
-        if sock is None or isinstance(sock, ssl.SSLSocket):
-            return None
+    def of(cls, conn, deadline: float) -> "ReplyStream":
+        """A stream over a connected redis-py connection's socket."""
         parser = getattr(conn, "_parser", None)
         parse_error = getattr(parser, "parse_error", None) or ResponseError
-        return cls(sock, sock.gettimeout(), parse_error)
+        return cls(conn._get_socket(), deadline, parse_error)
 
     def _wait(self) -> None:
-        ms = None if self.timeout is None else int(self.timeout * 1000)
-        if not self._poll.poll(ms):
+        if self._tls and self.sock.pending():
+            return  # decrypted bytes are waiting inside the TLS layer, not on the socket
+        left = self.deadline - time.monotonic()
+        if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
             raise RedisTimeoutError("Timeout reading from socket")
 
+    def _recv(self, receive: Callable, *args) -> int | bytes | None:
+        """One receive that never waits: None when nothing could be taken yet."""
+        try:
+            return receive(*args)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return None
+
     def _more(self) -> None:
-        self._wait()
-        data = self.sock.recv(_LINE_READ)
-        if not data:
-            raise redis.ConnectionError("Connection closed by server.")
-        if self.pos:
-            del self.buf[:self.pos]
-            self.pos = 0
-        self.buf += data
+        while True:
+            self._wait()
+            data = self._recv(self.sock.recv, _LINE_READ)
+            if data is None:
+                continue
+            if not data:
+                raise redis.ConnectionError("Connection closed by server.")
+            if self.pos:
+                del self.buf[:self.pos]
+                self.pos = 0
+            self.buf += data
+            return
 
     def line(self) -> bytes:
         while True:
@@ -120,6 +144,8 @@ class ReplyStream:
                 out = bytes(self.buf[self.pos:end])
                 self.pos = end + 2
                 return out
+            if len(self.buf) - self.pos > _LINE_MAX:
+                raise redis.ConnectionError(f"reply line longer than {_LINE_MAX} bytes")
             self._more()
 
     def exact(self, n: int) -> bytes:
@@ -143,7 +169,9 @@ class ReplyStream:
             with guard.writing() as ok:
                 if not ok:
                     raise GaveUp()
-                m = self.sock.recv_into(view[done:])
+                m = self._recv(self.sock.recv_into, view[done:])
+            if m is None:
+                continue
             if m == 0:
                 raise redis.ConnectionError("Connection closed by server.")
             done += m
@@ -154,22 +182,55 @@ class ReplyStream:
             self.into(scratch[:m], UNGUARDED)
             n -= m
 
-    def bulk_length(self) -> int | None:
-        """The length of the next bulk reply (None: nil); an error reply raises as redis-py
-        would (MovedError for a resharded slot), anything else is a protocol error."""
+    def _first(self, expected: bytes) -> tuple[bytes, bytes]:
+        """(kind, rest) of the next reply's first line, `kind` one of `expected`; an error
+        reply raises as redis-py would (MovedError for a resharded slot)."""
         first = self.line()
         kind, rest = first[:1], first[1:]
-        if kind == b"$":
-            n = int(rest)
-            return None if n < 0 else n
         if kind == b"-":
             err = self.parse_error(rest.decode("utf-8", "replace"))
             raise err if isinstance(err, BaseException) else ResponseError(str(err))
-        raise redis.ConnectionError(f"unexpected reply {first[:32]!r} to GETRANGE")
+        if not kind or kind not in expected:
+            raise redis.ConnectionError(f"unexpected reply {first[:32]!r}")
+        return kind, rest
+
+    def _number(self, text: bytes) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise redis.ConnectionError(f"not a number in a reply: {text[:32]!r}") from None
+
+    def bulk_length(self, limit: int) -> int | None:
+        """The length of the next bulk reply (None: nil). GETRANGE returns at most `limit`
+        + 1 bytes (one past what the reader accepts): anything longer is no real reply."""
+        _, rest = self._first(b"$")
+        n = self._number(rest)
+        if n > limit + 1:
+            raise redis.ConnectionError(f"a bulk reply of {n} bytes to a GETRANGE of at most "
+                                        f"{limit + 1}")
+        return None if n < 0 else n
+
+    def bulk(self, limit: int) -> bytes | None:
+        """A whole bulk reply (b"" for nil), into a new buffer of its announced length."""
+        n = self.bulk_length(limit)
+        if n is None:
+            return b""
+        value = bytearray(n + 2)
+        self.into(memoryview(value), UNGUARDED)
+        if value[n:] != b"\r\n":
+            raise redis.ConnectionError("a bulk reply without its CRLF: stream out of step")
+        del value[n:]
+        return bytes(value)
+
+    def small(self) -> bytes | int:
+        """A status (`+OK`) or integer (`:1`) reply: SET, EXISTS, UNLINK."""
+        kind, rest = self._first(b"+:")
+        return rest if kind == b"+" else self._number(rest)
 
     def finish(self) -> None:
         if self.pos != len(self.buf):
             raise redis.ConnectionError("bytes left after the last reply: stream out of step")
+        self.sock.settimeout(self._blocking_timeout)  # in step: redis-py may use it again
 
 
 class Streamed(NamedTuple):
@@ -256,9 +317,9 @@ class RedisTier(Tier):
         return out + ([cur] if cur else [])
 
     def _round(self, batches: list[tuple[object, list[int]]], command, replies: dict,
-               stream_read: Callable | None = None) -> None:
-        """Send every batch (one per server), then read every reply (with stream_read(stream,
-        i) where the connection can be streamed); an error reply is kept as that key's
+               read: Callable) -> None:
+        """Send every batch (one per server), then read every reply with read(stream, i),
+        all servers' replies within one deadline; an error reply is kept as that key's
         reply, anything else leaves no connection with replies unread."""
         taken = []
         try:
@@ -266,16 +327,15 @@ class RedisTier(Tier):
                 conn = pool.get_connection()
                 taken.append((pool, conn, idx))
                 conn.send_packed_command([p for i in idx for p in command(i)])
+            deadline = time.monotonic() + self._kwargs["socket_timeout"]
             for _, conn, idx in taken:
-                stream = ReplyStream.of(conn) if stream_read is not None else None
+                stream = ReplyStream.of(conn, deadline)
                 for i in idx:
                     try:
-                        replies[i] = (conn.read_response() if stream is None
-                                      else stream_read(stream, i))
+                        replies[i] = read(stream, i)
                     except ResponseError as e:  # fully read: the connection stays usable
                         replies[i] = e
-                if stream is not None:
-                    stream.finish()
+                stream.finish()
         except BaseException:
             for _, conn, _ in taken:
                 conn.disconnect()
@@ -286,9 +346,10 @@ class RedisTier(Tier):
                 pool.release(conn)
 
     def _exchange(self, keys: list[bytes], command: Callable[[int], list],
-                  cost: Callable[[int], int] | None = None,
-                  stream_read: Callable | None = None) -> list:
-        """Reply to command(i) for every key i; raises the first error reply."""
+                  read: Callable = lambda stream, i: stream.small(),
+                  cost: Callable[[int], int] | None = None) -> list:
+        """Reply to command(i) for every key i, taken off the stream by read(stream, i) (by
+        default a status or integer reply); raises the first error reply."""
         if not keys:
             return []
         replies: dict[int, object] = {}
@@ -297,7 +358,7 @@ class RedisTier(Tier):
             per_node = [(pool, self._batches(idx, cost)) for pool, idx in self._groups(keys, todo)]
             for r in range(max(len(b) for _, b in per_node)):
                 self._round([(pool, b[r]) for pool, b in per_node if r < len(b)], command,
-                            replies, stream_read)
+                            replies, read)
             todo = [i for i in todo if isinstance(replies[i], MovedError)]
             if not todo or self.pool is not None or attempt:
                 break
@@ -336,9 +397,9 @@ class RedisTier(Tier):
         attacker, another pool's giant object) is refused without being read whole."""
         return lambda i: [resp(b"GETRANGE", keys[i], b"0", b"%d" % limits[i])]
 
-    def _bounded(self, value, limit: int):
+    def _bounded(self, value: bytes, limit: int) -> bytes | None:
         """A fetched value, or None when absent or longer than the reader accepts (counted)."""
-        if value is not None and len(value) > limit:
+        if len(value) > limit:
             self.stats.inc("rejected")
             return None
         return value or None  # GETRANGE of a missing key is b""
@@ -346,7 +407,8 @@ class RedisTier(Tier):
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
         keys = [self.object_key(n) for n in names]
         limits = [self.read_limit(n, None) for n in names]
-        got = self._exchange(keys, self._getrange(keys, limits))
+        got = self._exchange(keys, self._getrange(keys, limits),
+                             read=lambda stream, i: stream.bulk(limits[i]))
         return self.verify_all(names, layout, key,
                                [self._bounded(v, lim) for v, lim in zip(got, limits)])
 
@@ -360,15 +422,11 @@ class RedisTier(Tier):
             return self._read_into(stream, names[i], layout, key, outs[i], limits[i], guard)
 
         try:
-            got = self._exchange(keys, self._getrange(keys, limits), stream_read=read)
+            got = self._exchange(keys, self._getrange(keys, limits), read=read)
         except GaveUp:
             return [None] * len(names)
         out: list[Record | None] = []
         for i, v in enumerate(got):
-            if not isinstance(v, Streamed):  # a TLS connection: redis-py read the value
-                out += self.verify_all([names[i]], layout, key,
-                                       [self._bounded(v, limits[i])], [outs[i]])
-                continue
             if v.too_large:
                 self.stats.inc("rejected")
             elif v.status is not None:
@@ -382,7 +440,7 @@ class RedisTier(Tier):
                    out: memoryview, limit: int, guard: CallGuard) -> Streamed:
         """One GETRANGE reply, checked into `out`; the reply is always consumed whole (or an
         exception leaves the connection to be dropped)."""
-        total = stream.bulk_length()
+        total = stream.bulk_length(limit)
         if not total:
             if total == 0:
                 stream.exact(2)
@@ -390,7 +448,7 @@ class RedisTier(Tier):
         raw, plain = self._scratch.raw, self._scratch.plain
         consumed, result = 0, Streamed(None, Status.CORRUPT)
         hs = header_size(name)
-        if total > limit:
+        if total > limit:  # limit + 1: a value longer than fits, skipped (bounded)
             result = Streamed(None, too_large=True)
         elif total >= hs + TAG_SIZE:
             h = check_header(stream.exact(hs), name, layout, total)
