@@ -15,12 +15,13 @@
 # builds unchanged on a registry-connected builder.
 # Pin the bases by digest for reproducible, tamper-evident builds (a tag can be moved, a digest
 # cannot), keeping the tag for humans:
-#   docker build --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0@sha256:<digest> --target connector ...
+#   docker build --build-arg VLLM_IMAGE=docker.io/vllm/vllm-openai:v0.32.0@sha256:<digest> --target connector ...
 # and deploy the built images by digest too (chart image.digest, operator.settings.*Image
 # `repo@sha256:...`, spec.model.image).
 
-ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+# Fully qualified: buildah and podman resolve no short names without unqualified-search registries.
+ARG PYTHON_IMAGE=docker.io/library/python:3.12.11-slim-bookworm
+ARG VLLM_IMAGE=docker.io/vllm/vllm-openai:v0.32.0
 
 # ---- wheels: an optional local wheel directory, empty unless the builder names one -----------
 # `--build-context wheels=DIR` replaces this empty stage; every pip install looks there first (the

@@ -14,15 +14,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from kvpool_dev.images import podman
+from kvpool_dev.images import dockerfile, podman
 
 REPO = Path(__file__).resolve().parents[2]
+_, _, STAGES = dockerfile.load(REPO / "Dockerfile")
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 collect_ignore_glob = [] if os.environ.get("KVPOOL_IMAGES") else ["test_*.py"]
 
 ROWS: dict[str, dict[str, Any]] = {}  # target -> what test_contents measured, for the report

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tomllib
 
 import pytest
 
-from kvpool_dev.images import contents, dockerfile, podman
-from tests.images.conftest import REPO, ROWS
-
-TEXT, _, STAGES = dockerfile.load(REPO / "Dockerfile")
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+from kvpool_dev.images import contents, podman
+from tests.images.conftest import REPO, ROWS, STAGES, VERSION
 # Uncompressed size budgets, about a quarter above what was measured (docs/helm.md: 248, 299 and
 # 2712 MB): a CUDA torch, a compiler or a second copy of vLLM sneaking in fails here. Layers: what
 # the Dockerfile makes today (the connector on top of its base: COPY and RUN); a new one is a

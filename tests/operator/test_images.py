@@ -110,15 +110,16 @@ def test_connector_base_is_the_vllm_release_the_connector_targets():
     assert len(pins) == 1, pins
     dist, version = pins[0].split("==")
     # the tag, optionally pinned by digest (--build-arg VLLM_IMAGE=...:vX@sha256:...)
-    assert re.fullmatch(rf"vllm/vllm-openai:v{re.escape(version)}(@sha256:[a-f0-9]{{64}})?", STAGES["connector"].base)
+    assert re.fullmatch(rf"docker\.io/vllm/vllm-openai:v{re.escape(version)}(@sha256:[a-f0-9]{{64}})?",
+                        STAGES["connector"].base)
     installed = importlib.metadata.version(dist).split("+")[0]
     assert installed == version, "the vLLM the tests run differs from the one the image is built on"
 
 
 def test_python_base_satisfies_requires_python():
     base = STAGES["operator"].base
-    m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", base)
-    assert m, f"operator base must be a fully pinned slim Python image, got {base}"
+    m = re.fullmatch(r"docker\.io/library/python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", base)
+    assert m, f"operator base must be a fully pinned, fully qualified slim Python image, got {base}"
     floor = re.fullmatch(r">=(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"])
     assert (int(m.group(1)), int(m.group(2))) >= (int(floor.group(1)), int(floor.group(2)))
     assert STAGES["operator-build"].base == base, "the virtualenv is built on the runtime's exact Python"
@@ -331,7 +332,8 @@ def test_bases_can_be_pinned_by_digest():
     assert stages["operator"].base == stages["operator-build"].base == ARGS["PYTHON_IMAGE"] + digest
     assert stages["router"].base == stages["vllm-cpu"].base == ARGS["PYTHON_IMAGE"] + digest
     assert stages["connector-cpu"].base == "vllm-cpu"
-    assert re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", stages["operator"].base)
+    assert re.fullmatch(r"docker\.io/library/python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?",
+                        stages["operator"].base)
 
 
 def test_digest_pinning_example_in_the_docs_renders_digest_references():
