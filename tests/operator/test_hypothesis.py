@@ -20,7 +20,8 @@ from tests.operator.schema_check import api_server_errors, validate_child
 
 SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",), inference_pools=True)  # what the specs below may ask
 SENTINEL = "s3cr3t-Sentinel"  # a secret someone wrote into a spec; it must be refused or stay out
-SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
+SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3",
+                         "1.5", "0.3Ki", "1.0000001k", "0.5Ki"])  # the middle three: fractions of a byte
 VOLUMES = st.fixed_dictionaries({}, optional={
     "hostPath": st.just({"path": "/mnt/nvme0"}),
     "emptyDir": st.sampled_from([{}, {"medium": "Memory"}]),

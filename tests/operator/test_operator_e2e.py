@@ -351,6 +351,29 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         assert child(server, "apps/v1/deployments", "tiered-full")["metadata"]["ownerReferences"][0]["uid"] == uid
 
 
+@pytest.mark.parametrize("field,spec", [
+    ("spec.tiers.cpu.size", {"tiers": {"cpu": {"size": "1.5"}}}),
+    ("spec.model.shmSize", {"model": {"shmSize": "0.3Ki"}}),
+    ("spec.tiers.disk.size", {"tiers": {"disk": {"size": "1.0000001k"}}}),
+], ids=["1.5", "0.3Ki", "1.0000001k"])
+async def test_a_size_of_a_fraction_of_a_byte_is_reported_and_nothing_is_deleted(server, op_settings, field, spec):
+    """A size that is no whole number of bytes (stored before the CRD refused it, or applied
+    around it) gets ConfigValid=False naming the field, and no child is deleted or rewritten."""
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        writes_before = len(child_writes(server))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": spec})
+        cond = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 2
+                                and conditions(server)["ConfigValid"], message="the bad size's pass")
+        assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+        assert cond["message"].startswith(f"{field}: "), cond["message"]
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+        assert len(child_writes(server)) == writes_before
+        for resource, name in ALL_CHILDREN:
+            assert child(server, resource, name) is not None, (resource, name)
+
+
 async def test_restart_converges_without_rewriting_unchanged_children(server, op_settings, operator_log):
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))

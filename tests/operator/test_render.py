@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -10,7 +11,7 @@ import yaml
 
 from kvpool_operator import models
 from kvpool_dev.golden import examples, golden_text
-from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.render import InvalidPool, load_pool, render, render_pool
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import GOLDEN_DIR, REQUIRED_EXAMPLES, example_ids, load_example
@@ -391,6 +392,24 @@ def test_invalid_pool_names_the_field(settings):
     pool["spec"]["tiers"]["cpu"]["sise"] = "1Gi"
     with pytest.raises(InvalidPool, match=r"spec\.tiers\.cpu\.sise: Extra inputs are not permitted"):
         render(pool, settings)
+
+
+@pytest.mark.parametrize("size", ["1.5", "0.3Ki", "1.0000001k"])
+def test_a_size_of_a_fraction_of_a_byte_is_an_invalid_pool_naming_the_field(settings, size):
+    pool = load_example("tiered-full")
+    pool["spec"]["tiers"]["cpu"]["size"] = size
+    with pytest.raises(InvalidPool, match=r"^spec\.tiers\.cpu\.size: "):
+        render(pool, settings)
+
+
+def test_a_renderer_that_fails_raises_invalid_pool_naming_it(settings):
+    """A spec the models let through but a renderer cannot build (here a size the connector's
+    config refuses, set past validation) is an InvalidPool, never a bare exception."""
+    pool = load_pool(load_example("tiered-full"), settings)
+    tiers = pool.spec.tiers.model_copy(update={"cpu": pool.spec.tiers.cpu.model_copy(update={"size": "0.3Ki"})})
+    broken = dataclasses.replace(pool, spec=pool.spec.model_copy(update={"tiers": tiers}))
+    with pytest.raises(InvalidPool, match=r"^configmap: cannot render: size: .*0.3Ki.* is not a whole number of bytes$"):
+        render_pool(broken)
 
 
 @pytest.mark.parametrize("name", example_ids())

@@ -76,7 +76,10 @@ def _scalar_equal(want: Any, have: Any) -> bool:
         if str(want) == str(have):
             return True  # the API server turns quantities like `1` into "1"
         try:
-            return parse_quantity(want) == parse_quantity(have)  # "1024Mi" == "1Gi"
+            # Kubernetes' own quantity grammar, on purpose: these are fields of Kubernetes objects as
+            # the API server writes them back ("1Gi" may return as "1024Mi", "0.5" as "500m", CPU in
+            # millicores), not kvpool sizes (parse_size's grammar, checked before anything renders).
+            return parse_quantity(want) == parse_quantity(have)
         except ValueError:
             return False
     return False
@@ -234,6 +237,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     recheck = False
     try:
         pool = load_pool(body, settings)
+        rendered = render_pool(pool)
         invalid = check_secrets(kube, pool)
         recheck = invalid is not None
     except InvalidPool as exc:
@@ -244,7 +248,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
 
     assert pool is not None
     ref = owner_reference(body)
-    desired = [with_owner(m, ref) for m in render_pool(pool)]
+    desired = [with_owner(m, ref) for m in rendered]
     # a Secret the spec now names (say keysSecretRef: <name>-kvpool-keys) is in use, never pruned
     in_use = frozenset((*SECRET, r.name) for r in referenced_secrets(pool))
     steps = plan(desired, live, uid, keep=in_use)

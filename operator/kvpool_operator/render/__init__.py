@@ -62,7 +62,23 @@ def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
 
 
 def render_pool(pool: Pool) -> list[dict[str, Any]]:
-    return [manifest for renderer in RENDERERS for manifest in renderer(pool)]
+    """Every child of a validated pool. A renderer that fails anyway (a spec the models let through
+    and a renderer cannot build) raises InvalidPool naming it: the reconciler reports that as
+    ConfigValid=False like any bad spec, instead of a traceback on every retry."""
+    manifests = []
+    for renderer in RENDERERS:
+        try:
+            manifests += renderer(pool)
+        except Exception as exc:  # noqa: BLE001  (whatever it is, the pool cannot be rendered)
+            raise InvalidPool(f"{renderer.__name__.removeprefix('render_')}: cannot render: {_one_line(exc)}") from exc
+    return manifests
+
+
+def _one_line(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)  # a pydantic ValidationError of a model a renderer builds
+    if callable(errors):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in errors())
+    return f"{type(exc).__name__}: {exc}"
 
 
 def render(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> list[dict[str, Any]]:

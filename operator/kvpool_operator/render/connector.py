@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvpool_connector.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig
+from kvpool_connector.config import (CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig,
+                                     parse_size)
 from kvpool_connector.connector.config import ConnectorConfig
 
-from kvpool_operator import models
 from kvpool_operator.render.common import (
     CONFIG_FILE,
     DISK_PATH,
@@ -72,14 +72,14 @@ def buffer_bytes(pool: Pool) -> int:
     cfg = connector_config(pool)
     if cfg is None:
         return 0
-    queues = (len(cfg.tiers) - 1) * models.size_bytes(QUEUE_BYTES)  # every tier after the first
-    return queues + (models.size_bytes(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
+    queues = (len(cfg.tiers) - 1) * parse_size(QUEUE_BYTES)  # every tier after the first
+    return queues + (parse_size(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
 
 
 def _per_rank(pool: Pool, size: str) -> str:
     """Tier sizes in the spec are per pod; with tensor parallelism every rank keeps its own share."""
     tp = pool.spec.model.tensor_parallel_size
-    return size if tp == 1 else str(models.size_bytes(size) // tp)
+    return size if tp == 1 else str(parse_size(size) // tp)
 
 
 def redis_url(pool: Pool) -> str:
@@ -200,7 +200,7 @@ def kv_transfer_config(pool: Pool) -> dict[str, Any]:
     tiers = pool.spec.tiers
     assert tiers.cpu is not None  # validated: native needs a CPU tier
     extra: dict[str, Any] = {
-        "cpu_bytes_to_use": models.size_bytes(tiers.cpu.size),
+        "cpu_bytes_to_use": parse_size(tiers.cpu.size),
         "eviction_policy": tiers.cpu.eviction_policy,
         "block_size": pool.spec.chunk_tokens,
     }

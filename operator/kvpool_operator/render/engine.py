@@ -13,6 +13,8 @@ import copy
 import json
 from typing import Any
 
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
@@ -69,7 +71,7 @@ def memory(pool: Pool) -> str:
     store config), /dev/shm (tmpfs pages count as the pod's memory) and vLLM's own process."""
     spec = pool.spec
     parts = [spec.model.shm_size, spec.model.memory_overhead, *([spec.tiers.cpu.size] if spec.tiers.cpu else [])]
-    return models.format_size(sum(models.size_bytes(p) for p in parts) + buffer_bytes(pool))
+    return models.format_size(sum(parse_size(p) for p in parts) + buffer_bytes(pool))
 
 
 def _resources(pool: Pool) -> dict[str, Any]:
