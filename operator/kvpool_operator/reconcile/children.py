@@ -19,7 +19,8 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kvpool_operator import models, policy
 from kvpool_operator.kube import Kube
-from kvpool_operator.render import InvalidPool, Pool, child_kinds, load_pool, render_pool
+from kvpool_operator.kinds import SECRET, WATCHED, ChildKind, enabled
+from kvpool_operator.render import InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
 from kvpool_operator.render.router import router_name
@@ -31,8 +32,6 @@ from kvpool_operator.status import Observation, compute_status
 
 Key = tuple[str, str, str]  # apiVersion, kind, name
 
-SECRET = ("v1", "Secret")
-WORKLOAD_KINDS = (("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"))  # all that status reads
 
 
 def key_of(manifest: dict[str, Any]) -> Key:
@@ -149,19 +148,19 @@ def selector_string(pool_name: str) -> str:
     return f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={pool_name},{POOL_LABEL}={pool_name}"
 
 
-def listed_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
-    """Every child kind these settings allow, less Secrets (read by name, never listed)."""
-    return tuple(k for k in child_kinds(settings) if k != SECRET)
+def listed_kinds(settings: Settings) -> tuple[ChildKind, ...]:
+    """Every child kind these settings allow, less those read by name only (Secrets)."""
+    return tuple(k for k in enabled(settings) if not k.by_name)
 
 
-def list_children(kube: Kube, namespace: str, pool_name: str, kinds: tuple[tuple[str, str], ...],
+def list_children(kube: Kube, namespace: str, pool_name: str, kinds: tuple[ChildKind, ...],
                   secrets: bool = True) -> dict[Key, dict[str, Any]]:
     """Live children of `kinds` by label, plus (with `secrets`) generated Secrets by name."""
     labels = {POOL_LABEL: pool_name, "app.kubernetes.io/managed-by": MANAGER}
     live: dict[Key, dict[str, Any]] = {}
-    for api_version, kind in kinds:
-        for obj in kube.list(api_version, kind, namespace, labels):
-            live[(api_version, kind, obj["metadata"]["name"])] = obj
+    for kind in kinds:
+        for obj in kube.list(kind.api_version, kind.kind, namespace, labels):
+            live[(*kind.key, obj["metadata"]["name"])] = obj
     if secrets:
         for name in generated_secret_names(pool_name):
             secret = kube.get(*SECRET, namespace, name)
@@ -303,7 +302,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     if previous.get("observedGeneration") is None:
         return None
     meta = body["metadata"]
-    live = list_children(kube, meta["namespace"], meta["name"], WORKLOAD_KINDS, secrets=False)
+    live = list_children(kube, meta["namespace"], meta["name"], WATCHED, secrets=False)
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:
