@@ -15,13 +15,14 @@ from kvpool_operator.kinds import CHILD_KINDS, ChildKind, optional_settings
 
 RBAC_GROUP = "rbac.authorization.k8s.io"
 # Children (kinds.CHILD_KINDS): applied server-side (patch; create when absent), listed by label to
-# find and compare them, pruned. Never `get` (listing reads them all), never `update` (no PUT
-# anywhere), `watch` only where a handler watches (the workloads whose status flows into the
-# pool's). Secrets are read by their known names instead of listed (listing would read every Secret
-# in the namespace), created only if absent, completed by patch, pruned. A pool's router needs a
-# ServiceAccount and a RoleBinding of it to the shipped discovery ClusterRole (render/router.py);
-# the `bind` on that one ClusterRole is in `router_binding_rule`.
-APPLIED = ["list", "create", "patch", "delete"]
+# find and compare them, read by name where the listing shows nothing (so that an apply never goes
+# over someone else's object of that name unseen: `get` reads no more than `list` already does),
+# pruned. Never `update` (no PUT anywhere), `watch` only where a handler watches (the workloads
+# whose status flows into the pool's). Secrets are read by their known names instead of listed
+# (listing would read every Secret in the namespace), created only if absent, completed by patch,
+# pruned. A pool's router needs a ServiceAccount and a RoleBinding of it to the shipped discovery
+# ClusterRole (render/router.py); the `bind` on that one ClusterRole is in `router_binding_rule`.
+APPLIED = ["get", "list", "create", "patch", "delete"]
 BY_NAME = ["get", "create", "patch", "delete"]
 
 

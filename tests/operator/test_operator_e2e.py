@@ -788,6 +788,34 @@ async def test_someone_elses_secret_under_a_generated_name_is_never_overwritten(
         await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid")
 
 
+async def test_someone_elses_object_at_a_childs_name_is_never_taken_over(server):
+    """A ConfigMap of someone else's where the pool's belongs: no server-side apply goes over it
+    (force would take its fields, labels and owner); status and a Warning Event name it, nothing is
+    applied; once its owner removes it, the operator creates the pool's children."""
+    theirs = {"metadata": {"name": "tiered-full-kvpool", "labels": {"app": "theirs"}}, "data": {"keep": "me"}}
+    await send(server, "post", f"/api/v1/namespaces/{NS}/configmaps", theirs)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        cond = await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "False"
+                                and conditions(server)["ConfigValid"], message="the conflict is reported")
+        assert cond["message"].startswith("ConfigMap/tiered-full-kvpool exists and is not this pool's"), cond
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+        assert [r for r in child_writes(server) if not r.headers.get("User-Agent", "").startswith("kmock/")] == []
+        configmap = child(server, "v1/configmaps", "tiered-full-kvpool")
+        assert configmap["data"] == {"keep": "me"} and configmap["metadata"]["labels"] == {"app": "theirs"}
+        assert not configmap["metadata"].get("ownerReferences")
+        assert child(server, "apps/v1/deployments", "tiered-full") is None
+
+        async with server.request("delete", f"/api/v1/namespaces/{NS}/configmaps/tiered-full-kvpool") as resp:
+            assert resp.status < 300
+        uid = pool_obj(server)["metadata"]["uid"]
+        ours = await eventually(lambda: (child(server, "v1/configmaps", "tiered-full-kvpool") or {}).get(
+            "metadata", {}).get("ownerReferences"), message="created once theirs is gone")
+        assert ours[0]["uid"] == uid
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid again")
+
+
 async def test_no_secret_value_leaves_its_secret(server, caplog):
     """Generated and user-provided credentials appear in no other object (children, the pool and
     its status, Events) and in no operator log line, even at debug level."""

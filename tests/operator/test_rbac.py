@@ -23,14 +23,14 @@ EXPECTED = {
     (models.GROUP, models.PLURAL): {"get", "list", "watch", "patch"},
     (models.GROUP, f"{models.PLURAL}/status"): {"patch"},
     ("", "secrets"): {"get", "create", "patch", "delete"},
-    ("", "configmaps"): {"list", "create", "patch", "delete"},
-    ("", "services"): {"list", "create", "patch", "delete"},
-    ("", "serviceaccounts"): {"list", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "create", "patch", "delete"},
-    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
-    ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"list", "create", "patch", "delete"},
-    ("networking.k8s.io", "networkpolicies"): {"list", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "list", "create", "patch", "delete"},
+    ("", "services"): {"get", "list", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"get", "list", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "create", "patch", "delete"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
@@ -39,7 +39,8 @@ EXPECTED = {
 }
 # Opt-in (chart operator.settings.<key>): granted only together with the setting that uses them.
 EXPECTED_OPTIONAL = {
-    "inference_pools": {("inference.networking.k8s.io", "inferencepools"): {"list", "create", "patch", "delete"}},
+    "inference_pools": {("inference.networking.k8s.io", "inferencepools"): {"get", "list", "create", "patch",
+                                                                            "delete"}},
 }
 
 
@@ -119,8 +120,8 @@ def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
 def test_every_child_kind_can_be_applied_and_pruned():
     everything = rules_for(Settings(inference_pools=True))
     for kind in enabled(Settings(inference_pools=True)):
-        read = "get" if kind.by_name else "list"
-        for verb in (read, "create", "patch", "delete", *(["watch"] if kind.watched else [])):
+        reads = ["get"] if kind.by_name else ["get", "list"]
+        for verb in (*reads, "create", "patch", "delete", *(["watch"] if kind.watched else [])):
             assert allows(kind.group, kind.plural, verb, everything), (kind.kind, verb)
 
 
