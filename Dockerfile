@@ -3,7 +3,7 @@
 #   docker build --target operator  -t ghcr.io/kvpool/kvpool-operator:0.1.0 .
 #   docker build --target connector -t ghcr.io/kvpool/kvpool-vllm:0.1.0 .
 #   docker build --target router    -t ghcr.io/kvpool/kvpool-router:0.1.0 .
-# The images carry the `kvpool` distribution only (operator/ and connector/): the dev tooling in
+# The images carry the `kvpool` distribution only (operator/, connector/, cli/): the dev tooling in
 # dev/ (kvpool-dev: test bed, benchmarks, demo, generators) is never copied (.dockerignore).
 # Package versions come from pyproject.toml (the extras `operator` and `connector`); the vLLM base
 # tag must match the vLLM API the connector targets, and VLLM_ROUTER_VERSION the vllm-router the
@@ -24,6 +24,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY connector ./connector
+COPY cli ./cli
 RUN python -m venv /opt/kvpool \
  && /opt/kvpool/bin/pip install --no-compile ".[operator]"
 
@@ -51,6 +52,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md /tmp/kvpool-src/
 COPY operator /tmp/kvpool-src/operator
 COPY connector /tmp/kvpool-src/connector
+COPY cli /tmp/kvpool-src/cli
 # Constrain to what the image already has, so installing the connector never moves vLLM's own
 # dependencies (torch, pydantic, ...): a conflict fails the build instead of shipping a broken image.
 # No WORKDIR, USER or ENTRYPOINT change: the image runs exactly like vllm/vllm-openai.

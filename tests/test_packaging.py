@@ -84,15 +84,16 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
 
 def test_the_kvpool_wheel_has_the_product_and_no_dev_tooling(wheels):
     names = wheels["kvpool"].namelist()
-    assert _packages(names) == {"kvpool_connector", "kvpool_operator"}
-    assert "kvpool_connector/vllm.py" in names and "kvpool_operator/cli.py" in names
+    assert _packages(names) == {"kvpool_connector", "kvpool_operator", "kvpool_cli"}
+    assert {"kvpool_connector/vllm.py", "kvpool_operator/cli.py", "kvpool_cli/main.py",
+            "kvpool_cli/__main__.py"} <= set(names)
     for name in names:
         parts = PurePosixPath(name).parts
         assert "kvpool_dev" not in name, name
         assert not set(parts) & set(DEV_NAMES), f"dev tooling in the kvpool wheel: {name}"
 
 
-def test_no_product_module_imports_the_dev_tooling_and_the_connector_not_the_operator(wheels):
+def test_no_product_module_imports_the_dev_tooling_and_the_connector_not_the_operator_or_cli(wheels):
     wheel = wheels["kvpool"]
     checked = 0
     for name in wheel.namelist():
@@ -102,9 +103,37 @@ def test_no_product_module_imports_the_dev_tooling_and_the_connector_not_the_ope
         tops = {m.split(".")[0] for m in imported_modules(wheel.read(name).decode(), module, is_package)}
         assert "kvpool_dev" not in tops, f"{module} imports kvpool_dev (only the CLIs name it, as strings)"
         if module.startswith("kvpool_connector"):
-            assert "kvpool_operator" not in tops, f"{module} imports kvpool_operator (the CLI's table names it)"
+            assert not tops & {"kvpool_operator", "kvpool_cli"}, f"{module} imports the operator or the CLI"
+        if module.startswith("kvpool_operator"):
+            assert "kvpool_cli" not in tops, f"{module} imports the umbrella CLI"
+        if module.startswith("kvpool_cli"):
+            assert "kvpool_operator" not in tops, f"{module} imports kvpool_operator (its tables name it, as strings)"
         checked += 1
     assert checked > 40
+
+
+def test_the_console_scripts_are_the_clis(wheels):
+    entry_points = next(n for n in wheels["kvpool"].namelist() if n.endswith(".dist-info/entry_points.txt"))
+    text = wheels["kvpool"].read(entry_points).decode()
+    assert "kvpool = kvpool_cli.main:main" in text and "kvpool-operator = kvpool_operator.cli:main" in text
+
+
+def test_the_installed_kvpool_command_runs(wheels, tmp_path):
+    """The wheel installed alone (no dependencies, no dev tooling) in a fresh venv: its `kvpool`
+    script and `python -m kvpool_cli` answer, and the dev commands say what is missing."""
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "env")], check=True, timeout=120)
+    python, kvpool = tmp_path / "env" / "bin" / "python", tmp_path / "env" / "bin" / "kvpool"
+    proc = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels["kvpool"].filename],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"PATH": "/usr/bin:/bin"}  # nothing of this checkout or its venv on any path
+    for command in ([str(kvpool), "--help"], [str(python), "-m", "kvpool_cli", "--help"]):
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert out.returncode == 0 and out.stdout.startswith("usage: kvpool <command> [args]"), out
+    out = subprocess.run([str(kvpool), "bench", "store"], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=tmp_path)
+    assert (out.returncode, out.stderr) == (2, "`kvpool bench store` is dev tooling: pip install -e ./dev from a "
+                                               "kvpool checkout\n")
 
 
 def test_the_kvpool_dev_wheel_has_the_dev_tooling_only(wheels):

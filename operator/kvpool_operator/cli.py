@@ -127,8 +127,13 @@ def _golden(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool-operator", description=__doc__,
+def render_main(argv: list[str] | None = None) -> int:
+    """`kvpool render ...` (the umbrella CLI): this CLI's render, its help naming `kvpool render`."""
+    return main(["render", *(sys.argv[1:] if argv is None else argv)], prog="kvpool")
+
+
+def main(argv: list[str] | None = None, prog: str = "kvpool-operator") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
