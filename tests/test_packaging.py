@@ -144,6 +144,69 @@ def test_the_kvpool_dev_wheel_has_the_dev_tooling_only(wheels):
         assert expected in names
 
 
+# Imported by the connector but brought by the vLLM image it runs in, never installed by kvpool.
+FROM_THE_IMAGE = {"vllm", "torch"}
+
+
+def third_party_imports(package_dir: Path) -> set[str]:
+    """Top-level modules outside the standard library and kvpool that a package's code imports."""
+    found = set()
+    for path in package_dir.rglob("*.py"):
+        module = ".".join(path.relative_to(package_dir.parent).with_suffix("").parts)
+        found |= {m.split(".")[0] for m in imported_modules(path.read_text(), module, path.name == "__init__.py")}
+    return {m for m in found if m and m not in sys.stdlib_module_names and not m.startswith("kvpool")}
+
+
+def distributions(modules: set[str]) -> set[str]:
+    """The (normalised) distributions that install these top-level modules here."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    owners = packages_distributions()
+    missing = {m for m in modules if m not in owners}
+    assert not missing, f"imported but not installed here: {missing}"
+    return {canonicalize_name(d) for m in modules for d in owners[m]}
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+@pytest.mark.parametrize("extra,package", [("connector", "connector/kvpool_connector"),
+                                           ("operator", "operator/kvpool_operator")])
+def test_each_extra_lists_what_its_code_imports(extra, package):
+    """`pip install kvpool[connector]` (the engine image) and `kvpool[operator]` (the operator
+    image) must install every module that code imports, directly, not by luck of another's needs."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = requirement_names(project["dependencies"] + project["optional-dependencies"][extra])
+    needed = distributions(third_party_imports(REPO / package) - FROM_THE_IMAGE)
+    assert needed - declared == set(), f"kvpool[{extra}] lacks {sorted(needed - declared)}"
+
+
+def test_requires_python_is_what_the_code_needs():
+    """datetime.UTC and tomllib arrived in Python 3.11; both projects must say so."""
+    from packaging.specifiers import SpecifierSet
+
+    assert "datetime.UTC" in (REPO / "operator" / "kvpool_operator" / "reconcile" / "handlers.py").read_text()
+    for path in (REPO / "pyproject.toml", REPO / "dev" / "pyproject.toml"):
+        spec = SpecifierSet(tomllib.loads(path.read_text())["project"]["requires-python"])
+        assert "3.11" in spec and "3.10" not in spec, path
+
+
+def test_every_package_data_glob_matches_a_file():
+    """A package-data glob that matches nothing is a dead promise of files the wheel lacks."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = [REPO / where for where in setuptools["packages"]["find"]["where"]]
+    for package, globs in setuptools.get("package-data", {}).items():
+        for glob in globs:
+            matched = any(next(root.rglob(glob), None) for root in roots)
+            assert matched, f"package-data {package}: {glob} matches nothing"
+
+
 def test_dev_version_is_the_main_version():
     main = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     dev = tomllib.loads((REPO / "dev" / "pyproject.toml").read_text())["project"]
