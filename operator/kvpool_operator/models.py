@@ -69,10 +69,10 @@ def _positive_size(value: str) -> str:
     if not re.match(SIZE_PATTERN, value):
         raise ValueError(f"{value!r} {SIZE_MESSAGE}")
     try:
-        n = parse_size(value)
+        nbytes = parse_size(value)
     except ValueError:
         raise ValueError(WHOLE_BYTES_MESSAGE) from None
-    if n == 0:
+    if nbytes == 0:
         raise ValueError(POSITIVE_MESSAGE)
     return value
 
@@ -141,12 +141,12 @@ def _normal_path(value: str) -> str:
     return value
 
 
-def format_size(n: int) -> str:
+def format_size(nbytes: int) -> str:
     """A byte count as a quantity in the largest binary unit that divides it (79456894976 -> 74Gi)."""
     for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if n and n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
+        if nbytes and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
 
 
 def _rules(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
@@ -235,7 +235,7 @@ class ModelSpec(_Model):
     )
 
     @model_validator(mode="after")
-    def _tp_fits(self) -> ModelSpec:
+    def _parallelism_and_args(self) -> ModelSpec:
         if self.gpus and self.tensor_parallel_size > self.gpus:
             raise ValueError("tensorParallelSize must not exceed gpus")
         if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):

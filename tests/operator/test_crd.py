@@ -18,7 +18,7 @@ from kvpool_connector.config import parse_size
 from kvpool_operator import crd, models
 from kvpool_dev.golden import GOLDEN_SETTINGS
 from tests.operator.conftest import K8S_VERSION, example_ids, load_example
-from tests.operator.schema_check import api_server_errors, cel_errors, pool_schema
+from tests.operator.schema_check import api_server_errors, crd_accepts, field_schema, pool_schema
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,16 +166,7 @@ def test_valid_variations_pass_both():
         load_pool(pool, GOLDEN_SETTINGS)
 
 
-def _size_node() -> dict[str, Any]:
-    return pool_schema()["properties"]["spec"]["properties"]["tiers"]["properties"]["cpu"]["properties"]["size"]
-
-
-def crd_accepts_size(size: str) -> bool:
-    """The API server's verdict on a size: its OpenAPI pattern and length, then its CEL rules."""
-    node = _size_node()
-    if len(size) > node["maxLength"] or not re.search(node["pattern"], size):
-        return False
-    return cel_errors(node, size) == []
+SIZE_SCHEMA = field_schema("tiers", "cpu", "size")
 
 
 def parse_size_reads(size: str) -> bool:
@@ -211,7 +202,7 @@ def test_the_crd_accepts_exactly_the_sizes_parse_size_reads_as_whole_bytes(size)
     """One size parser: the CRD (pattern + CEL), the models and the connector's parse_size agree
     on every size in the CRD's spelling, and refuse the rest alike."""
     expected = parse_size_reads(size)
-    assert crd_accepts_size(size) == expected, size
+    assert crd_accepts(SIZE_SCHEMA, size) == expected, size
     try:
         models.CpuTier(size=size)
         model = True

@@ -26,7 +26,7 @@ import yaml
 from kvpool_operator import models
 from kvpool_operator.kube import Kube
 from kvpool_operator.reconcile.handlers import build_registry
-from kvpool_operator.render.common import CHECKSUM_ANNOTATION, GENERATE_ANNOTATION, MANAGER
+from kvpool_operator.render.common import CHECKSUM_ANNOTATION, MANAGER
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
 from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, http_server, live, requests

@@ -16,6 +16,7 @@ from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import GOLDEN_DIR, REQUIRED_EXAMPLES, example_ids, load_example
 from tests.operator.schema_check import validate_child
+from tests.operator.secret_leaks import assert_no_secret_values
 
 TIERED_KV_TRANSFER_CONFIG = (
     '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool_connector.vllm",'
@@ -520,10 +521,8 @@ def test_external_redis_with_a_private_ca_and_acl_user(settings):
 @pytest.mark.parametrize("name", example_ids())
 def test_no_example_renders_a_secret_value(name, settings):
     """Not a value from a Secret (generated ones exist only at apply time) in any child or status."""
-    from tests.operator.test_hypothesis import assert_no_secret_values
-
     pool = load_example(name)
-    assert_no_secret_values(pool, render(pool, settings, "kvpool"))
+    assert_no_secret_values(pool, render(pool, settings, "kvpool"), settings)
 
 
 def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):

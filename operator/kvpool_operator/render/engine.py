@@ -93,26 +93,26 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
     disk = pool.spec.tiers.disk
     if disk is None:
         return None
-    vol = disk.volume
-    if vol.host_path is not None:
+    source = disk.volume
+    if source.host_path is not None:
         # Directory, not DirectoryOrCreate: a missing NVMe mount fails the pod instead of filling the
         # node's root disk through a directory the kubelet would create in its place
-        return {"name": "kv-disk", "hostPath": {"path": vol.host_path.path, "type": "Directory"}}
-    if vol.empty_dir is not None:
+        return {"name": "kv-disk", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    if source.empty_dir is not None:
         empty: dict[str, Any] = {"sizeLimit": disk.size}
-        if vol.empty_dir.medium:
-            empty["medium"] = vol.empty_dir.medium
+        if source.empty_dir.medium:
+            empty["medium"] = source.empty_dir.medium
         return {"name": "kv-disk", "emptyDir": empty}
-    if vol.ephemeral is not None:
+    if source.ephemeral is not None:
         claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": disk.size}}}
-        if vol.ephemeral.storage_class_name:
-            claim["storageClassName"] = vol.ephemeral.storage_class_name
+        if source.ephemeral.storage_class_name:
+            claim["storageClassName"] = source.ephemeral.storage_class_name
         return {
             "name": "kv-disk",
             "ephemeral": {"volumeClaimTemplate": {"metadata": {"labels": pool.labels("engine")}, "spec": claim}},
         }
-    assert vol.persistent_volume_claim is not None
-    return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": vol.persistent_volume_claim.claim_name}}
+    assert source.persistent_volume_claim is not None
+    return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": source.persistent_volume_claim.claim_name}}
 
 
 def _ca_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
