@@ -35,7 +35,6 @@ from kvpool_operator.status import Observation, compute_status
 Key = tuple[str, str, str]  # apiVersion, kind, name
 
 
-
 def key_of(manifest: dict[str, Any]) -> Key:
     return (manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"])
 
