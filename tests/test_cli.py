@@ -1,4 +1,5 @@
-"""The user CLI: dispatch, `validate` and `render` (the operator's renderer, offline)."""
+"""The umbrella CLI `kvpool` (package kvpool_cli): dispatch, help, `validate` and `render` (the
+operator's renderer, offline)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from kvpool_connector import cli
+from kvpool_cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +26,34 @@ def test_help_lists_every_command(capsys):
 
 def test_unknown_command_fails_with_usage(capsys):
     assert cli.main(["frobnicate"]) == 2
-    assert "unknown command" in capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert cli.main(["bench", "frobnicate"]) == 2
+    assert "unknown command 'bench frobnicate'" in capsys.readouterr().err
+
+
+def test_a_command_group_lists_its_commands(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvpool bench <command> [args]")
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert listed == ["store", "e2e", "fleet", "dtype"]
+    assert cli.main(["bench"]) == 2  # a group alone is incomplete: its usage, on stderr
+    assert capsys.readouterr().err.startswith("usage: kvpool bench <command> [args]")
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_commands_help_names_the_command_as_typed(name, capsys):
+    """`kvpool <command> --help` prints the usage of `kvpool <command>`, no other program's."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([*name.split(), "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: kvpool {name} ")
+
+
+def test_the_python_module_entry_is_the_cli():
+    out = subprocess.run([sys.executable, "-m", "kvpool_cli", "--help"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out == cli.usage() + "\n"
 
 
 def test_validate_accepts_every_example(capsys):
@@ -63,7 +92,7 @@ def test_render_is_the_operator_renderer():
     example = str(REPO / "examples" / "tiered-full.yaml")
     bindir = Path(sys.executable).parent
     env = {**os.environ, "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt"}  # the operator setting its hostPath needs
-    ours = subprocess.run([bindir / "kvpool", "render", "-f", example],
+    ours = subprocess.run([sys.executable, "-m", "kvpool_cli", "render", "-f", example],
                           capture_output=True, text=True, check=True, env=env).stdout
     theirs = subprocess.run([bindir / "kvpool-operator", "render", "-f", example],
                             capture_output=True, text=True, check=True, env=env).stdout
@@ -72,25 +101,30 @@ def test_render_is_the_operator_renderer():
     assert {"Deployment", "Service", "StatefulSet", "ConfigMap"} <= kinds
 
 
-def test_the_connector_never_imports_the_operator():
-    """Only the CLI's lazy tables name kvpool_operator (as strings, imported on use)."""
-    package = REPO / "connector" / "kvpool_connector"
-    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
-                 if "kvpool_operator" in p.read_text() and p.name != "cli.py"]
-    assert offenders == []
-    cli_text = (package / "cli.py").read_text()
-    assert "import kvpool_operator" not in cli_text and "from kvpool_operator" not in cli_text
+PACKAGES = {"kvpool_connector": REPO / "connector", "kvpool_operator": REPO / "operator", "kvpool_cli": REPO / "cli"}
+
+
+def _naming(package: str, pattern: str) -> list[str]:
+    """Files of a package whose text names `pattern` (a regex)."""
+    root = PACKAGES[package] / package
+    return [str(p.relative_to(REPO)) for p in root.rglob("*.py") if re.search(pattern, p.read_text())]
+
+
+def test_the_connector_names_neither_the_operator_nor_the_cli():
+    """The connector stands alone (the engine image); only the umbrella CLI knows every part."""
+    assert _naming("kvpool_connector", r"\bkvpool_(operator|cli)\b") == []
+    assert _naming("kvpool_operator", r"\bkvpool_cli\b") == []
 
 
 def test_the_product_never_imports_the_dev_tooling():
     """Only the CLIs' lazy tables name kvpool_dev (as strings, imported on use). The metric label
     kvpool_dev_pool (from the pod label kvpool.dev/pool) is another name."""
-    for package in (REPO / "connector" / "kvpool_connector", REPO / "operator" / "kvpool_operator"):
-        offenders = [str(p.relative_to(REPO)) for p in package.rglob("*.py")
-                     if re.search(r"\bkvpool_dev\b", p.read_text()) and p.name != "cli.py"]
-        assert offenders == []
-        cli_text = (package / "cli.py").read_text()
-        assert "import kvpool_dev" not in cli_text and "from kvpool_dev" not in cli_text
+    clis = {"cli/kvpool_cli/main.py", "operator/kvpool_operator/cli.py"}
+    for package in PACKAGES:
+        assert set(_naming(package, r"\bkvpool_dev\b")) <= clis, package
+    for path in clis:
+        text = (REPO / path).read_text()
+        assert "import kvpool_dev" not in text and "from kvpool_dev" not in text
 
 
 # Run a CLI in a process where kvpool_dev cannot be imported: what an image or a plain
@@ -114,12 +148,12 @@ def run_without_dev(module: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_dev_commands_without_kvpool_dev_fail_in_one_line():
     for args in (["demo"], ["bench", "store", "--help"], ["bench", "e2e"], ["bench", "fleet"], ["model"]):
-        out = run_without_dev("kvpool_connector.cli", *args)
+        out = run_without_dev("kvpool_cli.main", *args)
         name = " ".join(args[:2]) if args[0] == "bench" else args[0]
         assert out.returncode == 2, out
         assert out.stderr == f"`kvpool {name}` is dev tooling: pip install -e ./dev from a kvpool checkout\n"
     # the product commands do not need it
-    out = run_without_dev("kvpool_connector.cli", "validate", str(REPO / "examples" / "tiered-full.yaml"))
+    out = run_without_dev("kvpool_cli.main", "validate", str(REPO / "examples" / "tiered-full.yaml"))
     assert out.returncode == 0 and ": ok" in out.stdout, out.stderr
 
 

@@ -127,36 +127,43 @@ def _golden(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool-operator", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def render_main(argv: list[str] | None = None) -> int:
+    """`kvpool render ...` (the umbrella CLI): this CLI's render, its help naming `kvpool render`."""
+    return main(["render", *(sys.argv[1:] if argv is None else argv)], prog="kvpool")
 
-    run = sub.add_parser("run", help="run the operator (kopf)")
-    run.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable; globs ok)")
-    run.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces")
-    run.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    run.add_argument("--peering", help="kopf peering name: replicas coordinate so only one is active")
-    run.add_argument("--priority", type=int, default=None,
-                     help="peering priority (default: derived from the hostname, distinct per pod)")
-    run.add_argument("--verbose", action="store_true")
-    run.set_defaults(fn=_run)
 
-    rnd = sub.add_parser("render", help="print a pool's child manifests (offline)")
-    rnd.add_argument("-f", "--filename", required=True, help="KVCachePool YAML ('-' for stdin)")
-    rnd.add_argument("--namespace", "-n", help="namespace of the children (default: the pool's or 'default')")
-    rnd.set_defaults(fn=_render)
+def main(argv: list[str] | None = None, prog: str = "kvpool-operator") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("crd", help="print or write the CRD generated from the models")
-    c.add_argument("--write", metavar="DIR", help="write <DIR>/kvpool.dev_kvcachepools.yaml")
-    c.set_defaults(fn=_crd)
+    run_cmd = commands.add_parser("run", help="run the operator (kopf)")
+    run_cmd.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable; globs ok)")
+    run_cmd.add_argument("--all-namespaces", "-A", action="store_true", help="watch all namespaces")
+    run_cmd.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run_cmd.add_argument("--peering", help="kopf peering name: replicas coordinate so only one is active")
+    run_cmd.add_argument("--priority", type=int, default=None,
+                         help="peering priority (default: derived from the hostname, distinct per pod)")
+    run_cmd.add_argument("--verbose", action="store_true")
+    run_cmd.set_defaults(fn=_run)
 
-    g = sub.add_parser("golden", help="regenerate golden renders of examples/*.yaml (dev tooling: kvpool_dev)")
-    g.add_argument("--write", metavar="DIR", required=True)
-    g.add_argument("--examples", metavar="DIR", help="KVCachePool examples to render (default: the checkout's examples/)")
-    g.set_defaults(fn=_golden)
+    render_cmd = commands.add_parser("render", help="print a pool's child manifests (offline)")
+    render_cmd.add_argument("-f", "--filename", required=True, help="KVCachePool YAML ('-' for stdin)")
+    render_cmd.add_argument("--namespace", "-n", help="namespace of the children (default: the pool's or 'default')")
+    render_cmd.set_defaults(fn=_render)
 
-    args = ap.parse_args(argv)
+    crd_cmd = commands.add_parser("crd", help="print or write the CRD generated from the models")
+    crd_cmd.add_argument("--write", metavar="DIR", help="write <DIR>/kvpool.dev_kvcachepools.yaml")
+    crd_cmd.set_defaults(fn=_crd)
+
+    golden_cmd = commands.add_parser("golden",
+                                     help="regenerate golden renders of examples/*.yaml (dev tooling: kvpool_dev)")
+    golden_cmd.add_argument("--write", metavar="DIR", required=True)
+    golden_cmd.add_argument("--examples", metavar="DIR",
+                            help="KVCachePool examples to render (default: the checkout's examples/)")
+    golden_cmd.set_defaults(fn=_golden)
+
+    args = parser.parse_args(argv)
     return args.fn(args)
 
 

@@ -2,7 +2,7 @@
 
 Server-side apply (`application/apply-patch+yaml`, field manager `kvpool-operator`, force) for
 every child; the official client does transport, auth and TLS. Only the kinds the operator
-manages are known (an explicit table keeps RBAC and code in step).
+manages are known (kinds.CHILD_KINDS, the table RBAC derives from too, plus Events and pools).
 """
 
 from __future__ import annotations
@@ -13,20 +13,12 @@ import kubernetes
 from kubernetes.client import ApiClient, ApiException, Configuration
 
 from kvpool_operator import models
+from kvpool_operator.kinds import CHILD_KINDS
 from kvpool_operator.naming import MANAGER
 
 PLURALS = {
-    ("v1", "Secret"): "secrets",
-    ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Service"): "services",
+    **{kind.key: kind.plural for kind in CHILD_KINDS},
     ("v1", "Event"): "events",
-    ("apps/v1", "Deployment"): "deployments",
-    ("apps/v1", "StatefulSet"): "statefulsets",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("v1", "ServiceAccount"): "serviceaccounts",
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
-    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (models.API_VERSION, models.KIND): models.PLURAL,
 }
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from kubernetes.utils.quantity import parse_quantity
-from kvpool_connector.config import CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, url_problem
+from kvpool_connector.config import CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, parse_size, url_problem
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -24,18 +23,63 @@ SINGULAR = "kvcachepool"
 SHORT_NAMES = ["kvp"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# Binary or decimal suffixes; no exponent form, no milli (a byte count has no fractions).
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-ZERO_PATTERN = r"^0+(\.0+)?[a-zA-Z]*$"
-SIZE_RULE = {"rule": f"!self.matches('{ZERO_PATTERN}')", "message": "must be a positive size"}
+# Sizes. One parser reads them: the connector's `parse_size`, for the CRD as for the connector's
+# own config. The CRD admits its Kubernetes-quantity spelling (the string is also copied into
+# Kubernetes fields: memory requests, sizeLimit, storage), with at most three decimals, so that a
+# CEL regex can tell exactly which of them parse_size reads as whole bytes (CEL has no arithmetic on
+# an unbounded fraction): `1.5Gi` and `0.5k` are bytes, `1.5` and `0.3Ki` (307.2) are not.
+SIZE_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E")
+SIZE_DECIMALS = 3
+SIZE_PATTERN = rf"^[0-9]+([.][0-9]{{1,{SIZE_DECIMALS}}})?({'|'.join(SIZE_SUFFIXES)})?$"
+SIZE_MESSAGE = f"must be a size such as 64Gi, 1.5Ti or 500G (at most {SIZE_DECIMALS} decimals)"
+WHOLE_BYTES_MESSAGE = "must be a whole number of bytes"
+POSITIVE_MESSAGE = "must be a positive size"
+ZERO_PATTERN = r"^0+([.]0+)?[a-zA-Z]*$"
+
+
+def _whole_bytes_pattern() -> str:
+    """A regex for the sizes of SIZE_PATTERN that parse_size reads as whole bytes, derived from
+    parse_size itself: per suffix, which fractions of up to SIZE_DECIMALS digits it accepts (the
+    integer part is always whole). Suffixes accepting the same fractions share an alternative."""
+    by_fractions: dict[tuple[str, ...], list[str]] = {}
+    for suffix in (*SIZE_SUFFIXES, ""):
+        fractions = []
+        for digits in range(1, SIZE_DECIMALS + 1):
+            for n in range(10**digits):
+                try:
+                    parse_size(f"0.{n:0{digits}d}{suffix}")
+                except ValueError:
+                    continue
+                fractions.append(f"{n:0{digits}d}")
+        by_fractions.setdefault(tuple(fractions), []).append(suffix)
+    every = sum(10**d for d in range(1, SIZE_DECIMALS + 1))
+    alternatives = []
+    for fractions, suffixes in by_fractions.items():
+        fraction = f"[0-9]{{1,{SIZE_DECIMALS}}}" if len(fractions) == every else "|".join(fractions)
+        named = "|".join(filter(None, suffixes))
+        suffix = f"({named})" + ("" if all(suffixes) else "?") if named else ""
+        alternatives.append(f"[0-9]+([.]({fraction}))?{suffix}")
+    return "^(" + "|".join(alternatives) + ")$"
+
+
+WHOLE_BYTES_PATTERN = _whole_bytes_pattern()
 
 
 def _positive_size(value: str) -> str:
-    if not re.match(QUANTITY_PATTERN, value):
-        raise ValueError(f"{value!r} is not a size such as 64Gi, 500G or 1Ti")
-    if re.match(ZERO_PATTERN, value):
-        raise ValueError("must be a positive size")
+    if not re.match(SIZE_PATTERN, value):
+        raise ValueError(f"{value!r} {SIZE_MESSAGE}")
+    try:
+        nbytes = parse_size(value)
+    except ValueError:
+        raise ValueError(WHOLE_BYTES_MESSAGE) from None
+    if nbytes == 0:
+        raise ValueError(POSITIVE_MESSAGE)
     return value
+
+
+def _matches(pattern: str) -> str:
+    """A CEL `matches` call of a Python regex (RE2-compatible; backslashes escaped for CEL)."""
+    return "self.matches('" + pattern.replace("\\", "\\\\") + "')"
 
 
 Size = Annotated[
@@ -43,7 +87,10 @@ Size = Annotated[
     AfterValidator(_positive_size),
     Field(
         max_length=32,
-        json_schema_extra={"pattern": QUANTITY_PATTERN, "x-kubernetes-validations": [SIZE_RULE]},
+        json_schema_extra={"pattern": SIZE_PATTERN, "x-kubernetes-validations": [
+            {"rule": _matches(WHOLE_BYTES_PATTERN), "message": WHOLE_BYTES_MESSAGE},
+            {"rule": f"!{_matches(ZERO_PATTERN)}", "message": POSITIVE_MESSAGE},
+        ]},
     ),
 ]
 
@@ -62,11 +109,6 @@ REDIS_URL_MESSAGE = ("must be redis[s]://host[:port][/db] with no query but db=<
                      "come from passwordSecretRef, TLS settings from caSecretRef")
 S3_ENDPOINT_MESSAGE = ("must be http[s]://host[:port][/path] with no query and no fragment: credentials come "
                        "from credentialsSecretRef, TLS settings from caSecretRef")
-
-
-def _matches(pattern: str) -> str:
-    """A CEL `matches` call of a Python regex (RE2-compatible; backslashes escaped for CEL)."""
-    return "self.matches('" + pattern.replace("\\", "\\\\") + "')"
 
 
 def _backend_url(pattern: str, message: str, query_keys: frozenset[str]) -> Any:
@@ -99,17 +141,12 @@ def _normal_path(value: str) -> str:
     return value
 
 
-def size_bytes(value: str) -> int:
-    """Bytes of a Kubernetes quantity (64Gi -> 68719476736)."""
-    return int(parse_quantity(value))
-
-
-def format_size(n: int) -> str:
+def format_size(nbytes: int) -> str:
     """A byte count as a quantity in the largest binary unit that divides it (79456894976 -> 74Gi)."""
     for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if n and n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
+        if nbytes and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
 
 
 def _rules(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
@@ -198,7 +235,7 @@ class ModelSpec(_Model):
     )
 
     @model_validator(mode="after")
-    def _tp_fits(self) -> ModelSpec:
+    def _parallelism_and_args(self) -> ModelSpec:
         if self.gpus and self.tensor_parallel_size > self.gpus:
             raise ValueError("tensorParallelSize must not exceed gpus")
         if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):

@@ -11,27 +11,39 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool_operator import models
+from kvpool_operator.kinds import CHILD_KINDS, ChildKind, optional_settings
 
 RBAC_GROUP = "rbac.authorization.k8s.io"
-# Applied server-side (patch; create when absent), listed to find and compare children, pruned.
-# Never `get` (listing reads them all), never `update` (no PUT anywhere), `watch` only where a
-# handler watches (the workloads whose status flows into the pool's).
-APPLIED = ["list", "create", "patch", "delete"]
+# Children (kinds.CHILD_KINDS): applied server-side (patch; create when absent), listed by label to
+# find and compare them, read by name where the listing shows nothing (so that an apply never goes
+# over someone else's object of that name unseen: `get` reads no more than `list` already does),
+# pruned. Never `update` (no PUT anywhere), `watch` only where a handler watches (the workloads
+# whose status flows into the pool's). Secrets are read by their known names instead of listed
+# (listing would read every Secret in the namespace), created only if absent, completed by patch,
+# pruned. A pool's router needs a ServiceAccount and a RoleBinding of it to the shipped discovery
+# ClusterRole (render/router.py); the `bind` on that one ClusterRole is in `router_binding_rule`.
+APPLIED = ["get", "list", "create", "patch", "delete"]
+BY_NAME = ["get", "create", "patch", "delete"]
+
+
+def child_verbs(kind: ChildKind) -> list[str]:
+    return [*(BY_NAME if kind.by_name else APPLIED), *(["watch"] if kind.watched else [])]
+
+
+def child_rules(kinds: tuple[ChildKind, ...] | list[ChildKind]) -> list[dict[str, Any]]:
+    """One rule per API group and set of verbs, in the order of the kinds table."""
+    grouped: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for kind in kinds:
+        grouped.setdefault((kind.group, tuple(child_verbs(kind))), []).append(kind.plural)
+    return [{"apiGroups": [group], "resources": plurals, "verbs": list(verbs)}
+            for (group, verbs), plurals in grouped.items()]
+
 
 RBAC_RULES: list[dict[str, Any]] = [
     # The pools: kopf watches them and patches finalizers/annotations; child events read one pool.
     {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["patch"]},
-    # Generated Secrets are read by their known names (never listed: listing would read every
-    # Secret in the namespace), created only if absent, completed by patch, pruned.
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps", "services", "serviceaccounts"], "verbs": APPLIED},
-    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": [*APPLIED, "watch"]},
-    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": APPLIED},
-    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": APPLIED},
-    # A pool's router: a RoleBinding of its ServiceAccount to the shipped discovery ClusterRole
-    # (render/router.py); the `bind` on that one ClusterRole is in `router_binding_rule`.
-    {"apiGroups": [RBAC_GROUP], "resources": ["rolebindings"], "verbs": APPLIED},
+    *child_rules([k for k in CHILD_KINDS if k.setting is None]),
     # Kubernetes Events about pools (kopf posts them to core/v1 events, never patches them).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf: CRD observation, namespace observation (namespaced mode), peering between replicas.
@@ -41,11 +53,9 @@ RBAC_RULES: list[dict[str, Any]] = [
 ]
 
 # Granted only with the operator setting of that name (the chart's operator.settings.<camelCase name>
-# grants both): without it the operator never lists or writes these (render.OPTIONAL_KINDS).
+# grants both): without it the operator never lists or writes these kinds (kinds.ChildKind.setting).
 OPTIONAL_RULES: dict[str, list[dict[str, Any]]] = {
-    "inference_pools": [
-        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": APPLIED},
-    ],
+    setting: child_rules([k for k in CHILD_KINDS if k.setting == setting]) for setting in optional_settings()
 }
 
 # Roles for people, aggregated into the built-in `admin` ClusterRole (namespace admins) and `view`

@@ -55,10 +55,10 @@ def _condition(prev: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: st
 
 def _backend_state(backends: dict[str, dict[str, Any] | None]) -> tuple[bool, str]:
     waiting = []
-    for component, sts in sorted(backends.items()):
-        want = (sts or {}).get("spec", {}).get("replicas", 1)
-        ready = (sts or {}).get("status", {}).get("readyReplicas", 0) or 0
-        if sts is None or ready < want:
+    for component, statefulset in sorted(backends.items()):
+        want = (statefulset or {}).get("spec", {}).get("replicas", 1)
+        ready = (statefulset or {}).get("status", {}).get("readyReplicas", 0) or 0
+        if statefulset is None or ready < want:
             waiting.append(f"{component} {ready}/{want} ready")
     return (not waiting, "; ".join(waiting))
 

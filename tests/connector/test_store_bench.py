@@ -11,7 +11,7 @@ import sys
 
 def test_bench_store_reports_every_tier_and_variant(repo_root):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "store", "--json",
+        [sys.executable, "-m", "kvpool_cli", "bench", "store", "--json",
          "--tiers", "cpu,disk,disk-cold,redis,s3", "--chunks", "4", "--s3-chunks", "2",
          "--chunk-size", "600Ki", "--batch", "2", "--rounds", "2", "--rebuild-objects", "50"],
         cwd=repo_root, capture_output=True, text=True, timeout=300)
@@ -31,6 +31,6 @@ def test_bench_store_reports_every_tier_and_variant(repo_root):
 
 def test_bench_store_refuses_an_unknown_tier(repo_root):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "store", "--tiers", "cpu,tape"],
+        [sys.executable, "-m", "kvpool_cli", "bench", "store", "--tiers", "cpu,tape"],
         cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "tape" in proc.stderr

@@ -16,7 +16,7 @@ import pytest
 def bench_report(repo_root, *args: str, timeout: float) -> dict:
     """`kvpool bench e2e --json ARGS` in a subprocess; fails with its log tail on an error."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "e2e", "--json", *args],
+        [sys.executable, "-m", "kvpool_cli", "bench", "e2e", "--json", *args],
         cwd=repo_root, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)

@@ -32,7 +32,7 @@ kvpool_tier_miss_chunks_total{engine="0",tier="redis"} 1.0
 def test_bench_fleet_quick(repo_root, tiny_model, tmp_path):
     report_path = tmp_path / "fleet.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "bench", "fleet", "--quick",
+        [sys.executable, "-m", "kvpool_cli", "bench", "fleet", "--quick",
          "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for line in ("TTFT p50", "TTFT p95", "throughput", "kvpool cpu", "kvpool redis",

@@ -14,7 +14,7 @@ import pytest
 def test_demo_quick(repo_root, tiny_model, tmp_path):
     png, report = tmp_path / "demo.png", tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "demo", "--quick",
+        [sys.executable, "-m", "kvpool_cli", "demo", "--quick",
          "--out", str(png), "--json", str(report)],
         cwd=repo_root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -30,6 +30,7 @@ from aiohttp.test_utils import RawTestServer
 from kmock._internal import dicts, k8s_views  # noqa: F401  (merge semantics of the emulator itself)
 
 from kvpool_operator import models
+from kvpool_operator.kinds import CHILD_KINDS
 
 APPLY = "application/apply-patch+yaml"
 
@@ -38,23 +39,15 @@ RESOURCES = {
         kind=models.KIND, singular=models.SINGULAR, namespaced=True, shortnames={"kvp"},
         subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
     ),
-    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True),
-    "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True),
-    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
-    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
-    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
+    # every kind a pool's children can be (the InferencePool's CRD too, as on a cluster that runs it)
+    **{f"{kind.api_version}/{kind.plural}": kmock.ResourceInfo(kind=kind.kind, namespaced=True)
+       for kind in CHILD_KINDS},
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
     # kopf's discovery waits for these core APIs (its "backbone") before watching anything.
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False),
-    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
-    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
-    "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True),
     "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(kind="Role", namespaced=True),
-    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(kind="RoleBinding", namespaced=True),
-    # the Gateway API Inference Extension's CRD, as on a cluster that runs it
-    "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(kind="InferencePool", namespaced=True),
 }
 for info in RESOURCES.values():
     info.verbs.update({"get", "list", "watch", "create", "patch", "update", "delete"})

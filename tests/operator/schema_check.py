@@ -47,11 +47,11 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
-def _openapi_to_jsonschema(schema: Any) -> Any:
+def openapi_to_jsonschema(schema: Any) -> Any:
     if isinstance(schema, dict):
-        return {k: _openapi_to_jsonschema(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
+        return {k: openapi_to_jsonschema(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
     if isinstance(schema, list):
-        return [_openapi_to_jsonschema(v) for v in schema]
+        return [openapi_to_jsonschema(v) for v in schema]
     return schema
 
 
@@ -77,11 +77,26 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
     return errors
 
 
+def field_schema(*path: str) -> dict[str, Any]:
+    """The CRD's schema of one field of the spec (`field_schema("tiers", "cpu", "size")`)."""
+    schema = pool_schema()["properties"]["spec"]
+    for name in path:
+        schema = schema["properties"][name]
+    return schema
+
+
+def crd_accepts(schema: dict[str, Any], value: Any) -> bool:
+    """OpenAPI (pattern, length) and then every CEL rule, as the API server checks one field."""
+    if list(jsonschema.Draft7Validator(openapi_to_jsonschema(schema)).iter_errors(value)):
+        return False
+    return not cel_errors(schema, value)
+
+
 def api_server_errors(pool: dict[str, Any]) -> list[str]:
     """[] if the API server would accept the pool; else one message per violation."""
     schema = pool_schema()
     defaulted = apply_defaults(schema, pool)
-    validator = jsonschema.Draft7Validator(_openapi_to_jsonschema(schema))
+    validator = jsonschema.Draft7Validator(openapi_to_jsonschema(schema))
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(defaulted)]
     if errors:
         return errors  # the API server stops before CEL when the schema fails

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from kvpool_operator.reconcile.children import is_subset, owner_reference, plan, with_owner
+from kvpool_operator.reconcile.children import is_subset, key_of, owner_reference, plan, with_owner
 from kvpool_operator.reconcile.secrets import SecretAction, generated_values, plan_secret
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.render import render
@@ -92,6 +92,34 @@ def test_someone_elses_secret_is_a_conflict_and_left_alone(settings):
     assert isinstance(plan_secret(secret, other_pool, "tiered-full"), str)
     steps = plan([secret], {("v1", "Secret", "tiered-full-redis"): foreign}, "u1")
     assert steps.conflicts and steps.apply == [] and steps.secrets == [] and steps.prune == []
+
+
+def test_an_apply_goes_only_over_the_pools_own_objects(settings):
+    """Someone else's object at a child's name is a conflict, never applied over (a forced
+    server-side apply would take it over); one labelled as the pool's child and owned by nothing
+    (restored from a backup, orphaned) is adopted."""
+    rendered = render(load_example("tiered-full"), settings)
+    desired = [with_owner(m, {"uid": "u1"}) for m in rendered]
+    live = _live(rendered, "u1")
+    key = ("v1", "ConfigMap", "tiered-full-kvpool")
+    ours = live[key]
+
+    live[key] = {"metadata": {"name": "tiered-full-kvpool"}, "data": {"mine": "1"}}
+    steps = plan(desired, live, "u1")
+    assert steps.conflicts == [
+        "ConfigMap/tiered-full-kvpool exists and is not this pool's (not labelled kvpool.dev/pool=tiered-full, "
+        "owned by nothing): the operator never takes over an object it did not create; delete or rename it"]
+    assert key not in [key_of(m) for m in steps.apply]
+
+    left_over = {"kind": "KVCachePool", "name": "tiered-full", "uid": "u0"}  # a deleted pool of the same name
+    live[key] = {**ours, "metadata": {**ours["metadata"], "ownerReferences": [left_over]}}
+    (conflict,) = plan(desired, live, "u1").conflicts
+    assert conflict.startswith("ConfigMap/tiered-full-kvpool exists and is not this pool's (owned by "
+                               "KVCachePool/tiered-full (uid u0))")
+
+    live[key] = {**ours, "metadata": {k: v for k, v in ours["metadata"].items() if k != "ownerReferences"}}
+    steps = plan(desired, live, "u1")
+    assert steps.conflicts == [] and [key_of(m) for m in steps.apply] == [key]
 
 
 def test_generated_values_have_the_form_their_consumers_need():

@@ -1,13 +1,16 @@
-"""docs/operator.md: the API reference is generated from the models and must be current."""
+"""docs/operator.md: the API reference is generated from the models and must be current;
+docs/development.md: every path it names exists (the map must stay true)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvpool_dev.apidoc import reference, replace_section
 from tests.operator.conftest import example_ids
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "operator.md"
 
 
 def test_api_reference_is_current():
@@ -20,3 +23,10 @@ def test_examples_are_documented():
     text = DOC.read_text()
     for name in example_ids():
         assert f"`{name}`" in text, name
+
+
+def test_every_path_the_development_guide_names_exists():
+    text = (REPO / "docs" / "development.md").read_text()
+    paths = set(re.findall(r"`([\w.-]+/[\w./-]*)`", text))  # `a/b.py`, `connector/` (no placeholders)
+    assert len(paths) > 30
+    assert [p for p in sorted(paths) if not (REPO / p).exists()] == []

@@ -153,7 +153,7 @@ def test_dashboard_uses_only_real_metrics():
             assert base in vllm_names, f"{name} is not a vLLM metric"
 
 
-def test_dashboard_covers_the_issue_panels_and_labels():
+def test_dashboard_shows_hits_bytes_latency_drops_and_corruption_per_tier_and_pool():
     titles = " ".join(p["title"].lower() for p in DASHBOARD["panels"])
     for topic in ("hit rate per tier", "bytes moved", "load latency", "drops", "corrupt"):
         assert topic in titles

@@ -170,7 +170,8 @@ def test_opt_in_rules_only_with_their_setting(namespaced: bool):
 
     ip = {t for t in grants({**base, "operator.settings.inferencePools": True})
           if t[1] == "inferencepools"}
-    assert ip == {("inference.networking.k8s.io", "inferencepools", v, None) for v in ("list", "create", "patch", "delete")}
+    assert ip == {("inference.networking.k8s.io", "inferencepools", v, None)
+                  for v in ("get", "list", "create", "patch", "delete")}
     assert not {t for t in grants(base) if t[1] == "inferencepools"}
 
 

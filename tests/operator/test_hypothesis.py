@@ -4,23 +4,18 @@ secret written into a spec (a URL with credentials) never reaches a rendered obj
 
 from __future__ import annotations
 
-import json
-
 import yaml
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from kvpool_connector.connector.config import load_connector_config
-from kvpool_operator.reconcile.secrets import generated_values
-from kvpool_operator.render import InvalidPool, load_pool, render
-from kvpool_operator.render.secrets import generate_keys, generated_secret_names
-from kvpool_operator.render.service import pool_endpoints
+from kvpool_operator.render import InvalidPool, render
 from kvpool_operator.settings import Settings
-from kvpool_operator.status import Observation, compute_status
 from tests.operator.schema_check import api_server_errors, validate_child
+from tests.operator.secret_leaks import SENTINEL, assert_no_secret_values
 
 SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",), inference_pools=True)  # what the specs below may ask
-SENTINEL = "s3cr3t-Sentinel"  # a secret someone wrote into a spec; it must be refused or stay out
-SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3"])
+SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3",
+                         "1.5", "0.3Ki", "1.0000001k", "0.5Ki"])  # the middle three: fractions of a byte
 VOLUMES = st.fixed_dictionaries({}, optional={
     "hostPath": st.just({"path": "/mnt/nvme0"}),
     "emptyDir": st.sampled_from([{}, {"medium": "Memory"}]),
@@ -127,7 +122,7 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
     assert kinds.count("InferencePool") == int(spec.get("inferencePool", {}).get("enabled", False))
     for manifest in manifests:
         validate_child(manifest)
-    assert_no_secret_values(obj, manifests)
+    assert_no_secret_values(obj, manifests, SETTINGS)
     assert_connector_accepts(manifests)
 
 
@@ -137,20 +132,3 @@ def assert_connector_accepts(manifests):
     data = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]
     if "connector.yaml" in data:
         load_connector_config(yaml.safe_load(data["connector.yaml"]))
-
-
-def assert_no_secret_values(obj, manifests):
-    """No secret reaches a rendered object or the status: neither one written into the spec, nor a
-    generated credential (values exist only in the Secret the reconciler creates)."""
-    pool = load_pool(obj, SETTINGS)
-    status = compute_status(Observation(generation=1, desired_replicas=pool.spec.replicas, selector="s",
-                                        endpoints=pool_endpoints(pool)), "2026-01-01T00:00:00Z")
-    generated = []
-    for manifest in manifests:
-        if manifest["kind"] == "Secret":
-            assert "data" not in manifest and "stringData" not in manifest
-            assert manifest["metadata"]["name"] in generated_secret_names(obj["metadata"]["name"])
-            generated += generated_values(generate_keys(manifest)).values()
-    blob = json.dumps([manifests, status])
-    assert SENTINEL not in blob
-    assert not [value for value in generated if value in blob]

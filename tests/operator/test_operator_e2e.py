@@ -26,7 +26,7 @@ import yaml
 from kvpool_operator import models
 from kvpool_operator.kube import Kube
 from kvpool_operator.reconcile.handlers import build_registry
-from kvpool_operator.render.common import CHECKSUM_ANNOTATION, GENERATE_ANNOTATION, MANAGER
+from kvpool_operator.render.common import CHECKSUM_ANNOTATION, MANAGER
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
 from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, http_server, live, requests
@@ -349,6 +349,29 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         await eventually(lambda: pool_obj(server) is None, message="pool deleted")
         # Kubernetes' garbage collector (absent here) deletes the children via their ownerReferences.
         assert child(server, "apps/v1/deployments", "tiered-full")["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+@pytest.mark.parametrize("field,spec", [
+    ("spec.tiers.cpu.size", {"tiers": {"cpu": {"size": "1.5"}}}),
+    ("spec.model.shmSize", {"model": {"shmSize": "0.3Ki"}}),
+    ("spec.tiers.disk.size", {"tiers": {"disk": {"size": "1.0000001k"}}}),
+], ids=["1.5", "0.3Ki", "1.0000001k"])
+async def test_a_size_of_a_fraction_of_a_byte_is_reported_and_nothing_is_deleted(server, op_settings, field, spec):
+    """A size that is no whole number of bytes (stored before the CRD refused it, or applied
+    around it) gets ConfigValid=False naming the field, and no child is deleted or rewritten."""
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        writes_before = len(child_writes(server))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": spec})
+        cond = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 2
+                                and conditions(server)["ConfigValid"], message="the bad size's pass")
+        assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+        assert cond["message"].startswith(f"{field}: "), cond["message"]
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+        assert len(child_writes(server)) == writes_before
+        for resource, name in ALL_CHILDREN:
+            assert child(server, resource, name) is not None, (resource, name)
 
 
 async def test_restart_converges_without_rewriting_unchanged_children(server, op_settings, operator_log):
@@ -763,6 +786,34 @@ async def test_someone_elses_secret_under_a_generated_name_is_never_overwritten(
         await eventually(lambda: "poolKey" in (child(server, "v1/secrets", "tiered-full-kvpool-keys") or {}).get(
             "data", {}), message="generated keys")
         await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid")
+
+
+async def test_someone_elses_object_at_a_childs_name_is_never_taken_over(server):
+    """A ConfigMap of someone else's where the pool's belongs: no server-side apply goes over it
+    (force would take its fields, labels and owner); status and a Warning Event name it, nothing is
+    applied; once its owner removes it, the operator creates the pool's children."""
+    theirs = {"metadata": {"name": "tiered-full-kvpool", "labels": {"app": "theirs"}}, "data": {"keep": "me"}}
+    await send(server, "post", f"/api/v1/namespaces/{NS}/configmaps", theirs)
+    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), retry_delay=0.5)
+    async with running_operator(server, settings):
+        await send(server, "post", POOLS_URL, load_example("tiered-full"))
+        cond = await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "False"
+                                and conditions(server)["ConfigValid"], message="the conflict is reported")
+        assert cond["message"].startswith("ConfigMap/tiered-full-kvpool exists and is not this pool's"), cond
+        await eventually(lambda: ("Warning", "InvalidSpec") in event_reasons(server, with_type=True))
+        assert [r for r in child_writes(server) if not r.headers.get("User-Agent", "").startswith("kmock/")] == []
+        configmap = child(server, "v1/configmaps", "tiered-full-kvpool")
+        assert configmap["data"] == {"keep": "me"} and configmap["metadata"]["labels"] == {"app": "theirs"}
+        assert not configmap["metadata"].get("ownerReferences")
+        assert child(server, "apps/v1/deployments", "tiered-full") is None
+
+        async with server.request("delete", f"/api/v1/namespaces/{NS}/configmaps/tiered-full-kvpool") as resp:
+            assert resp.status < 300
+        uid = pool_obj(server)["metadata"]["uid"]
+        ours = await eventually(lambda: (child(server, "v1/configmaps", "tiered-full-kvpool") or {}).get(
+            "metadata", {}).get("ownerReferences"), message="created once theirs is gone")
+        assert ours[0]["uid"] == uid
+        await eventually(lambda: conditions(server)["ConfigValid"]["status"] == "True", message="valid again")
 
 
 async def test_no_secret_value_leaves_its_secret(server, caplog):

@@ -13,7 +13,8 @@ from kvpool_operator.rbac import (
     router_binding_rule,
     rules_for,
 )
-from kvpool_operator.render import CHILD_KINDS, OPTIONAL_KINDS, child_kinds, render
+from kvpool_operator.kinds import CHILD_KINDS, enabled
+from kvpool_operator.render import render
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
 
@@ -22,14 +23,14 @@ EXPECTED = {
     (models.GROUP, models.PLURAL): {"get", "list", "watch", "patch"},
     (models.GROUP, f"{models.PLURAL}/status"): {"patch"},
     ("", "secrets"): {"get", "create", "patch", "delete"},
-    ("", "configmaps"): {"list", "create", "patch", "delete"},
-    ("", "services"): {"list", "create", "patch", "delete"},
-    ("", "serviceaccounts"): {"list", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "create", "patch", "delete"},
-    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
-    ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"list", "create", "patch", "delete"},
-    ("networking.k8s.io", "networkpolicies"): {"list", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "list", "create", "patch", "delete"},
+    ("", "services"): {"get", "list", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"get", "list", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "create", "patch", "delete"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
@@ -38,7 +39,8 @@ EXPECTED = {
 }
 # Opt-in (chart operator.settings.<key>): granted only together with the setting that uses them.
 EXPECTED_OPTIONAL = {
-    "inference_pools": {("inference.networking.k8s.io", "inferencepools"): {"list", "create", "patch", "delete"}},
+    "inference_pools": {("inference.networking.k8s.io", "inferencepools"): {"get", "list", "create", "patch",
+                                                                            "delete"}},
 }
 
 
@@ -92,15 +94,15 @@ def test_the_router_is_bound_to_the_one_clusterrole_the_operator_may_bind():
 
 
 def test_optional_kinds_follow_their_setting():
-    assert set(child_kinds(Settings())) == set(CHILD_KINDS)
-    optional = {kind for kinds in OPTIONAL_KINDS.values() for kind in kinds}
-    assert set(child_kinds(Settings(inference_pools=True))) == set(CHILD_KINDS) | optional
-    assert set(OPTIONAL_KINDS) == set(OPTIONAL_RULES)
-    for setting, kinds in OPTIONAL_KINDS.items():  # every optional kind has the optional rule of its setting
-        for api_version, kind in kinds:
-            group = api_version.rpartition("/")[0]
-            assert not allows(group, PLURALS[(api_version, kind)], "list")
-            assert allows(group, PLURALS[(api_version, kind)], "list", OPTIONAL_RULES[setting])
+    always = {k for k in CHILD_KINDS if k.setting is None}
+    optional = {k for k in CHILD_KINDS if k.setting is not None}
+    assert optional and set(enabled(Settings())) == always
+    assert set(enabled(Settings(inference_pools=True))) == always | optional
+    assert {k.setting for k in optional} == set(OPTIONAL_RULES)
+    for kind in optional:  # every optional kind has the optional rule of its setting, and only that
+        assert not allows(kind.group, kind.plural, "list")
+        assert allows(kind.group, kind.plural, "list", OPTIONAL_RULES[kind.setting])
+        assert PLURALS[kind.key] == kind.plural
 
 
 def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
@@ -117,8 +119,17 @@ def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
 
 def test_every_child_kind_can_be_applied_and_pruned():
     everything = rules_for(Settings(inference_pools=True))
-    for api_version, kind in child_kinds(Settings(inference_pools=True)):
-        group = api_version.rpartition("/")[0]
-        read = "get" if kind == "Secret" else "list"
-        for verb in (read, "create", "patch", "delete"):
-            assert allows(group, PLURALS[(api_version, kind)], verb, everything), (kind, verb)
+    for kind in enabled(Settings(inference_pools=True)):
+        reads = ["get"] if kind.by_name else ["get", "list"]
+        for verb in (*reads, "create", "patch", "delete", *(["watch"] if kind.watched else [])):
+            assert allows(kind.group, kind.plural, verb, everything), (kind.kind, verb)
+
+
+def test_every_kind_a_renderer_produces_is_a_child_kind():
+    """A new rendered kind must enter kinds.CHILD_KINDS (its RBAC, listing and pruning follow)."""
+    from kvpool_dev.golden import GOLDEN_SETTINGS  # inference_pools on: every example renders
+    from tests.operator.conftest import example_ids
+
+    rendered = {(m["apiVersion"], m["kind"]) for name in example_ids()
+                for m in render(load_example(name), GOLDEN_SETTINGS)}
+    assert rendered == {k.key for k in CHILD_KINDS}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -10,11 +11,12 @@ import yaml
 
 from kvpool_operator import models
 from kvpool_dev.golden import examples, golden_text
-from kvpool_operator.render import InvalidPool, render
+from kvpool_operator.render import InvalidPool, load_pool, render, render_pool
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import GOLDEN_DIR, REQUIRED_EXAMPLES, example_ids, load_example
 from tests.operator.schema_check import validate_child
+from tests.operator.secret_leaks import assert_no_secret_values
 
 TIERED_KV_TRANSFER_CONFIG = (
     '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool_connector.vllm",'
@@ -393,6 +395,24 @@ def test_invalid_pool_names_the_field(settings):
         render(pool, settings)
 
 
+@pytest.mark.parametrize("size", ["1.5", "0.3Ki", "1.0000001k"])
+def test_a_size_of_a_fraction_of_a_byte_is_an_invalid_pool_naming_the_field(settings, size):
+    pool = load_example("tiered-full")
+    pool["spec"]["tiers"]["cpu"]["size"] = size
+    with pytest.raises(InvalidPool, match=r"^spec\.tiers\.cpu\.size: "):
+        render(pool, settings)
+
+
+def test_a_renderer_that_fails_raises_invalid_pool_naming_it(settings):
+    """A spec the models let through but a renderer cannot build (here a size the connector's
+    config refuses, set past validation) is an InvalidPool, never a bare exception."""
+    pool = load_pool(load_example("tiered-full"), settings)
+    tiers = pool.spec.tiers.model_copy(update={"cpu": pool.spec.tiers.cpu.model_copy(update={"size": "0.3Ki"})})
+    broken = dataclasses.replace(pool, spec=pool.spec.model_copy(update={"tiers": tiers}))
+    with pytest.raises(InvalidPool, match=r"^configmap: cannot render: size: .*0.3Ki.* is not a whole number of bytes$"):
+        render_pool(broken)
+
+
 @pytest.mark.parametrize("name", example_ids())
 def test_every_shared_store_is_keyed_by_the_pool_key(name, settings):
     """Wherever a kvpool store runs (tiered mode, native's kvpool tier) it gets the pool key by env."""
@@ -501,10 +521,8 @@ def test_external_redis_with_a_private_ca_and_acl_user(settings):
 @pytest.mark.parametrize("name", example_ids())
 def test_no_example_renders_a_secret_value(name, settings):
     """Not a value from a Secret (generated ones exist only at apply time) in any child or status."""
-    from tests.operator.test_hypothesis import assert_no_secret_values
-
     pool = load_example(name)
-    assert_no_secret_values(pool, render(pool, settings, "kvpool"))
+    assert_no_secret_values(pool, render(pool, settings, "kvpool"), settings)
 
 
 def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):

@@ -143,7 +143,7 @@ def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> P
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Generate a local random-weight Llama model")
+    ap = argparse.ArgumentParser(prog="kvpool model", description="Generate a local random-weight Llama model")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)

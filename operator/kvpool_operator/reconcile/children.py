@@ -2,8 +2,10 @@
 
 The decision of what to do is pure (`plan`); `reconcile` is the thin I/O around it.
 Children are found by label (`kvpool.dev/pool=<name>`, `app.kubernetes.io/managed-by`), generated
-Secrets by their few possible names (the operator may not list Secrets), and are pruned only when
-they carry an ownerReference to this very pool (same uid).
+Secrets by their few possible names (the operator may not list Secrets), and whatever else stands
+at a child's name by reading that name. They are applied only over objects that are this pool's
+(someone else's object of that name is a conflict, reported, never taken over) and pruned only
+when they carry an ownerReference to this very pool (same uid).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kvpool_operator import models, policy
 from kvpool_operator.kube import Kube
-from kvpool_operator.render import InvalidPool, Pool, child_kinds, load_pool, render_pool
+from kvpool_operator.kinds import SECRET, WATCHED, ChildKind, enabled
+from kvpool_operator.render import InvalidPool, Pool, load_pool, render_pool
 from kvpool_operator.naming import MANAGER, POOL_LABEL
-from kvpool_operator.reconcile.secrets import SecretAction, execute, plan_secret
+from kvpool_operator.reconcile.secrets import SecretAction, execute, is_ours, plan_secret
 from kvpool_operator.render.router import router_name
 from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.render.secretrefs import referenced_secrets
@@ -30,9 +33,6 @@ from kvpool_operator.settings import Settings
 from kvpool_operator.status import Observation, compute_status
 
 Key = tuple[str, str, str]  # apiVersion, kind, name
-
-SECRET = ("v1", "Secret")
-WORKLOAD_KINDS = (("apps/v1", "Deployment"), ("apps/v1", "StatefulSet"))  # all that status reads
 
 
 def key_of(manifest: dict[str, Any]) -> Key:
@@ -65,6 +65,20 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
+def foreign(key: Key, obj: dict[str, Any], pool_name: str, uid: str) -> str | None:
+    """Why a live object of a child's name is not this pool's to apply over, or None when it is:
+    owned by the pool, or labelled as its child and owned by nothing (restored from a backup, or
+    orphaned by a deletion: adopted). A server-side apply with `force` would take anything else
+    over, fields, labels and owner alike."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    if owned_by(obj, uid) or (not refs and is_ours(obj, pool_name)):
+        return None
+    owners = ", ".join(f"{r.get('kind')}/{r.get('name')} (uid {r.get('uid')})" for r in refs)
+    whose = f"owned by {owners}" if refs else f"not labelled {POOL_LABEL}={pool_name}, owned by nothing"
+    return (f"{describe(key)} exists and is not this pool's ({whose}): the operator never takes over an "
+            "object it did not create; delete or rename it")
+
+
 def _empty(value: Any) -> bool:
     return value is None or value == {} or value == [] or value == ""
 
@@ -76,7 +90,10 @@ def _scalar_equal(want: Any, have: Any) -> bool:
         if str(want) == str(have):
             return True  # the API server turns quantities like `1` into "1"
         try:
-            return parse_quantity(want) == parse_quantity(have)  # "1024Mi" == "1Gi"
+            # Kubernetes' own quantity grammar, on purpose: these are fields of Kubernetes objects as
+            # the API server writes them back ("1Gi" may return as "1024Mi", "0.5" as "500m", CPU in
+            # millicores), not kvpool sizes (parse_size's grammar, checked before anything renders).
+            return parse_quantity(want) == parse_quantity(have)
         except ValueError:
             return False
     return False
@@ -99,28 +116,33 @@ def is_subset(want: Any, have: Any) -> bool:
 class Plan:
     apply: list[dict[str, Any]] = field(default_factory=list)
     secrets: list[SecretAction] = field(default_factory=list)  # generated Secrets to create or complete
-    conflicts: list[str] = field(default_factory=list)  # someone else's Secret where ours belongs
+    conflicts: list[str] = field(default_factory=list)  # someone else's object where a child belongs
     unchanged: list[Key] = field(default_factory=list)
     prune: list[Key] = field(default_factory=list)
 
 
 def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_uid: str,
          keep: frozenset[Key] = frozenset()) -> Plan:
-    """Pure: which children to apply, which are already right, which to delete (never `keep`)."""
+    """Pure: which children to apply, which are already right, which to delete (never `keep`),
+    and which names someone else's object holds (`live` must hold whatever stands at each desired
+    name, labelled or not: every apply is checked against it)."""
     out = Plan()
     wanted = set()
     for manifest in desired:
         key = key_of(manifest)
         wanted.add(key)
         current = live.get(key)
+        pool_name = manifest["metadata"]["labels"][POOL_LABEL]
         if generate_keys(manifest):  # never applied: created once, completed, never rewritten
-            action = plan_secret(manifest, current, manifest["metadata"]["labels"][POOL_LABEL])
+            action = plan_secret(manifest, current, pool_name)
             if isinstance(action, str):
                 out.conflicts.append(action)
             elif action is None:
                 out.unchanged.append(key)
             else:
                 out.secrets.append(action)
+        elif current is not None and (problem := foreign(key, current, pool_name, owner_uid)):
+            out.conflicts.append(problem)
         elif current is not None and is_subset(manifest, current):
             out.unchanged.append(key)
         else:
@@ -146,25 +168,41 @@ def selector_string(pool_name: str) -> str:
     return f"app.kubernetes.io/component=engine,app.kubernetes.io/instance={pool_name},{POOL_LABEL}={pool_name}"
 
 
-def listed_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
-    """Every child kind these settings allow, less Secrets (read by name, never listed)."""
-    return tuple(k for k in child_kinds(settings) if k != SECRET)
+def listed_kinds(settings: Settings) -> tuple[ChildKind, ...]:
+    """Every child kind these settings allow, less those read by name only (Secrets)."""
+    return tuple(k for k in enabled(settings) if not k.by_name)
 
 
-def list_children(kube: Kube, namespace: str, pool_name: str, kinds: tuple[tuple[str, str], ...],
+def list_children(kube: Kube, namespace: str, pool_name: str, kinds: tuple[ChildKind, ...],
                   secrets: bool = True) -> dict[Key, dict[str, Any]]:
     """Live children of `kinds` by label, plus (with `secrets`) generated Secrets by name."""
     labels = {POOL_LABEL: pool_name, "app.kubernetes.io/managed-by": MANAGER}
     live: dict[Key, dict[str, Any]] = {}
-    for api_version, kind in kinds:
-        for obj in kube.list(api_version, kind, namespace, labels):
-            live[(api_version, kind, obj["metadata"]["name"])] = obj
+    for kind in kinds:
+        for obj in kube.list(kind.api_version, kind.kind, namespace, labels):
+            live[(*kind.key, obj["metadata"]["name"])] = obj
     if secrets:
         for name in generated_secret_names(pool_name):
             secret = kube.get(*SECRET, namespace, name)
             if secret is not None:  # someone else's too: plan() must see it to leave it alone
                 live[(*SECRET, name)] = secret
     return live
+
+
+def unlisted(kube: Kube, namespace: str, desired: list[dict[str, Any]],
+             live: dict[Key, dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """Objects at the names of desired children that the label listing did not show: someone
+    else's, or ours with our labels removed. Read by name so that no apply goes over them unseen
+    (Secrets were read by name already). An object created between this read and the apply is
+    the one gap left: server-side apply has no create-only precondition."""
+    found = {}
+    for manifest in desired:
+        key = key_of(manifest)
+        if key not in live and key[:2] != SECRET:
+            obj = kube.get(key[0], key[1], namespace, key[2])
+            if obj is not None:
+                found[key] = obj
+    return found
 
 
 def secret_value(secret: dict[str, Any], key: str) -> str | None:
@@ -234,6 +272,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     recheck = False
     try:
         pool = load_pool(body, settings)
+        rendered = render_pool(pool)
         invalid = check_secrets(kube, pool)
         recheck = invalid is not None
     except InvalidPool as exc:
@@ -244,11 +283,11 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
 
     assert pool is not None
     ref = owner_reference(body)
-    desired = [with_owner(m, ref) for m in render_pool(pool)]
+    desired = [with_owner(m, ref) for m in rendered]
     # a Secret the spec now names (say keysSecretRef: <name>-kvpool-keys) is in use, never pruned
     in_use = frozenset((*SECRET, r.name) for r in referenced_secrets(pool))
-    steps = plan(desired, live, uid, keep=in_use)
-    if steps.conflicts:  # someone else's Secret stands where ours belongs: touch nothing, look again later
+    steps = plan(desired, {**live, **unlisted(kube, namespace, desired, live)}, uid, keep=in_use)
+    if steps.conflicts:  # someone else's object stands where ours belongs: touch nothing, look again later
         invalid = "; ".join(steps.conflicts)
         status = compute_status(_observation(body, pool, live, invalid=invalid), now)
         return Outcome(status=status, invalid=invalid, recheck=True, unchanged=len(live))
@@ -299,7 +338,7 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     if previous.get("observedGeneration") is None:
         return None
     meta = body["metadata"]
-    live = list_children(kube, meta["namespace"], meta["name"], WORKLOAD_KINDS, secrets=False)
+    live = list_children(kube, meta["namespace"], meta["name"], WATCHED, secrets=False)
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:

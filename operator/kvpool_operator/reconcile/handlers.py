@@ -17,6 +17,7 @@ from kubernetes.client import ApiException
 from urllib3.exceptions import HTTPError
 
 from kvpool_operator import models
+from kvpool_operator.kinds import WATCHED
 from kvpool_operator.kube import Kube
 from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, refresh_status
 from kvpool_operator.naming import MANAGER, POOL_LABEL
@@ -139,10 +140,10 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
         except (ApiException, HTTPError) as exc:
             logger.warning("status refresh of %s/%s failed: %s", namespace, owner_name, getattr(exc, "reason", exc))
 
-    for plural in ("deployments", "statefulsets"):
-        kopf.on.event("apps", "v1", plural, labels=child_labels, registry=registry, id=f"status-{plural}")(
-            child_status
-        )
+    for kind in WATCHED:
+        group, _, version = kind.api_version.rpartition("/")
+        kopf.on.event(group, version, kind.plural, labels=child_labels, registry=registry,
+                      id=f"status-{kind.plural}")(child_status)
 
     @kopf.on.delete(**resource, registry=registry, optional=True, id="goodbye")
     def goodbye(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:

@@ -22,9 +22,10 @@ from kvpool_operator.render.secrets import render_secrets
 from kvpool_operator.render.service import render_service
 from kvpool_operator.settings import Settings
 
-__all__ = ["InvalidPool", "Pool", "load_pool", "render", "render_pool", "CHILD_KINDS", "OPTIONAL_KINDS", "child_kinds"]
+__all__ = ["InvalidPool", "Pool", "load_pool", "render", "render_pool"]
 
-# Dependencies first: Secrets and config before the workloads that mount them.
+# Dependencies first: Secrets and config before the workloads that mount them. Every kind they
+# produce is in kinds.CHILD_KINDS (what the reconciler lists and prunes, and RBAC grants).
 RENDERERS = (
     render_secrets,
     render_configmap,
@@ -38,31 +39,25 @@ RENDERERS = (
     render_inference_pool,
 )
 
-# (apiVersion, kind) of everything render can produce: what the reconciler lists for pruning.
-CHILD_KINDS = (
-    ("v1", "Secret"),
-    ("v1", "ConfigMap"),
-    ("apps/v1", "StatefulSet"),
-    ("v1", "Service"),
-    ("networking.k8s.io/v1", "NetworkPolicy"),
-    ("apps/v1", "Deployment"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-)
-# Kinds the operator renders, lists and prunes only when a setting allows them (it holds no RBAC
-# for them otherwise, and their CRD may not be installed): setting name -> kinds.
-OPTIONAL_KINDS = {"inference_pools": (("inference.networking.k8s.io/v1", "InferencePool"),)}
-
-
-def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
-    """CHILD_KINDS plus the optional kinds these settings turn on."""
-    extra = tuple(kind for setting, kinds in OPTIONAL_KINDS.items() if getattr(settings, setting) for kind in kinds)
-    return CHILD_KINDS + extra
-
 
 def render_pool(pool: Pool) -> list[dict[str, Any]]:
-    return [manifest for renderer in RENDERERS for manifest in renderer(pool)]
+    """Every child of a validated pool. A renderer that fails anyway (a spec the models let through
+    and a renderer cannot build) raises InvalidPool naming it: the reconciler reports that as
+    ConfigValid=False like any bad spec, instead of a traceback on every retry."""
+    manifests = []
+    for renderer in RENDERERS:
+        try:
+            manifests += renderer(pool)
+        except Exception as exc:  # noqa: BLE001  (whatever it is, the pool cannot be rendered)
+            raise InvalidPool(f"{renderer.__name__.removeprefix('render_')}: cannot render: {_one_line(exc)}") from exc
+    return manifests
+
+
+def _one_line(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)  # a pydantic ValidationError of a model a renderer builds
+    if callable(errors):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in errors())
+    return f"{type(exc).__name__}: {exc}"
 
 
 def render(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> list[dict[str, Any]]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvpool_connector.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig
+from kvpool_connector.config import (CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig,
+                                     parse_size)
 from kvpool_connector.connector.config import ConnectorConfig
 
-from kvpool_operator import models
 from kvpool_operator.render.common import (
     CONFIG_FILE,
     DISK_PATH,
@@ -69,17 +69,17 @@ STAGING_BYTES = "1Gi"
 
 def buffer_bytes(pool: Pool) -> int:
     """Bytes of write queues and staging a pod's stores may hold: part of its memory request."""
-    cfg = connector_config(pool)
-    if cfg is None:
+    config = connector_config(pool)
+    if config is None:
         return 0
-    queues = (len(cfg.tiers) - 1) * models.size_bytes(QUEUE_BYTES)  # every tier after the first
-    return queues + (models.size_bytes(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
+    queues = (len(config.tiers) - 1) * parse_size(QUEUE_BYTES)  # every tier after the first
+    return queues + (parse_size(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
 
 
 def _per_rank(pool: Pool, size: str) -> str:
     """Tier sizes in the spec are per pod; with tensor parallelism every rank keeps its own share."""
-    tp = pool.spec.model.tensor_parallel_size
-    return size if tp == 1 else str(models.size_bytes(size) // tp)
+    ranks = pool.spec.model.tensor_parallel_size
+    return size if ranks == 1 else str(parse_size(size) // ranks)
 
 
 def redis_url(pool: Pool) -> str:
@@ -132,17 +132,18 @@ def backend_ca(pool: Pool, tier: str) -> tuple[str, str] | None:
 def _s3_tier(pool: Pool) -> S3TierConfig:
     s3 = pool.spec.tiers.s3
     assert s3 is not None
-    ca = {"tls_ca_file": ca_file("s3")} if backend_ca(pool, "s3") is not None else {}
+    tls = {"tls_ca_file": ca_file("s3")} if backend_ca(pool, "s3") is not None else {}
     if s3.managed is not None:  # the bucket exists before the engines can reach MinIO (its bootstrap)
         return S3TierConfig(type="s3", endpoint=s3_endpoint(pool), bucket=MINIO_BUCKET, prefix="", region="us-east-1",
                             access_key_env=S3_ACCESS_KEY_ENV, secret_key_env=S3_SECRET_KEY_ENV,
-                            path_style=True, create_bucket=False, **ca)
-    ext = s3.external
-    assert ext is not None
+                            path_style=True, create_bucket=False, **tls)
+    external = s3.external
+    assert external is not None
     credentials = ({"access_key_env": S3_ACCESS_KEY_ENV, "secret_key_env": S3_SECRET_KEY_ENV}
-                   if ext.credentials_secret_ref is not None else {})
-    return S3TierConfig(type="s3", endpoint=ext.endpoint, bucket=ext.bucket, prefix=ext.prefix, region=ext.region,
-                        **credentials, path_style=ext.path_style, create_bucket=False, **ca)
+                   if external.credentials_secret_ref is not None else {})
+    return S3TierConfig(type="s3", endpoint=external.endpoint, bucket=external.bucket, prefix=external.prefix,
+                        region=external.region, **credentials, path_style=external.path_style, create_bucket=False,
+                        **tls)
 
 
 def vllm_fs_disk(pool: Pool) -> bool:
@@ -183,8 +184,8 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
 
 def mounted_store_config(pool: Pool) -> dict[str, Any] | None:
     """The YAML mounted at /etc/kvpool/connector.yaml (the fields set above, sizes in bytes)."""
-    cfg = connector_config(pool)
-    return None if cfg is None else cfg.model_dump(mode="json", exclude_unset=True)
+    config = connector_config(pool)
+    return None if config is None else config.model_dump(mode="json", exclude_unset=True)
 
 
 def kv_transfer_config(pool: Pool) -> dict[str, Any]:
@@ -200,7 +201,7 @@ def kv_transfer_config(pool: Pool) -> dict[str, Any]:
     tiers = pool.spec.tiers
     assert tiers.cpu is not None  # validated: native needs a CPU tier
     extra: dict[str, Any] = {
-        "cpu_bytes_to_use": models.size_bytes(tiers.cpu.size),
+        "cpu_bytes_to_use": parse_size(tiers.cpu.size),
         "eviction_policy": tiers.cpu.eviction_policy,
         "block_size": pool.spec.chunk_tokens,
     }

@@ -13,6 +13,8 @@ import copy
 import json
 from typing import Any
 
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
@@ -69,7 +71,7 @@ def memory(pool: Pool) -> str:
     store config), /dev/shm (tmpfs pages count as the pod's memory) and vLLM's own process."""
     spec = pool.spec
     parts = [spec.model.shm_size, spec.model.memory_overhead, *([spec.tiers.cpu.size] if spec.tiers.cpu else [])]
-    return models.format_size(sum(models.size_bytes(p) for p in parts) + buffer_bytes(pool))
+    return models.format_size(sum(parse_size(p) for p in parts) + buffer_bytes(pool))
 
 
 def _resources(pool: Pool) -> dict[str, Any]:
@@ -91,26 +93,26 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
     disk = pool.spec.tiers.disk
     if disk is None:
         return None
-    vol = disk.volume
-    if vol.host_path is not None:
+    source = disk.volume
+    if source.host_path is not None:
         # Directory, not DirectoryOrCreate: a missing NVMe mount fails the pod instead of filling the
         # node's root disk through a directory the kubelet would create in its place
-        return {"name": "kv-disk", "hostPath": {"path": vol.host_path.path, "type": "Directory"}}
-    if vol.empty_dir is not None:
+        return {"name": "kv-disk", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    if source.empty_dir is not None:
         empty: dict[str, Any] = {"sizeLimit": disk.size}
-        if vol.empty_dir.medium:
-            empty["medium"] = vol.empty_dir.medium
+        if source.empty_dir.medium:
+            empty["medium"] = source.empty_dir.medium
         return {"name": "kv-disk", "emptyDir": empty}
-    if vol.ephemeral is not None:
+    if source.ephemeral is not None:
         claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": disk.size}}}
-        if vol.ephemeral.storage_class_name:
-            claim["storageClassName"] = vol.ephemeral.storage_class_name
+        if source.ephemeral.storage_class_name:
+            claim["storageClassName"] = source.ephemeral.storage_class_name
         return {
             "name": "kv-disk",
             "ephemeral": {"volumeClaimTemplate": {"metadata": {"labels": pool.labels("engine")}, "spec": claim}},
         }
-    assert vol.persistent_volume_claim is not None
-    return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": vol.persistent_volume_claim.claim_name}}
+    assert source.persistent_volume_claim is not None
+    return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": source.persistent_volume_claim.claim_name}}
 
 
 def _ca_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -172,10 +174,10 @@ def _fleet_args(pool: Pool) -> list[str]:
     return args
 
 
-def render_engine(pool: Pool) -> list[dict[str, Any]]:
-    spec = pool.spec
-    model = spec.model
-    args = [
+def engine_args(pool: Pool) -> list[str]:
+    """`vllm serve` arguments: the model, the port, the KV connector, the fleet flags, the user's."""
+    model = pool.spec.model
+    return [
         model.name,
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
@@ -184,16 +186,26 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
         *_fleet_args(pool),
         *model.extra_args,
     ]
-    api_key = spec.service.api_key_secret_ref
-    events = spec.kv_events if kv_events_config(pool) is not None else None
-    env = [
+
+
+def engine_env(pool: Pool) -> list[dict[str, Any]]:
+    """The hash seed and API key from Secrets, HOME, the pod name (KV event topics), the backends'
+    credentials, then the user's env."""
+    api_key = pool.spec.service.api_key_secret_ref
+    events = kv_events_config(pool) is not None
+    return [
         secret_env("PYTHONHASHSEED", pool.keys_secret, HASH_SEED),
         {"name": "HOME", "value": HOME},
         *([{"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if events else []),
         *([secret_env("VLLM_API_KEY", api_key.name, api_key.key)] if api_key else []),  # vLLM's --api-key
         *secret_envs(pool),
-        *model.env,
+        *pool.spec.model.env,
     ]
+
+
+def engine_volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, the container's mounts): the connector config, /dev/shm, HOME, the disk tier and
+    the backends' CAs."""
     mounts = [
         {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -201,7 +213,7 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "kvpool-config", "configMap": {"name": pool.config_map}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": model.shm_size}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.spec.model.shm_size}},
         {"name": "home", "emptyDir": {}},
     ]
     disk = _disk_volume(pool)
@@ -214,34 +226,46 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
     for volume, mount in _ca_volumes(pool):
         volumes.append(volume)
         mounts.append(mount)
+    return volumes, mounts
 
-    def probe(period: int, failures: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": period,
-            "timeoutSeconds": 5,
-            "failureThreshold": failures,
-        }
 
+def _health_probe(period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def engine_container(pool: Pool, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The vLLM container: image, arguments, env, ports, probes, resources."""
+    model = pool.spec.model
+    events = pool.spec.kv_events if kv_events_config(pool) is not None else None
     container: dict[str, Any] = {
         "name": "vllm",
         "image": model.image or pool.settings.connector_image,
         "imagePullPolicy": pool.settings.image_pull_policy,
         "command": ["vllm", "serve"],
-        "args": args,
-        "env": env,
+        "args": engine_args(pool),
+        "env": engine_env(pool),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   *([{"name": "kv-events", "containerPort": events.port, "protocol": "TCP"}] if events else [])],
-        "startupProbe": probe(10, 180),  # model download + load may take up to 30 minutes
-        "readinessProbe": probe(10, 3),
-        "livenessProbe": probe(15, 4),
+        "startupProbe": _health_probe(10, 180),  # model download + load may take up to 30 minutes
+        "readinessProbe": _health_probe(10, 3),
+        "livenessProbe": _health_probe(15, 4),
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
     }
     resources = _resources(pool)
     if resources:
         container["resources"] = resources
+    return container
 
+
+def engine_pod_spec(pool: Pool) -> dict[str, Any]:
+    """The engines' pod: non-root, no token, no service links, the wait for backends, placement."""
+    volumes, mounts = engine_volumes(pool)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -254,34 +278,37 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
             "fsGroupChangePolicy": "OnRootMismatch",  # a large disk tier is not re-chowned at every start
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [container],
+        "containers": [engine_container(pool, mounts)],
         "volumes": volumes,
     }
     init = _wait_init(pool)
     if init:
         pod_spec["initContainers"] = init
-    sched = spec.scheduling
+    sched = pool.spec.scheduling
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(sched.tolerations)
     if sched.affinity:
         pod_spec["affinity"] = copy.deepcopy(sched.affinity)
+    return pod_spec
 
+
+def render_engine(pool: Pool) -> list[dict[str, Any]]:
     return [
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": pool.meta(pool.name, "engine"),
             "spec": {
-                "replicas": spec.replicas,
+                "replicas": pool.spec.replicas,
                 "selector": {"matchLabels": pool.selector("engine")},
                 "template": {
                     "metadata": {
                         "labels": pool.labels("engine"),
                         "annotations": {CHECKSUM_ANNOTATION: checksum(config_data(pool))},
                     },
-                    "spec": pod_spec,
+                    "spec": engine_pod_spec(pool),
                 },
             },
         }

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.render.backends import (
     RESTRICTED_CONTAINER,
@@ -92,7 +94,7 @@ def _bootstrap(pool: Pool, managed: models.ManagedS3) -> dict[str, Any]:
             {"name": "ENGINE_POLICY", "value": ENGINE_POLICY},
             {"name": "ENGINE_POLICY_JSON", "value": json.dumps(engine_policy(pool), separators=(",", ":"))},
             {"name": "LIFECYCLE", "value": json.dumps(lifecycle(managed), separators=(",", ":"))},
-            {"name": "QUOTA_BYTES", "value": str(int(models.size_bytes(managed.storage) * QUOTA_FRACTION))},
+            {"name": "QUOTA_BYTES", "value": str(int(parse_size(managed.storage) * QUOTA_FRACTION))},
             {"name": "MC_CONFIG_DIR", "value": MC_DIR},
             {"name": "READY_FILE", "value": READY_FILE},
         ],

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.render.backends import (
     RESTRICTED_CONTAINER,
@@ -65,7 +67,7 @@ def render_redis(pool: Pool) -> list[dict[str, Any]]:
     managed = pool.managed_redis
     if managed is None:
         return []
-    maxmemory = int(models.size_bytes(managed.memory) * MAXMEMORY_FRACTION)
+    maxmemory = int(parse_size(managed.memory) * MAXMEMORY_FRACTION)
     tls_cli = f"--tls --cacert {TLS_DIR}/ca.crt " if managed.tls else ""
     ping = f"redis-cli {tls_cli}-p {REDIS_PORT} ping | grep -q PONG"  # password from REDISCLI_AUTH
     mounts = [{"name": "data", "mountPath": "/data"}, {"name": "acl", "mountPath": ACL_FILE.rpartition("/")[0]}]

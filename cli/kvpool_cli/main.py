@@ -1,4 +1,4 @@
-"""`kvpool`: the user CLI.
+"""`kvpool`: the umbrella CLI over the connector, the operator and the dev tooling.
 
   kvpool demo [...]            the main job on one machine: vLLM + kvpool connector, chat workload
   kvpool bench store [...]     tier throughput against raw baselines
@@ -9,57 +9,51 @@
   kvpool validate FILE         check a connector config or a KVCachePool manifest
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
 
-Each subcommand lives in its own module and is imported only when used, so the CLI starts
-fast and works in images that lack the other parts (no vLLM in the operator image). The
-tables below are the only place where this package names the operator's: the connector
-never imports it. demo, bench and model are dev tooling, in the separate `kvpool-dev`
-distribution (dev/ in a kvpool checkout, package kvpool_dev) that no image carries: without
-it they exit with a one-line error.
+It dispatches to every part of kvpool, so it lives in none of them: each command is a
+"module:function" target imported only when used, so the CLI starts fast and works in images
+that lack the other parts (no vLLM in the operator image, no kopf in the engine image). demo,
+bench and model are dev tooling, in the separate `kvpool-dev` distribution (dev/ in a kvpool
+checkout, package kvpool_dev) that no image carries: without it they exit with a one-line error.
 """
 
 from __future__ import annotations
 
 import sys
 from importlib import import_module
-from typing import Any, Callable
+from typing import Any
 
-_COMMANDS: dict[str, tuple[str, str]] = {
+# "<command>" or "<group> <command>" -> (target, help)
+COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvpool_dev.demo", "run vLLM with the kvpool connector on a chat workload"),
     "bench store": ("kvpool_dev.bench.store_bench", "tier throughput vs raw baselines"),
     "bench e2e": ("kvpool_dev.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
     "bench fleet": ("kvpool_dev.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
     "bench dtype": ("kvpool_dev.bench.dtype_bench", "prefill tokens/s in bfloat16 vs float32"),
-    "render": ("kvpool_operator.cli", "render a KVCachePool's child manifests (kvpool-operator render)"),
-    "validate": ("kvpool_connector.validate", "validate a connector config or a KVCachePool"),
+    "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
+    "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),
 }
+GROUPS = tuple(dict.fromkeys(name.split()[0] for name in COMMANDS if " " in name))  # ("bench",)
+HELP = ("-h", "--help", "help")
 
 DEV_PACKAGE = "kvpool_dev"  # the commands whose module is in it are dev tooling
 DEV_HINT = "pip install -e ./dev from a kvpool checkout"
 
-# Document kinds `kvpool validate` leaves to another package: kind -> "module:function"
-# taking the document and returning (what it is, error message or None).
-_VALIDATORS: dict[str, str] = {
-    "KVCachePool": "kvpool_operator.cli:check_pool",
-}
 
-
-def _load(target: str) -> Any:
+def load(target: str) -> Any:
     """The function a "module:function" target names ("module" alone: its main)."""
     module_name, _, func_name = target.partition(":")
     return getattr(import_module(module_name), func_name or "main")
 
 
-def validator(kind: Any) -> Callable[[dict], tuple[str, str | None]] | None:
-    """The checker of a document kind that another package owns; None for the others."""
-    target = _VALIDATORS.get(kind) if isinstance(kind, str) else None
-    return _load(target) if target is not None else None
-
-
-def _usage() -> str:
-    lines = ["usage: kvpool <command> [args]", "", "commands:"]
-    lines += [f"  {name:<14} {help_}{' (dev tooling)' if _is_dev(target) else ''}"
-              for name, (target, help_) in _COMMANDS.items()]
+def usage(group: str | None = None) -> str:
+    """The commands (of one group, with `group`), each with its help."""
+    head = f"usage: kvpool {group} <command> [args]" if group else "usage: kvpool <command> [args]"
+    lines = [head, "", "commands:"]
+    for name, (target, help_) in COMMANDS.items():
+        if group is None or name.split()[0] == group:
+            shown = name.removeprefix(f"{group} ") if group else name
+            lines.append(f"  {shown:<14} {help_}{' (dev tooling)' if _is_dev(target) else ''}")
     return "\n".join(lines)
 
 
@@ -75,24 +69,29 @@ def _missing_dev(exc: ImportError) -> bool:
 def _resolve(argv: list[str]) -> tuple[str, list[str]] | None:
     for words in (2, 1):
         name = " ".join(argv[:words])
-        if len(argv) >= words and name in _COMMANDS:
+        if len(argv) >= words and name in COMMANDS:
             return name, argv[words:]
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+    if not argv or argv[0] in HELP:
+        print(usage())
         return 0
     found = _resolve(argv)
+    if found is None and argv[0] in GROUPS:  # `kvpool bench --help`, or `kvpool bench` alone
+        asked = len(argv) > 1 and argv[1] in HELP
+        if len(argv) == 1 or asked:
+            print(usage(argv[0]), file=sys.stdout if asked else sys.stderr)
+            return 0 if asked else 2
     if found is None:
-        print(f"kvpool: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"kvpool: unknown command {' '.join(argv[:2])!r}\n\n{usage()}", file=sys.stderr)
         return 2
     name, rest = found
-    target = _COMMANDS[name][0]
+    target = COMMANDS[name][0]
     try:
-        command = _load(target)
+        command = load(target)
     except ImportError as exc:
         if _is_dev(target) and _missing_dev(exc):
             print(f"`kvpool {name}` is dev tooling: {DEV_HINT}", file=sys.stderr)
@@ -100,11 +99,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool {name}: needs a component that is not installed ({exc}); "
               f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
         return 2
-    if name == "render":  # one implementation: the operator's own offline renderer
-        rest = ["render", *rest]
-    rc = command(rest)
-    return int(rc or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return int(command(rest) or 0)

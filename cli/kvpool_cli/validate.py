@@ -1,8 +1,8 @@
 """`kvpool validate FILE...`: check configs before they reach an engine or a cluster.
 
 A YAML/JSON document with `kind: KVCachePool` is checked by the operator's package (its
-models are the source of the CRD; `kvpool_connector.cli` names the checker, imported only
-when such a document is met); anything else is read as a KVPoolConnector config (the
+models are the source of the CRD; CHECKERS names the checker, imported only when such a
+document is met); anything else is read as a KVPoolConnector config (the
 `kv_connector_extra_config` keys, or a whole `--kv-transfer-config` object). Errors name
 the field; the exit code is 1 when any document is invalid, 2 when a file cannot be read.
 """
@@ -16,16 +16,23 @@ from typing import Any
 
 import yaml
 
-from .config import read_documents
+from kvpool_connector.config import read_documents
+
+from kvpool_cli.main import load
+
+# Document kinds another package checks: kind -> "module:function" taking the document and
+# returning (what it is, error message or None), imported only when such a document is met (the
+# engine image has the operator's code but not its dependencies).
+CHECKERS: dict[str, str] = {
+    "KVCachePool": "kvpool_operator.cli:check_pool",
+}
 
 
 def check_document(doc: dict[str, Any]) -> tuple[str, str | None]:
     """Return (what it is, error message or None). Pure: no I/O beyond a config_file."""
-    from kvpool_connector.cli import validator
-
-    check = validator(doc.get("kind"))
-    if check is not None:
-        return check(doc)
+    kind = doc.get("kind")
+    if isinstance(kind, str) and kind in CHECKERS:
+        return load(CHECKERS[kind])(doc)
 
     from kvpool_connector.connector.config import ConnectorConfigError, load_connector_config
 
