@@ -80,10 +80,12 @@ def url_problem(url: str, query_keys: frozenset[str] = frozenset()) -> str | Non
         return CREDENTIALS_IN_URL
     if "#" in url:
         return "must not carry a fragment (#...)"
-    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
         if key not in query_keys:
             allowed = ", ".join(sorted(query_keys)) or "none"
             return f"must not carry the query key {key!r} (allowed: {allowed})"
+        if not value.isascii() or not value.isdigit():  # the only allowed key is Redis' db
+            return f"query key {key!r} must be a whole number, not {value!r}"
     return None
 
 

@@ -75,6 +75,7 @@ def redis_reads(url: str) -> set[str] | None:
 @example("rediss://host/0?ssl_cert_reqs=none")
 @example("redis://host/0?db=1&PASSWORD=" + SENTINEL)
 @example("redis://host/0?d%62=1")
+@example("redis://r?%64%62=none")  # `db` that redis-py cannot read as a number
 def test_redis_url_carries_nothing_but_the_server(url):
     model = model_accepts(models.ExternalRedis, url=url)
     crd = crd_accepts(REDIS_URL_SCHEMA, url)
@@ -113,6 +114,7 @@ def test_s3_endpoint_carries_nothing_but_the_server(url):
     ("redis://r/0?db=1&db=2&Username=u", "query key 'Username'"),
     ("redis://r/0#x", "fragment"),
     ("redis://u@r/0", "credentials"),
+    ("redis://r?%64%62=none", "query key 'db' must be a whole number"),
 ])
 def test_the_connector_names_the_problem(url, message):
     with pytest.raises(ValidationError) as exc:
