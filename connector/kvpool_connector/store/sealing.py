@@ -32,6 +32,8 @@ import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .credentials import secret
+
 MIN_SECRET_CHARS = 32
 TAG_SIZE = 16
 SALT_SIZE = 16
@@ -130,8 +132,6 @@ class Keyring:
     @classmethod
     def from_config(cls, security, needs_key: bool) -> "Keyring":
         """The keys a store config names; `needs_key`: the store has shared tiers."""
-        from .tiers.base import secret  # one secret lookup for every credential
-
         cur = secret(security.key_env, security.key_file, "security.key")
         if cur is None:
             if needs_key:

@@ -51,10 +51,11 @@ from redis.exceptions import MovedError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from ..credentials import secret
 from ..format import Record, Status, check_header, header_size
 from ..guard import UNGUARDED, CallGuard, current_guard
 from ..sealing import TAG_SIZE, PoolKey
-from .base import GCM_SLACK, PieceBuffers, Tier, secret
+from .base import GCM_SLACK, PieceBuffers, Tier
 
 _JOIN_BELOW = 64 * 1024
 _PIECE = 256 * 1024  # authenticated right after it arrived, while in the CPU's cache
