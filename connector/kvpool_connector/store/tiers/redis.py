@@ -19,17 +19,17 @@ map and resends those keys once. A failed connection refreshes the map on the ne
 still down.
 
 Every reply is taken off the socket (TCP, Unix or TLS) by hand (`ReplyStream`, in
-redis_protocol.py), within one absolute deadline per exchange (`socket_timeout`, the larger of the store's bound and 1 s),
-with a reply's first line capped and a value longer than was asked for refused: a hostile
-server or a man in the middle on plain redis:// costs a dropped connection and a miss, never
-a tier thread (hiredis would read an endless line, or a drip-fed value, for as long as it
-keeps coming). Reads into the caller's buffers (the connector's loads) move the payload
-from the socket straight into the caller's buffer in pieces, each authenticated while
-cache-hot (or, encrypted, decrypted from a small scratch buffer into place), and a failed
-tag zeroes what was written. redis-py (hiredis) would first assemble each value in its own
-growing buffer and then copy it into a new bytes object: two copies and a fresh multi-MiB
-allocation per chunk, which on the tier's pool threads (malloc arenas trimmed after each
-batch) made a read cost 3x a plain GET.
+redis_protocol.py), within one absolute deadline per exchange (`socket_timeout`, the larger
+of the store's bound and 1 s), with a reply's first line capped and a value longer than was
+asked for refused: a hostile server or a man in the middle on plain redis:// costs a dropped
+connection and a miss, never a tier thread (hiredis would read an endless line, or a drip-
+fed value, for as long as it keeps coming). Reads into the caller's buffers (the connector's
+loads) move the payload from the socket straight into the caller's buffer in pieces, each
+authenticated while cache-hot (or, encrypted, decrypted from a small scratch buffer into
+place), and a failed tag zeroes what was written. redis-py (hiredis) would first assemble
+each value in its own growing buffer and then copy it into a new bytes object: two copies
+and a fresh multi-MiB allocation per chunk, which on the tier's pool threads (malloc arenas
+trimmed after each batch) made a read cost 3x a plain GET.
 
 Names: <key_prefix><namespace>:<object name hex>. Password from password_env/password_file
 only; rediss:// enables TLS. redis-py's own retries are off: the orchestrator decides.
