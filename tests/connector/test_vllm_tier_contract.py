@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvpool_connector.vllm_tiers import KVPoolTier
+from kvpool_connector.native.tier import KVPoolTier
 from tests.conftest import SECURITY
 from tests.connector.test_store_redis_stream import StallingProxy
 from tests.connector.test_vllm_tiers import (

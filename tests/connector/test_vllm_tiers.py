@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvpool_connector import vllm_tiers
+from kvpool_connector.native import tier as native_tier
 from tests.conftest import SECURITY
 from tests.connector.conftest import engine_configs
 
@@ -271,12 +271,12 @@ def test_bad_config_names_the_field(redis_options):
 
 def test_layout_identity_is_vllms_file_mapper_identity():
     spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
-    ident = vllm_tiers.layout_identity(spec, 32768, vllm_tiers.engine_identity(None))
+    ident = native_tier.layout_identity(spec, 32768, native_tier.engine_identity(None))
     assert ident["model_name"] == "test-model" and ident["dtype"] == "bfloat16"
     assert ident["blocks_per_file"] == BLOCKS_PER_CHUNK and ident["chunk_bytes"] == 32768
-    fp = vllm_tiers.layout_fingerprint(ident)
-    assert vllm_tiers.key_prefix(fp) != vllm_tiers.key_prefix(
-        vllm_tiers.layout_fingerprint({**ident, "chunk_bytes": 65536}))
+    fp = native_tier.layout_fingerprint(ident)
+    assert native_tier.key_prefix(fp) != native_tier.key_prefix(
+        native_tier.layout_fingerprint({**ident, "chunk_bytes": 65536}))
 
 
 def test_store_counters_reach_vllms_offloading_stats(redis_options):
