@@ -269,6 +269,24 @@ def test_bad_config_names_the_field(redis_options):
         Engine({"namespace": "x", "tiers": [{"type": "cpu", "size": "1Mi"}]})
 
 
+def test_only_config_errors_are_reported_as_the_tiers_config_errors(monkeypatch):
+    """A config error is named for the tier ("secondary_tiers (kvpool tier): ..."); a bug
+    behind it (here a ValueError out of the config's own code) propagates unchanged, with
+    its traceback, instead of passing for a config error."""
+    from kvpool_connector.connector.config import ConnectorConfig
+
+    bug = ValueError("a bug, not a config error")
+
+    def broken(self, drop_types=()):
+        raise bug
+
+    monkeypatch.setattr(ConnectorConfig, "as_store_config", broken)
+    with pytest.raises(ValueError) as caught:
+        native_tier.secondary_tier_store_config(
+            {"namespace": "x", "tiers": [{"type": "disk", "path": "/tmp/x", "size": "1Mi"}]})
+    assert caught.value is bug
+
+
 def test_layout_identity_is_vllms_file_mapper_identity():
     spec = TieringOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
     ident = native_tier.layout_identity(spec, 32768, native_tier.engine_identity(None))

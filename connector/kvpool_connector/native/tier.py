@@ -138,12 +138,13 @@ def secondary_tier_store_config(options: dict[str, Any]):
     chunk here), so the operator mounts one file for both modes. Raises ValueError naming the
     field, which fails engine start.
     """
-    from ..connector.config import load_connector_config
+    from ..connector.config import ConnectorConfigError, load_connector_config
 
     try:
-        cfg = load_connector_config(options).as_store_config()
-    except ValueError as exc:
+        connector_config = load_connector_config(options)
+    except ConnectorConfigError as exc:  # only the config's own errors, named for this tier
         raise ValueError(f"secondary_tiers (kvpool tier): {exc}") from None
+    cfg = connector_config.as_store_config()
     assert cfg is not None  # the connector config requires at least one tier
     from ..store.tiers import tier_class
 
