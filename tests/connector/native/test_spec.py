@@ -22,8 +22,8 @@ from kvpool_connector.native import KVPoolOffloadingSpec, contract
 from kvpool_connector.native.host_copy import HostCopyWorker
 from kvpool_connector.native.spec import choose_worker
 from tests.conftest import REPO, SECURITY
-from tests.connector.test_native_host_copy import PagedCache
-from tests.connector.test_vllm_tiers import BLOCKS_PER_CHUNK, chunk_keys, offloading_config
+from tests.connector.native.test_host_copy import PagedCache
+from tests.connector.native.test_tier import BLOCKS_PER_CHUNK, chunk_keys, offloading_config
 
 NATIVE = {"spec_name": "KVPoolOffloadingSpec", "spec_module_path": "kvpool_connector.native"}
 VLLM_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"

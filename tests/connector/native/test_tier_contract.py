@@ -38,8 +38,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvpool_connector.native.tier import KVPoolTier
 from tests.conftest import SECURITY
-from tests.connector.test_store_redis_stream import StallingProxy
-from tests.connector.test_vllm_tiers import (
+from tests.connector.store.tiers.test_redis_stream import StallingProxy
+from tests.connector.native.test_tier import (
     BLOCK_BYTES,
     BLOCKS_PER_CHUNK,
     chunk_keys,
