@@ -28,9 +28,9 @@ class Tier(abc.ABC):
     """A storage backend of the tiered store.
 
     A new tier is one module with a subclass of this class (its five abstract methods, the
-    capability attributes below where the defaults do not fit) plus one `register_tier`
-    call (`tiers/__init__.py`), and its config model in the `TierConfig` union of
-    `kvpool_connector.config`. The store and the connector decide by the capability
+    capability attributes below where the defaults do not fit) and its config model (a
+    `kvpool_connector.config.TierConfigBase` subclass), plus one `register_tier` call
+    (`tiers/__init__.py`). The store and the connector decide by the capability
     attributes, never by a tier's type name.
     """
 
