@@ -71,10 +71,10 @@ class Health:
 class TierRunner:
     """One tier plus its health, timeout, stats and (for lower tiers) its write queue."""
 
-    def __init__(self, name: str, tier: Tier, tcfg: Any, cfg: StoreConfig, stats: TierStats,
+    def __init__(self, name: str, tier: Tier, tier_cfg: Any, cfg: StoreConfig, stats: TierStats,
                  first: bool) -> None:
         self.name, self.tier, self.stats = name, tier, stats
-        self.timeout = tcfg.timeout_seconds or cfg.timeout_seconds
+        self.timeout = tier_cfg.timeout_seconds or cfg.timeout_seconds
         self.write_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
         self.read_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
         self.batch_max = cfg.batch_max
@@ -83,13 +83,13 @@ class TierRunner:
         # a write that may be given up on at the deadline while the tier still sends it
         self.puts_on_pool = self._pool is not None and not tier.local
         self.queue: queue.Queue | None = None
-        self.queue_limit = tcfg.queue_bytes or cfg.queue_bytes
+        self.queue_limit = tier_cfg.queue_bytes or cfg.queue_bytes
         self._queued = 0  # bytes of sealed objects waiting in the queue
         self._qlock = threading.Lock()
         self._workers: list[threading.Thread] = []
         if not first or tier.blocking:  # lower tiers; promotions into a blocking first tier
-            self.queue = queue.Queue(maxsize=tcfg.queue_size or cfg.queue_size)
-            for i in range(tcfg.workers):
+            self.queue = queue.Queue(maxsize=tier_cfg.queue_size or cfg.queue_size)
+            for i in range(tier_cfg.workers):
                 t = threading.Thread(target=self._work, daemon=True,
                                      name=f"kvpool-{name}-writer-{i}")
                 t.start()

@@ -75,8 +75,9 @@ class PoolKey:
 
     def _params(self, salt: bytes, encrypt: bool) -> tuple[bytes, bytes]:
         """(AES-256 key, 12-byte nonce) of one object, from its random salt."""
-        km = blake3.blake3(salt, key=self._enc_key if encrypt else self._mac_key).digest(length=44)
-        return km[:32], km[32:]
+        key_material = blake3.blake3(salt, key=self._enc_key if encrypt else self._mac_key
+                                     ).digest(length=44)
+        return key_material[:32], key_material[32:]
 
     def authenticator(self, salt: bytes, tag: bytes | None = None):
         """A streaming GMAC: authenticate_additional_data() with header and payload, then

@@ -53,12 +53,13 @@ class TieredStore:
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
         self.runners: list[TierRunner] = []
         try:
-            for i, (name, tcfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
+            for i, (name, tier_cfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
                 stats = TierStats(cfg.namespace, name, cfg.metrics)
-                tier = tier_class(tcfg.type)(
-                    tcfg, cfg.namespace, stats, timeout=tcfg.timeout_seconds or cfg.timeout_seconds,
+                tier = tier_class(tier_cfg.type)(
+                    tier_cfg, cfg.namespace, stats,
+                    timeout=tier_cfg.timeout_seconds or cfg.timeout_seconds,
                     max_object_size=cfg.max_object_size)
-                self.runners.append(TierRunner(name, tier, tcfg, cfg, stats, first=(i == 0)))
+                self.runners.append(TierRunner(name, tier, tier_cfg, cfg, stats, first=(i == 0)))
         except BaseException:
             self.close()
             raise
@@ -90,8 +91,8 @@ class TieredStore:
     def _remaining(self, deadline: float) -> float:
         return deadline - time.monotonic()
 
-    def _record(self, key: bytes, lay: bytes, payload, pool_key: PoolKey) -> Record:
-        return Record(pool_key.object_name(key), lay, payload, key=pool_key,
+    def _record(self, key: bytes, layout_id: bytes, payload, pool_key: PoolKey) -> Record:
+        return Record(pool_key.object_name(key), layout_id, payload, key=pool_key,
                       encrypt=self.keyring.encrypt)
 
     # -- writes ---------------------------------------------------------------------------
@@ -104,9 +105,9 @@ class TieredStore:
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
         if not keys or self._closed:
             return [False] * len(keys)
-        lay = self._layout(layout)
+        layout_id = self._layout(layout)
         cur = self.keyring.current
-        records = [self._record(k, lay, to_view(p), cur) for k, p in zip(keys, payloads)]
+        records = [self._record(k, layout_id, to_view(p), cur) for k, p in zip(keys, payloads)]
         self._remember_names(keys, records)
         return self._write(records)
 
@@ -128,7 +129,7 @@ class TieredStore:
         return self.put_many([key], [payload], layout)[0]
 
     # -- reads ----------------------------------------------------------------------------
-    def _probe(self, keys: list[bytes], lay: bytes, outs: list[memoryview] | None
+    def _probe(self, keys: list[bytes], layout_id: bytes, outs: list[memoryview] | None
                ) -> list[Record | None]:
         """Every tier in order, under the current key then the previous one, within one
         deadline; promotes what lower tiers (or the previous key) served."""
@@ -136,14 +137,14 @@ class TieredStore:
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.cfg.timeout_seconds
         promote: list[tuple[int, int, Record]] = []  # (tier, index, record)
-        for gen, pool_key in enumerate(self.keyring.generations()):
+        for generation, pool_key in enumerate(self.keyring.generations()):
             names = {i: pool_key.object_name(keys[i]) for i in pending}
-            for ti, runner in enumerate(self.runners):
+            for tier_index, runner in enumerate(self.runners):
                 if not pending or self._remaining(deadline) <= 0:
                     break
-                if gen and not runner.tier.shared:
+                if generation and not runner.tier.shared:
                     continue  # an in-process tier only ever held current-key objects
-                args: tuple = ([names[i] for i in pending], lay, pool_key)
+                args: tuple = ([names[i] for i in pending], layout_id, pool_key)
                 wipe = None
                 if outs is None:
                     fn = runner.tier.get_many
@@ -163,12 +164,13 @@ class TieredStore:
                         still.append(i)
                         continue
                     found[i] = rec
-                    if ti or gen:
-                        promote.append((ti if not gen else len(self.runners), i, rec))
+                    if tier_index or generation:
+                        source = tier_index if not generation else len(self.runners)
+                        promote.append((source, i, rec))
                 runner.stats.inc("hits", len(pending) - len(still))
                 runner.stats.inc("misses", len(still))
                 pending = still
-        self._promote(promote, keys, lay)
+        self._promote(promote, keys, layout_id)
         return found
 
     def _refused(self, runner: TierRunner, rec: Record, outs: list[memoryview] | None,
@@ -184,27 +186,27 @@ class TieredStore:
         return True
 
     def _promote(self, hits: list[tuple[int, int, Record]], keys: list[bytes],
-                 lay: bytes) -> None:
+                 layout_id: bytes) -> None:
         """Copy lower-tier hits into every faster tier (a local first tier synchronously).
         A hit under the previous key goes only into the unshared tiers (under the current
         key's name, which is all they are probed with): sealing it again under the current
         key would make a forgery made with a leaked previous key outlive the rotation."""
-        for ti, i, rec in hits:
+        for tier_index, i, rec in hits:
             self._remember_names([keys[i]], [rec])
-            if ti == len(self.runners):  # found under the previous key
-                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
+            if tier_index == len(self.runners):  # found under the previous key
+                rec = self._record(keys[i], layout_id, rec.payload, self.keyring.current)
                 self._remember_names([keys[i]], [rec])
                 targets = [j for j, r in enumerate(self.runners) if not r.tier.shared]
             else:
-                targets = list(range(ti))
+                targets = list(range(tier_index))
             if not self.cfg.promote or not targets:
                 continue
             if self.keyring.encrypt and not rec.encrypt and any(
                     self.runners[j].tier.shared for j in targets):
                 # written before encryption was on: never copied on in plaintext
-                rec = self._record(keys[i], lay, rec.payload, self.keyring.current)
-            if ti < len(self.runners):
-                self.runners[ti].stats.inc("promotions")
+                rec = self._record(keys[i], layout_id, rec.payload, self.keyring.current)
+            if tier_index < len(self.runners):
+                self.runners[tier_index].stats.inc("promotions")
             for j in targets:
                 runner = self.runners[j]
                 if j == 0 and runner.queue is None:

@@ -119,12 +119,12 @@ class RedisTier(Tier):
         """(connection pool, indices) per server: the one server, or each slot's primary."""
         if self.pool is not None:
             return [(self.pool, todo)]
-        rc = self.cluster_client()
+        cluster = self.cluster_client()
         by: dict[str, tuple[object, list[int]]] = {}
         for i in todo:
-            node = rc.nodes_manager.get_node_from_slot(key_slot(keys[i]))
+            node = cluster.nodes_manager.get_node_from_slot(key_slot(keys[i]))
             if node.name not in by:
-                by[node.name] = (rc.get_redis_connection(node).connection_pool, [])
+                by[node.name] = (cluster.get_redis_connection(node).connection_pool, [])
             by[node.name][1].append(i)
         return list(by.values())
 
@@ -271,12 +271,12 @@ class RedisTier(Tier):
             return Streamed(None)
         raw, plain = self._scratch.raw, self._scratch.plain
         consumed, result = 0, Streamed(None, Status.CORRUPT)
-        hs = header_size(name)
+        header_len = header_size(name)
         if total > limit:  # limit + 1: a value longer than fits, skipped (bounded)
             result = Streamed(None, too_large=True)
-        elif total >= hs + TAG_SIZE:
-            h = check_header(stream.exact(hs), name, layout, total)
-            consumed = hs
+        elif total >= header_len + TAG_SIZE:
+            h = check_header(stream.exact(header_len), name, layout, total)
+            consumed = header_len
             if h.status is not Status.CORRUPT and h.payload_len > len(out):
                 result = Streamed(None, too_large=True)  # cannot be of the caller's layout
             elif h.status is not Status.CORRUPT:
