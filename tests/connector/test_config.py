@@ -62,7 +62,7 @@ def test_every_quantity_the_crd_accepts_parses_to_the_same_bytes():
     check()
 
 
-def test_issue_example_parses_in_order():
+def test_a_full_config_keeps_its_tiers_in_order_with_their_own_models():
     cfg = load_store_config(FULL)
     assert [type(t) for t in cfg.tiers] == [CpuTierConfig, DiskTierConfig, RedisTierConfig,
                                             S3TierConfig]
