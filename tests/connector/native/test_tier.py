@@ -10,174 +10,19 @@ worker would move. Everything else runs as in an engine.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import time
-import uuid
-from pathlib import Path
-
 import pytest
-from vllm.v1.kv_offload.base import (
-    LookupResult,
-    ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
-)
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvpool_connector.native import tier as native_tier
 from tests.conftest import SECURITY
-from tests.connector.conftest import engine_configs
-
-BLOCK_BYTES = 8192       # one worker's KV bytes per vLLM block
-BLOCKS_PER_CHUNK = 4     # a chunk (one object) = 32 KiB
-NUM_CHUNKS = 64
-
-
-def offloading_config(extra: dict, model: str = "test-model", dtype: str = "bfloat16",
-                      block_bytes: int = BLOCK_BYTES, kv_events: bool = False) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=block_bytes,
-        enable_kv_cache_events=kv_events,
-        extra_config=extra,
-        engine_id=f"kvpool-test-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name=model, dtype=dtype),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True),
-    )
-
-
-def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256",
-                        **model_kwargs):
-    """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it (the KV
-    geometry of `offloading_config`: two layers of BLOCK_BYTES / 2 per block of 16 tokens)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-        OffloadingConnector,
-    )
-
-    vllm_config, kv_cache_config = engine_configs(
-        model, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
-                                              "block_size": 16 * BLOCKS_PER_CHUNK, **extra}},
-        hash_algo, **model_kwargs)
-    assert 2 * kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes == BLOCK_BYTES
-    return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-
-
-class Engine:
-    """The scheduler side of one vLLM engine using native tiering with a kvpool tier; with
-    `engine_model`, built by vLLM's OffloadingConnector from that model's real VllmConfig."""
-
-    def __init__(self, tier_options: dict, tier_type: str = "kvpool",
-                 engine_model: Path | None = None, hash_algo: str = "sha256",
-                 model_kwargs: dict | None = None, **cfg_kwargs):
-        extra = {
-            "cpu_bytes_to_use": NUM_CHUNKS * BLOCK_BYTES * BLOCKS_PER_CHUNK,
-            "secondary_tiers": [{"type": tier_type, "module_path": "kvpool_connector.vllm_tiers",
-                                 **tier_options}],
-        }
-        self.connector = None
-        if engine_model is None:
-            self.manager = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs)).get_manager()
-        else:
-            self.connector = scheduler_connector(extra, engine_model, hash_algo,
-                                                 **(model_kwargs or {}))
-            self.manager = self.connector.connector_scheduler.manager
-        self.tier = self.manager.secondary_tiers[0]
-        self.rows = self.manager.primary_tier.get_kv_memoryview().cast("B")
-        self.row_bytes = self.tier.block_size_bytes
-
-    def row(self, chunk_id) -> memoryview:
-        return self.rows[int(chunk_id) * self.row_bytes:(int(chunk_id) + 1) * self.row_bytes]
-
-    def step(self) -> None:
-        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-
-    def settle(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.manager.has_pending_work():
-            assert time.monotonic() < deadline, "tier jobs did not finish"
-            self.step()
-            time.sleep(0.01)
-        self.step()
-
-    def offload(self, keys: list[bytes], payloads: list[bytes]) -> None:
-        """A request's prompt chunks: GPU -> primary (the CUDA worker's copy) -> cascade."""
-        ctx = ReqContext(req_id=uuid.uuid4().hex)
-        self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store(keys, ctx)
-        assert out is not None
-        by_key = dict(zip(keys, payloads))
-        for key, cid in zip(out.keys_to_store, out.store_spec.block_ids):
-            self.row(cid)[:] = by_key[key]          # what CPUOffloadingWorker would copy
-        self.manager.complete_store(out.keys_to_store, ctx)
-        self.manager.on_request_finished(ctx)
-        self.settle()
-
-    def load(self, keys: list[bytes], timeout: float = 20.0) -> list[bytes]:
-        """Lookups as OffloadingConnector's scheduler makes them (prefix, RETRY = ask next
-        step), then the primary rows the CUDA worker would copy to the GPU."""
-        ctx = ReqContext(req_id=uuid.uuid4().hex)
-        self.manager.on_new_request(ctx)
-        deadline = time.monotonic() + timeout
-        while True:
-            hits, deferred = 0, False
-            for key in keys:
-                result = self.manager.lookup(key, ctx)
-                if result is LookupResult.MISS:
-                    break
-                if result is LookupResult.HIT:
-                    hits += 1
-                else:
-                    deferred = True
-            if not deferred:
-                break
-            assert time.monotonic() < deadline, "lookups never resolved"
-            self.step()
-            time.sleep(0.01)
-        got = []
-        if hits:
-            spec = self.manager.prepare_load(keys[:hits], ctx)
-            got = [bytes(self.row(cid)) for cid in spec.block_ids]
-            self.manager.complete_load(keys[:hits], ctx)
-        self.manager.on_request_finished(ctx)
-        self.step()
-        return got
-
-    def close(self) -> None:
-        self.rows.release()
-        (self.connector or self.manager).shutdown()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def chunk_keys(prefix: str, n: int) -> list[bytes]:
-    """vLLM-style chained sha256 block hashes packed into OffloadKeys."""
-    keys, parent = [], b""
-    for i in range(n):
-        parent = hashlib.sha256(parent + f"{prefix}:{i}".encode()).digest()
-        keys.append(make_offload_key(parent, 0))
-    return keys
-
-
-def payloads(n: int) -> list[bytes]:
-    return [os.urandom(BLOCK_BYTES * BLOCKS_PER_CHUNK) for _ in range(n)]
+from tests.connector.native.harness import (
+    BLOCKS_PER_CHUNK,
+    TIER_MODULE,
+    RowEngine,
+    chunk_keys,
+    offloading_config,
+    payloads,
+)
 
 
 # `namespace`, `redis_tier` and `s3_tier` come from tests/connector/conftest.py.
@@ -198,9 +43,9 @@ def s3_options(s3_tier, namespace) -> dict:
 def test_second_engine_loads_what_the_first_offloaded(backend, request):
     options = request.getfixturevalue(f"{backend}_options")
     keys, data = chunk_keys(backend, 6), payloads(6)
-    with Engine(options) as first:
+    with RowEngine(options) as first:
         first.offload(keys, data)
-    with Engine(options) as second:   # another engine: empty primary tier, same pool
+    with RowEngine(options) as second:   # another engine: empty primary tier, same pool
         assert second.load(keys) == data
         assert second.load(chunk_keys("never-stored", 2)) == []
 
@@ -212,18 +57,18 @@ def test_config_file_with_connector_keys_and_type_alias(redis_options, tmp_path)
     path = tmp_path / "connector.json"
     path.write_text(json.dumps({**redis_options, "chunk_tokens": 256}))
     keys, data = chunk_keys("file", 3), payloads(3)
-    with Engine({"config_file": str(path)}, tier_type="KVPoolTier") as a:
+    with RowEngine({"config_file": str(path)}, tier_type="KVPoolTier") as a:
         a.offload(keys, data)
-    with Engine({"config_file": str(path)}) as b:
+    with RowEngine({"config_file": str(path)}) as b:
         assert b.load(keys) == data
 
 
 def test_other_model_or_layout_never_hits(redis_options):
     keys, data = chunk_keys("layout", 3), payloads(3)
-    with Engine(redis_options) as a:
+    with RowEngine(redis_options) as a:
         a.offload(keys, data)
     for kwargs in ({"model": "another-model"}, {"dtype": "float16"}):
-        with Engine(redis_options, **kwargs) as other:
+        with RowEngine(redis_options, **kwargs) as other:
             assert other.load(keys) == []
             assert other.tier.identity != a.tier.identity
 
@@ -235,7 +80,7 @@ def test_corrupt_object_is_recomputed_not_loaded(redis_options, redis_server):
     import redis
 
     keys, data = chunk_keys("corrupt", 4), payloads(4)
-    with Engine(redis_options) as a:
+    with RowEngine(redis_options) as a:
         a.offload(keys, data)
         store = a.tier.store
         names = store.object_names([a.tier.store_key(k) for k in keys])
@@ -246,7 +91,7 @@ def test_corrupt_object_is_recomputed_not_loaded(redis_options, redis_server):
     blob = bytearray(client.get(victim))
     blob[-1] ^= 0xFF  # the tag's last byte: the object no longer authenticates
     client.set(victim, bytes(blob))
-    with Engine(redis_options) as b:
+    with RowEngine(redis_options) as b:
         assert b.load(keys) == data[:2]
         assert b.load(keys) == data[:2]
         assert b.tier.store.stats()["tiers"]["redis"]["corrupt"] == 1
@@ -258,7 +103,7 @@ def test_backend_down_degrades_to_misses(redis_options, redis_server):
     keys, data = chunk_keys("down", 3), payloads(3)
     redis_server.stop()
     try:
-        with Engine(redis_options) as eng:   # offload/load fail the test if they hang
+        with RowEngine(redis_options) as eng:   # offload/load fail the test if they hang
             eng.offload(keys, data)           # stores fail quietly
             assert eng.load(keys) == data     # still served by vLLM's own primary tier
             assert eng.load(chunk_keys("other", 2)) == []
@@ -268,9 +113,9 @@ def test_backend_down_degrades_to_misses(redis_options, redis_server):
 
 def test_bad_config_names_the_field(redis_options):
     with pytest.raises(ValueError, match="tiers.0"):
-        Engine({"namespace": "x", "tiers": [{"type": "redis", "url": "http://nope"}]})
+        RowEngine({"namespace": "x", "tiers": [{"type": "redis", "url": "http://nope"}]})
     with pytest.raises(ValueError, match=r"tiers\.0\.type: 'cpu' is not allowed"):
-        Engine({"namespace": "x", "tiers": [{"type": "cpu", "size": "1Mi"}]})
+        RowEngine({"namespace": "x", "tiers": [{"type": "cpu", "size": "1Mi"}]})
 
 
 def test_only_config_errors_are_reported_as_the_tiers_config_errors(monkeypatch):
@@ -303,13 +148,13 @@ def test_layout_identity_is_vllms_file_mapper_identity():
 
 def test_store_counters_reach_vllms_offloading_stats(redis_options):
     keys, data = chunk_keys("stats", 2), payloads(2)
-    with Engine(redis_options) as a:
+    with RowEngine(redis_options) as a:
         a.offload(keys, data)
-    with Engine(redis_options) as b:
+    with RowEngine(redis_options) as b:
         assert b.load(keys) == data
         reduced = b.manager.get_stats().reduce()
     definitions = TieringOffloadingSpec.build_metric_definitions(
-        {"secondary_tiers": [{"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers"}]})
+        {"secondary_tiers": [{"type": "kvpool", "module_path": TIER_MODULE}]})
     assert "kvpool_tier_hit_chunks" in definitions
     assert definitions["kvpool_tier_hit_chunks"].labelnames == ("tier",)
     hits = {k: v for k, v in reduced.items() if k.startswith("kvpool_tier_hit_chunks")}
@@ -327,13 +172,13 @@ def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, 
     from kvpool_connector.connector.keys import model_config_hash
 
     keys, data = chunk_keys("revision", 3), payloads(3)
-    with Engine(redis_options, engine_model=tiny_model) as a:
+    with RowEngine(redis_options, engine_model=tiny_model) as a:
         a.offload(keys, data)
         ident = a.tier.identity
-    with Engine(redis_options, engine_model=tiny_model) as same:
+    with RowEngine(redis_options, engine_model=tiny_model) as same:
         assert same.load(keys) == data and same.tier.identity == ident
     for kwargs in ({"revision": "v2"}, {"hf_overrides": {"rope_theta": 5000.0}}):
-        with Engine(redis_options, engine_model=tiny_model, model_kwargs=kwargs) as other:
+        with RowEngine(redis_options, engine_model=tiny_model, model_kwargs=kwargs) as other:
             assert other.load(keys) == [], kwargs
     assert ident["model_config_hash"] == model_config_hash(
         ModelConfig(model=str(tiny_model), dtype="bfloat16"))
@@ -347,6 +192,6 @@ def test_xxhash_prefix_hashes_are_refused_at_engine_start(redis_options, tiny_mo
     monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
     for algo in ("xxhash", "xxhash_cbor"):
         with pytest.raises(ValueError, match=r"--prefix-caching-hash-algo\) '" + algo):
-            Engine(redis_options, engine_model=tiny_model, hash_algo=algo)
-    with Engine(redis_options, engine_model=tiny_model, hash_algo="sha256_cbor") as ok:
+            RowEngine(redis_options, engine_model=tiny_model, hash_algo=algo)
+    with RowEngine(redis_options, engine_model=tiny_model, hash_algo="sha256_cbor") as ok:
         assert ok.tier.identity["hash_algo"] == "sha256_cbor"

@@ -3,6 +3,7 @@ namespace isolation, restart of the disk tier, processes sharing one directory."
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SECURITY
 from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
+from tests.connector.store.helpers import build_store
 
 SIZES = [1, 4095, 4096, 70_001, 1 << 20, (2 << 20) + 3]
 LAYOUT = b"test-model|bf16|L2xH4xD64|blk16"
@@ -27,10 +29,7 @@ def payloads_of(sizes) -> list[bytes]:
     return [random.randbytes(s) for s in sizes]
 
 
-def build(namespace, *tiers, **extra):
-    # a generous bound: these tests check function, and moto on 2 busy cores can be slow
-    return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": 5,
-                       "security": SECURITY, **extra}, layout=LAYOUT)
+build = functools.partial(build_store, layout=LAYOUT)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "s3"])
