@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvpool_dev.testbed.servers import free_port
+from kvpool_dev.testbed.process import free_port
 from tests.connector.store.helpers import build_store
 
 TIMEOUT = 0.3
