@@ -292,11 +292,11 @@ def load_tier_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    for ep in entry_points(group=TIER_PLUGINS):
+    for entry in entry_points(group=TIER_PLUGINS):
         try:
-            ep.load()
-        except Exception as exc:
-            raise ValueError(f"tier plugin {ep.name!r} ({ep.value}) cannot be loaded: "
+            entry.load()
+        except Exception as exc:  # a config error naming the tier, not a traceback
+            raise ValueError(f"tier plugin {entry.name!r} ({entry.value}) cannot be loaded: "
                              f"{type(exc).__name__}: {exc}") from exc
 
 

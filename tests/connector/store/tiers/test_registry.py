@@ -214,3 +214,9 @@ def test_a_tier_package_is_found_through_its_entry_point(tmp_path, repo_root):
     found = validate(str(site))
     assert found.returncode == 0, found.stdout + found.stderr
     assert found.stdout == f"{config}: connector config (dict): ok\n"
+
+    (dist / "entry_points.txt").write_text("[kvpool_connector.tiers]\ndict = no_such_module\n")
+    broken = validate(str(site))  # a config error naming the tier and the plugin
+    assert broken.returncode == 1 and not broken.stderr, broken.stderr
+    assert ("kv_connector_extra_config.tiers.0: Value error, tier plugin 'dict' "
+            "(no_such_module) cannot be loaded: ModuleNotFoundError") in broken.stdout
