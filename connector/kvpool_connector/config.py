@@ -8,6 +8,14 @@ message naming the field instead of silently doing nothing).
 Sizes accept integers (bytes) or strings with binary ("4Gi", "500Mi", "64Ki") or decimal
 ("4G", "500M", "64k") suffixes. Secrets are never part of the config: tiers name the
 environment variables (or files) that hold them.
+
+Tier configs are open: `StoreConfig.tiers` accepts every registered tier type, dispatching
+on `type` through a registry (`register_tier_config`; a store's `register_tier` fills it),
+so a tier defined outside this package is one module and one registration. The built-in
+tiers' models are registered here, so the operator validates what it renders without the
+store. Packages make their tiers known to every process that reads configs (engines,
+`kvpool validate`) through the `kvpool_connector.tiers` entry point group, loaded when a
+config names a type not registered yet.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ from __future__ import annotations
 import json
 import re
 from fractions import Fraction
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic_core import core_schema
 
 _UNITS = {  # Kubernetes quantity suffixes (the operator's CRD grammar), plus "b"
     "": 1, "b": 1,
@@ -102,7 +112,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _TierBase(_Strict):
+class TierConfigBase(_Strict):
+    """What every tier's config has. A tier's model subclasses it with
+    `type: Literal["<type>"] = "<type>"` and its own keys, and is registered with its tier
+    (`kvpool_connector.store.tiers.register_tier`)."""
+
+    type: str
     name: str | None = Field(None, description="tier label in stats/metrics; defaults to the type "
                                                "(with a suffix when a type repeats)")
     queue_size: int | None = Field(None, ge=1, description="bounded write queue of a lower tier; "
@@ -114,7 +129,7 @@ class _TierBase(_Strict):
                                           description="per-call bound; defaults to the store's")
 
 
-class CpuTierConfig(_TierBase):
+class CpuTierConfig(TierConfigBase):
     """Preallocated host-memory arena of fixed-size slots."""
 
     type: Literal["cpu"] = "cpu"
@@ -126,7 +141,7 @@ class CpuTierConfig(_TierBase):
                                                       "when CUDA is available")
 
 
-class DiskTierConfig(_TierBase):
+class DiskTierConfig(TierConfigBase):
     """A directory on a local filesystem (node NVMe), capped and evicting."""
 
     type: Literal["disk"] = "disk"
@@ -143,7 +158,7 @@ class DiskTierConfig(_TierBase):
                                   "from disk (objects of other processes, capacity); 0 = never")
 
 
-class RedisTierConfig(_TierBase):
+class RedisTierConfig(TierConfigBase):
     type: Literal["redis"] = "redis"
     url: str = Field(pattern=r"^(redis|rediss|unix)://", description="redis://, rediss:// (TLS) "
                                                                     "or unix:// URL, no password")
@@ -169,7 +184,7 @@ class RedisTierConfig(_TierBase):
         return self
 
 
-class S3TierConfig(_TierBase):
+class S3TierConfig(TierConfigBase):
     type: Literal["s3"] = "s3"
     endpoint: str | None = Field(None, pattern=r"^https?://", description="None = AWS")
     bucket: str = Field(min_length=3, max_length=63)
@@ -241,10 +256,90 @@ class SecurityConfig(_Strict):
         return bool(self.key_env or self.key_file)
 
 
-TierConfig = Annotated[
-    Union[CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig],
-    Field(discriminator="type"),
-]
+TIER_PLUGINS = "kvpool_connector.tiers"  # entry point group: modules that register tiers
+_TIER_CONFIGS: dict[str, type[TierConfigBase]] = {}
+_tier_union: TypeAdapter | None = None  # the union of the registered models, built on use
+_plugins_loaded = False
+
+
+def register_tier_config(type_name: str, model: type[TierConfigBase]) -> None:
+    """Let configs name tier type `type_name`, validated as `model` (a TierConfigBase whose
+    `type` is `Literal[type_name]`). Registering the same model again is a no-op."""
+    if not (isinstance(model, type) and issubclass(model, TierConfigBase)):
+        raise TypeError(f"tier type {type_name!r}: the config model must subclass "
+                        f"TierConfigBase, not {model!r}")
+    field = model.model_fields.get("type")
+    if field is None or get_args(field.annotation) != (type_name,) or field.default != type_name:
+        raise ValueError(f"tier type {type_name!r}: {model.__name__}.type must be "
+                         f'`Literal["{type_name}"] = "{type_name}"`')
+    known = _TIER_CONFIGS.get(type_name)
+    if known is model:
+        return
+    if known is not None:
+        raise ValueError(f"tier type {type_name!r} is already registered ({known.__name__})")
+    global _tier_union
+    _TIER_CONFIGS[type_name] = model
+    _tier_union = None
+
+
+def tier_config_models() -> dict[str, type[TierConfigBase]]:
+    """type -> config model of every registered tier type."""
+    return dict(_TIER_CONFIGS)
+
+
+def load_tier_plugins() -> None:
+    """Import the modules of the `kvpool_connector.tiers` entry points (each registers its
+    tiers on import), once per process."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for entry in entry_points(group=TIER_PLUGINS):
+        try:
+            entry.load()
+        except Exception as exc:  # a config error naming the tier, not a traceback
+            raise ValueError(f"tier plugin {entry.name!r} ({entry.value}) cannot be loaded: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def _tier_adapter() -> TypeAdapter:
+    global _tier_union
+    if _tier_union is None:
+        models = tuple(_TIER_CONFIGS.values())
+        _tier_union = TypeAdapter(Annotated[Union[models], Field(discriminator="type")])
+    return _tier_union
+
+
+def _validate_tier(value: Any) -> TierConfigBase:
+    """A tier config as the model its `type` names (errors located under that type, as a
+    discriminated union locates them: `tiers.0.cpu.size`)."""
+    type_name = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if isinstance(type_name, str) and type_name not in _TIER_CONFIGS:
+        load_tier_plugins()
+    return _tier_adapter().validate_python(value)
+
+
+class _RegisteredTierConfig:
+    """Pydantic hooks of `TierConfig`: validation and JSON schema from the registry as it
+    is when they run (a discriminated union is fixed when its model class is defined),
+    serialization as the concrete model."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            _validate_tier, serialization=core_schema.simple_ser_schema("any"))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> Any:
+        load_tier_plugins()
+        return handler(_tier_adapter().core_schema)
+
+
+# Any registered tier's config; `StoreConfig.tiers` holds these.
+TierConfig = Annotated[TierConfigBase, _RegisteredTierConfig]
+
+for _model in (CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig):
+    register_tier_config(_model.model_fields["type"].default, _model)
 
 _NAMESPACE_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 

@@ -31,9 +31,9 @@ AUDIT_ENV = "KVPOOL_KV_AUDIT_DIR"
 def block_digests(layout: KVLayout, payload: torch.Tensor, n_blocks: int) -> list[str]:
     """Digest of each block of a chunk payload (all layers of block j, in layer order)."""
     hashers = [hashlib.blake2b(digest_size=16) for _ in range(n_blocks)]
-    for lv, seg in layout._segments(payload, n_blocks):
+    for layer_kv, segment in layout._segments(payload, n_blocks):
         for j, h in enumerate(hashers):
-            block = seg.select(lv.block_dim, j).contiguous().view(torch.uint8)
+            block = segment.select(layer_kv.block_dim, j).contiguous().view(torch.uint8)
             h.update(block.numpy().tobytes())
     return [h.hexdigest() for h in hashers]
 

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connector")
 
 
-def _tp(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int]:
+def _tensor_parallel_rank_and_size(vllm_config: "VllmConfig",
+                                   role: KVConnectorRole) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     if role != KVConnectorRole.WORKER or size == 1:
         return 0, size  # the scheduler looks up rank 0's keys (all ranks save together)
@@ -68,8 +69,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        ktc = self._kv_transfer_config
-        self.cfg: ConnectorConfig = load_connector_config(ktc.kv_connector_extra_config)
+        transfer_config = self._kv_transfer_config
+        self.cfg: ConnectorConfig = load_connector_config(transfer_config.kv_connector_extra_config)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ConnectorConfigError(
@@ -77,19 +78,21 @@ class KVPoolConnector(KVConnectorBase_V1):
                 "start vLLM with --disable-hybrid-kv-cache-manager")
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = check_block_size(self.cfg, self.block_size)
-        if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+        if getattr(transfer_config, "kv_load_failure_policy", "fail") != "recompute":
             log.warning("KVPoolConnector: kv_load_failure_policy is %r; set it to 'recompute' "
                         "so a chunk that cannot be loaded is recomputed instead of failing "
-                        "the request", getattr(ktc, "kv_load_failure_policy", None))
-        mc = vllm_config.model_config
+                        "the request", getattr(transfer_config, "kv_load_failure_policy", None))
+        model_config = vllm_config.model_config
         hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         check_hash_algo(hash_algo, [t.type for t in self.cfg.tiers if tier_class(t.type).shared])
-        self.spec_fp = spec_fingerprint(kv_cache_config, str(mc.model))
-        rank, size = _tp(vllm_config, role)
+        self.spec_fingerprint = spec_fingerprint(kv_cache_config, str(model_config.model))
+        rank, size = _tensor_parallel_rank_and_size(vllm_config, role)
         self.keyspace = KeySpace(
-            namespace=self.cfg.namespace, model=str(mc.model), model_hash=model_config_hash(mc),
+            namespace=self.cfg.namespace, model=str(model_config.model),
+            model_hash=model_config_hash(model_config),
             vllm_version=vllm.__version__,
-            dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}", layout=self.spec_fp,
+            dtype=f"{model_config.dtype}/{vllm_config.cache_config.cache_dtype}",
+            layout=self.spec_fingerprint,
             tp_rank=rank, tp_size=size, hash_algo=hash_algo, chunk_tokens=self.cfg.chunk_tokens)
         self.prefix = self.keyspace.prefix()
         self.sched: SchedulerSide | None = None
@@ -100,12 +103,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
             lower_cfg = self.cfg.as_store_config(drop_types=unshared)
-            lower = open_store(lower_cfg, layout=self.spec_fp) if lower_cfg is not None else None
+            lower = (open_store(lower_cfg, layout=self.spec_fingerprint)
+                     if lower_cfg is not None else None)
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
                                        chunk_bytes, size, lower, self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
-                                       load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
+                                       load=transfer_config.is_kv_consumer,
+                                       save=transfer_config.is_kv_producer)
             if kv_events_enabled(vllm_config):
                 self.sched.enable_events(chunk_bytes)
         else:
@@ -121,12 +126,12 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # ==== worker side ==================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]):
-        kcc = self._kv_cache_config
-        names = list(kcc.kv_cache_groups[0].layer_names)
+        kv_cache_config = self._kv_cache_config
+        names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
-        layout = KVLayout(kv_caches, names, kcc.num_blocks, backend)
-        full_fp = f"{self.spec_fp}|{layout.fingerprint()}"
-        store = open_store(self.cfg.as_store_config(), layout=full_fp)
+        layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
+        full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
+        store = open_store(self.cfg.as_store_config(), layout=full_fingerprint)
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,

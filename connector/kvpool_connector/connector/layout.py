@@ -101,14 +101,15 @@ class KVLayout:
         self.backend = backend
         self.dtype = self.layers[0].tensor.dtype
         self.device = self.layers[0].tensor.device
-        self.block_bytes = sum(lv.block_bytes for lv in self.layers)
-        self._index = {lv.name: i for i, lv in enumerate(self.layers)}
+        self.block_bytes = sum(layer_kv.block_bytes for layer_kv in self.layers)
+        self._index = {layer_kv.name: i for i, layer_kv in enumerate(self.layers)}
 
     def fingerprint(self) -> str:
         """Everything that decides how to interpret a payload's bytes."""
         parts = [f"backend={self.backend}"]
-        for lv in self.layers:
-            parts.append(f"{lv.tensor.dtype}:{lv.block_dim}:{'x'.join(map(str, lv.block_shape))}")
+        for layer_kv in self.layers:
+            shape = "x".join(map(str, layer_kv.block_shape))
+            parts.append(f"{layer_kv.tensor.dtype}:{layer_kv.block_dim}:{shape}")
         return "kvlayout-v1;" + ";".join(parts)
 
     def layer_index(self, name: str) -> int | None:
@@ -120,39 +121,42 @@ class KVLayout:
     def _segments(self, buf: torch.Tensor, n: int):
         """Per-layer typed views of a flat uint8 buffer holding `n` blocks per layer."""
         off = 0
-        for lv in self.layers:
-            nb = lv.block_bytes * n
-            yield lv, buf[off:off + nb].view(lv.tensor.dtype).view(lv.gathered_shape(n))
-            off += nb
+        for layer_kv in self.layers:
+            nbytes = layer_kv.block_bytes * n
+            typed = buf[off:off + nbytes].view(layer_kv.tensor.dtype)
+            yield layer_kv, typed.view(layer_kv.gathered_shape(n))
+            off += nbytes
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks (all layers) into `out`, a flat uint8 buffer of chunk_nbytes(n)."""
         idx = block_ids.to(self.device, non_blocking=True)
         n = len(block_ids)
-        for lv, seg in self._segments(out, n):
-            if lv.flat is not None and seg.device == lv.flat.device:
-                torch.index_select(lv.flat, 0, idx, out=seg.view(lv.flat.dtype).view(n, -1))
-            elif lv.flat is not None:  # device cache -> pinned host buffer
-                seg.view(lv.flat.dtype).view(n, -1).copy_(lv.flat.index_select(0, idx),
-                                                          non_blocking=True)
+        for layer_kv, segment in self._segments(out, n):
+            if layer_kv.flat is not None and segment.device == layer_kv.flat.device:
+                torch.index_select(layer_kv.flat, 0, idx,
+                                   out=segment.view(layer_kv.flat.dtype).view(n, -1))
+            elif layer_kv.flat is not None:  # device cache -> pinned host buffer
+                segment.view(layer_kv.flat.dtype).view(n, -1).copy_(
+                    layer_kv.flat.index_select(0, idx), non_blocking=True)
             else:
-                seg.copy_(lv.tensor.index_select(lv.block_dim, idx), non_blocking=True)
+                segment.copy_(layer_kv.tensor.index_select(layer_kv.block_dim, idx),
+                              non_blocking=True)
 
     def scatter(self, src: torch.Tensor, n_in_src: int, rows: list[int],
                 block_ids: list[int], layer: int | None = None) -> None:
         """Copy blocks `rows` (positions within the payload) of a payload holding
         `n_in_src` blocks into the paged caches at `block_ids`; one layer or all."""
-        for i, (lv, seg) in enumerate(self._segments(src, n_in_src)):
+        for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
             if layer is not None and i != layer:
                 continue
-            if lv.flat is not None:
-                words = seg.view(lv.flat.dtype).view(n_in_src, -1)
+            if layer_kv.flat is not None:
+                words = segment.view(layer_kv.flat.dtype).view(n_in_src, -1)
                 for j, b in zip(rows, block_ids):
-                    lv.flat[b].copy_(words[j], non_blocking=True)
+                    layer_kv.flat[b].copy_(words[j], non_blocking=True)
             else:
                 for j, b in zip(rows, block_ids):
-                    lv.tensor.select(lv.block_dim, b).copy_(seg.select(lv.block_dim, j),
-                                                            non_blocking=True)
+                    layer_kv.tensor.select(layer_kv.block_dim, b).copy_(
+                        segment.select(layer_kv.block_dim, j), non_blocking=True)
 
 
 def spec_fingerprint(kv_cache_config, model: str) -> str:

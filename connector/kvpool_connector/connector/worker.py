@@ -123,7 +123,7 @@ class WorkerSide:
     # -- saves -------------------------------------------------------------------------
     def submit_saves(self, meta: KVPoolMetadata) -> None:
         assert self.layout is not None and self._save_pool is not None
-        lay = self.layout
+        layout = self.layout
         for job in meta.saves:
             n = len(job.keys)
             with self._lock:
@@ -136,15 +136,15 @@ class WorkerSide:
             event = None
             if self.cuda:
                 # Order after this step's forward, copy on our own stream, never sync here.
-                self.copy_stream.wait_stream(torch.cuda.current_stream(lay.device))
+                self.copy_stream.wait_stream(torch.cuda.current_stream(layout.device))
                 with torch.cuda.stream(self.copy_stream):
                     for buf, ids in zip(bufs, job.block_ids):
-                        lay.gather(torch.tensor(ids, dtype=torch.long), buf)
+                        layout.gather(torch.tensor(ids, dtype=torch.long), buf)
                     event = torch.cuda.Event()
                     event.record(self.copy_stream)
             else:
                 for buf, ids in zip(bufs, job.block_ids):
-                    lay.gather(torch.tensor(ids, dtype=torch.long), buf)
+                    layout.gather(torch.tensor(ids, dtype=torch.long), buf)
             pending = _PendingSave(job, bufs, event)
             # Loads find the chunk in its save buffer until the store holds it; registered
             # before the saver can see the job, so it can never outlive the saver's put.
@@ -259,12 +259,12 @@ class WorkerSide:
         makes progress) and scattered before the next is read; after a missing chunk vLLM
         recomputes from there, so the rest is not read. Layerwise loads scatter the last
         batch layer by layer, so its copies overlap the forward's first layers."""
-        lay = self.layout
-        assert lay is not None and self._load_pool is not None
+        layout = self.layout
+        assert layout is not None and self._load_pool is not None
         chunks = load.job.chunks
         if not chunks:
             return
-        expect = lay.chunk_nbytes(self.blocks_per_chunk)
+        expect = layout.chunk_nbytes(self.blocks_per_chunk)
         bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
         assert bufs is not None, "one loader thread owns the load buffers"
         try:
@@ -311,13 +311,13 @@ class WorkerSide:
     def _scatter(self, good: list, layered: _Load | None) -> None:
         """Copy verified chunks into their blocks: all layers at once, or layer by layer
         setting `layered`'s per-layer events (layerwise loads inside the forward)."""
-        lay = self.layout
-        layers = range(len(lay.layers)) if layered is not None else [None]
+        layout = self.layout
+        layers = range(len(layout.layers)) if layered is not None else [None]
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             for layer in layers:
                 for c, src in good:
-                    lay.scatter(src, self.blocks_per_chunk, c.rows, c.block_ids, layer=layer)
+                    layout.scatter(src, self.blocks_per_chunk, c.rows, c.block_ids, layer=layer)
                 if self.cuda:
                     self.copy_stream.synchronize()  # loader thread only; frees the buffers
                 if layer is not None:
@@ -325,14 +325,14 @@ class WorkerSide:
 
     def _audit_loads(self, good: list) -> None:
         """Read the loaded blocks back out of the paged cache for the KV audit."""
-        lay = self.layout
+        layout = self.layout
         for c, _ in good:
-            back = torch.empty(lay.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
+            back = torch.empty(layout.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
                                pin_memory=self.cuda)
-            lay.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
+            layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
             if self.cuda:
                 self.copy_stream.synchronize()
-            self.audit.loaded(lay, c.key, c.rows, back)
+            self.audit.loaded(layout, c.key, c.rows, back)
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._sync_loads or self.layout is None:

@@ -10,7 +10,7 @@ Two checks keep them honest:
   reproduces (the block <-> host sub-block mapping of vLLM's CUDA worker) or relies on (how
   vLLM's connector worker submits, fences and collects transfers; where the connector
   builds its tiers, for `engine_vllm_config`). A changed digest means "re-read that
-  function against host_copy.py (or vllm_tiers.py), then update the digest here". The test
+  function against host_copy.py (or tier.py), then update the digest here". The test
   suite asserts there is none; at run time a vLLM other than `PINNED_VLLM` only logs them.
 """
 

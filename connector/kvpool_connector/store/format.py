@@ -73,17 +73,17 @@ def pack_header(name: bytes, layout: bytes, payload_len: int, encrypted: bool,
 def to_view(payload) -> memoryview:
     """A flat byte view of any buffer (bytes, numpy, torch.uint8 CPU tensors) without copying."""
     if isinstance(payload, memoryview):
-        mv = payload
+        view = payload
     else:
         try:
-            mv = memoryview(payload)
+            view = memoryview(payload)
         except TypeError:
-            mv = _torch_view(payload)
-    if mv.ndim == 1 and mv.format == "B":
-        return mv
-    if not mv.c_contiguous:
+            view = _torch_view(payload)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous:
         raise ValueError("payload must be contiguous")
-    return mv.cast("B")
+    return view.cast("B")
 
 
 def _torch_view(t) -> memoryview:
@@ -127,16 +127,17 @@ def check_header(hdr, name: bytes, layout: bytes, total_len: int) -> Header:
     bytes. FOREIGN_LAYOUT is tentative until the tag confirms the object is authentic."""
     if len(hdr) < FIXED_SIZE + len(name):
         return _BAD
-    magic, version, flags, nlen, n, lay, salt = _FIXED.unpack_from(hdr, 0)
-    if magic != MAGIC or version != VERSION or flags & ~FLAG_ENCRYPTED or nlen != len(name):
+    magic, version, flags, name_len, payload_len, stored_layout, salt = \
+        _FIXED.unpack_from(hdr, 0)
+    if magic != MAGIC or version != VERSION or flags & ~FLAG_ENCRYPTED or name_len != len(name):
         return _BAD
     encrypted = bool(flags & FLAG_ENCRYPTED)
-    if FIXED_SIZE + nlen + n + TAG_SIZE != total_len:
+    if FIXED_SIZE + name_len + payload_len + TAG_SIZE != total_len:
         return _BAD
-    if bytes(hdr[FIXED_SIZE:FIXED_SIZE + nlen]) != name:
+    if bytes(hdr[FIXED_SIZE:FIXED_SIZE + name_len]) != name:
         return _BAD
-    return Header(Status.OK if lay == layout else Status.FOREIGN_LAYOUT, n, encrypted, salt,
-                  bytes(hdr[:FIXED_SIZE + nlen]))
+    status = Status.OK if stored_layout == layout else Status.FOREIGN_LAYOUT
+    return Header(status, payload_len, encrypted, salt, bytes(hdr[:FIXED_SIZE + name_len]))
 
 
 @dataclass
@@ -228,20 +229,20 @@ def open_blob(blob, name: bytes, layout: bytes, key: PoolKey,
     larger than `out` is CORRUPT for this reader). Never raises on garbage; on any failure
     `out` holds no byte of the object."""
     try:
-        mv = to_view(blob)
+        view = to_view(blob)
     except (TypeError, ValueError):
         return Status.CORRUPT, None
-    h = check_header(mv[:header_size(name)], name, layout, len(mv))
+    h = check_header(view[:header_size(name)], name, layout, len(view))
     if h.status is Status.CORRUPT:
         return Status.CORRUPT, None
-    hs, n = h.size, h.payload_len
-    body, tag = mv[hs:hs + n], mv[hs + n:]
+    header_len, n = h.size, h.payload_len
+    body, tag = view[header_len:header_len + n], view[header_len + n:]
     if out is not None and n > len(out):
         return Status.CORRUPT, None
     if h.encrypted:
         target = out[:n] if out is not None else uninitialized(n)
         try:
-            key.decrypt_into(h.salt, h.raw, mv[hs:], target)
+            key.decrypt_into(h.salt, h.raw, view[header_len:], target)
         except (InvalidTag, ValueError):
             if out is not None:
                 out[:n] = bytes(n)
@@ -264,5 +265,5 @@ def open_blob(blob, name: bytes, layout: bytes, key: PoolKey,
         if out is not None:
             out[:n] = bytes(n)
         return h.status, None
-    return Status.OK, Record(name, layout, payload, key=key, encrypt=h.encrypted, blob=mv,
+    return Status.OK, Record(name, layout, payload, key=key, encrypt=h.encrypted, blob=view,
                              _parts=(h.raw, body, bytes(tag)))

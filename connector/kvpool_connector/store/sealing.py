@@ -32,6 +32,8 @@ import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .credentials import secret
+
 MIN_SECRET_CHARS = 32
 TAG_SIZE = 16
 SALT_SIZE = 16
@@ -73,8 +75,9 @@ class PoolKey:
 
     def _params(self, salt: bytes, encrypt: bool) -> tuple[bytes, bytes]:
         """(AES-256 key, 12-byte nonce) of one object, from its random salt."""
-        km = blake3.blake3(salt, key=self._enc_key if encrypt else self._mac_key).digest(length=44)
-        return km[:32], km[32:]
+        key_material = blake3.blake3(salt, key=self._enc_key if encrypt else self._mac_key
+                                     ).digest(length=44)
+        return key_material[:32], key_material[32:]
 
     def authenticator(self, salt: bytes, tag: bytes | None = None):
         """A streaming GMAC: authenticate_additional_data() with header and payload, then
@@ -130,8 +133,6 @@ class Keyring:
     @classmethod
     def from_config(cls, security, needs_key: bool) -> "Keyring":
         """The keys a store config names; `needs_key`: the store has shared tiers."""
-        from .tiers.base import secret  # one secret lookup for every credential
-
         cur = secret(security.key_env, security.key_file, "security.key")
         if cur is None:
             if needs_key:

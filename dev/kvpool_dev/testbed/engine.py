@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool_dev.testbed import process
 from kvpool_dev.testbed.dtype import engine_dtype
-from kvpool_dev.testbed.servers import free_port, wait_healthy
+from kvpool_dev.testbed.process import Service, free_port, wait_healthy
 
 TOP_LOGPROBS = 5  # per generated position, for testbed.oracle
 ENGINE_START_TIMEOUT = float(os.environ.get("KVPOOL_ENGINE_START_TIMEOUT", "600"))
@@ -55,30 +55,6 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _tail(path: Path, n: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "<no log>"
-
-
-def _kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-
-
 def metric_total(samples: list[dict], name: str, **labels: str) -> float:
     """Sum of `name`'s values over the series whose labels include `labels` (pure; samples
     from OfflineEngine.metric_samples, counter names without `_total`)."""
@@ -86,8 +62,10 @@ def metric_total(samples: list[dict], name: str, **labels: str) -> float:
                and all(s["labels"].get(k) == v for k, v in labels.items()))
 
 
-class VllmServer:
+class VllmServer(Service):
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
+
+    stop_timeout = 30.0
 
     def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None,
@@ -126,9 +104,7 @@ class VllmServer:
     def launch(self) -> "VllmServer":
         """Start the process without waiting: several servers can boot at the same time."""
         refuse_unmarked_test()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+        self.proc = process.start(self.command(), self.log_path, new_session=True, env=self.env)
         return self
 
     def wait_ready(self) -> "VllmServer":
@@ -145,7 +121,7 @@ class VllmServer:
         raise TimeoutError(f"vLLM server not healthy after {ENGINE_START_TIMEOUT}s; log tail:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
-        return _tail(self.log_path, n)
+        return process.log_tail(self.log_path, n)
 
     def metrics(self) -> str:
         import urllib.request
@@ -153,24 +129,15 @@ class VllmServer:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            _kill_tree(self.proc)
-            self.proc = None
 
-    def __enter__(self) -> "VllmServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class OfflineEngine:
+class OfflineEngine(Service):
     """A `vllm.LLM` in a child process, driven by JSON lines over stdin/stdout.
 
     `generate` takes token-id prompts (exact control over lengths and prefixes) and returns,
     per prompt, the greedy output token ids and vLLM's `num_cached_tokens`.
     """
+
+    stop_timeout = 30.0
 
     def __init__(self, model: str | Path, kv_transfer_config: dict | None = None,
                  env: dict[str, str] | None = None, dtype: str | None = None,
@@ -193,12 +160,10 @@ class OfflineEngine:
     def launch(self) -> "OfflineEngine":
         """Start the process without waiting: several engines can boot at the same time."""
         refuse_unmarked_test()
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
+        self.proc = process.start(
             [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env=self.env, start_new_session=True, text=True, bufsize=1,
-        )
+            self.log_path, new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=self.env, text=True, bufsize=1)
         return self
 
     def wait_ready(self) -> "OfflineEngine":
@@ -252,9 +217,10 @@ class OfflineEngine:
         return self._reply(timeout)["metrics"]
 
     def log_tail(self, n: int = 60) -> str:
-        return _tail(self.log_path, n)
+        return process.log_tail(self.log_path, n)
 
     def stop(self) -> None:
+        """A closed stdin ends the worker's loop: up to 60 s to shut vLLM down cleanly."""
         if self.proc is not None:
             try:
                 if self.proc.stdin:
@@ -262,11 +228,4 @@ class OfflineEngine:
                 self.proc.wait(60)
             except (subprocess.TimeoutExpired, OSError):
                 pass
-            _kill_tree(self.proc)
-            self.proc = None
-
-    def __enter__(self) -> "OfflineEngine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().stop()

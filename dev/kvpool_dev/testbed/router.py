@@ -15,7 +15,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from kvpool_dev.testbed.servers import _stop, free_port, wait_healthy
+from kvpool_dev.testbed import process
+from kvpool_dev.testbed.process import Service, free_port, wait_healthy
 
 POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "random")
 
@@ -40,7 +41,7 @@ def router_args(worker_urls: list[str], policy: str, port: int, prometheus_port:
             "--worker-startup-check-interval", "1"]
 
 
-class VllmRouter:
+class VllmRouter(Service):
     """`vllm-router --worker-urls ... --policy P` as a child process; metrics on its own port."""
 
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware",
@@ -62,11 +63,14 @@ class VllmRouter:
                                               self.prometheus_port), *self.extra_args]
 
     def start(self, timeout: float = 120.0) -> "VllmRouter":
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        if wait_healthy(self.base_url + "/health", self.proc, timeout, "vllm-router",
-                        lambda: self.log_path.read_text(errors="replace")[-3000:], poll=0.2):
-            return self
+        self.proc = process.start(self.command(), self.log_path)
+        try:
+            if wait_healthy(self.base_url + "/health", self.proc, timeout, "vllm-router",
+                            lambda: process.log_tail(self.log_path), poll=0.2):
+                return self
+        except BaseException:
+            self.stop()
+            raise
         self.stop()
         raise TimeoutError(f"vllm-router not healthy after {timeout}s")
 
@@ -74,13 +78,3 @@ class VllmRouter:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.prometheus_port}/metrics",
                                     timeout=10) as r:
             return r.read().decode()
-
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.proc = None
-
-    def __enter__(self) -> "VllmRouter":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -15,57 +14,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, what: str, log_tail, poll: float = 0.5) -> bool:
-    """Poll `url` until it answers 200 (True), or False after `timeout`; raises with
-    `log_tail()` when `proc` exits first."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}); log tail:\n{log_tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(poll)
-    return False
-
-
-def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
+from kvpool_dev.testbed import process
+from kvpool_dev.testbed.process import Service, free_port, wait_port
 
 
 @dataclass
-class RedisServer:
+class RedisServer(Service):
     """A password-protected redis-server on a loopback port; can be stopped and restarted."""
 
     password: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -82,29 +36,20 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found: run `make setup` (installs it with apt)")
-        self.proc = subprocess.Popen(
+        self.proc = process.start(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", self.password,
              "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
              "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
-             "--proto-max-bulk-len", "512mb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+             "--proto-max-bulk-len", "512mb"])
         wait_port(self.port, proc=self.proc)
         return self
-
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.proc = None
 
     def restart(self) -> None:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "RedisServer":
-        return self.start()
-
     def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__exit__(*exc)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -123,7 +68,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 @dataclass
-class RedisCluster:
+class RedisCluster(Service):
     """A password-protected Redis Cluster of `masters` redis-server processes on loopback,
     joined with `redis-cli --cluster create` (slots split evenly, no replicas)."""
 
@@ -159,14 +104,13 @@ class RedisCluster:
         conf.write_text(f"requirepass {self.password}\nmasterauth {self.password}\n")
         conf.chmod(0o600)
         for port, bus_port in zip(self.ports, bus):
-            self.procs.append(subprocess.Popen(
+            self.procs.append(process.start(
                 [exe, str(conf), "--port", str(port), "--bind", "127.0.0.1",
                  "--cluster-enabled", "yes", "--cluster-port", str(bus_port),
                  "--cluster-config-file", str(self.workdir / f"nodes-{port}.conf"),
                  "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
                  "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
-                 "--proto-max-bulk-len", "512mb"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                 "--proto-max-bulk-len", "512mb"]))
         try:
             for port, proc in zip(self.ports, self.procs):
                 wait_port(port, proc=proc)
@@ -198,19 +142,16 @@ class RedisCluster:
 
     def stop(self) -> None:
         for proc in self.procs:
-            _stop(proc)
+            process.stop(proc)
         self.procs = []
 
-    def __enter__(self) -> "RedisCluster":
-        return self.start()
-
     def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__exit__(*exc)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @dataclass
-class S3Server:
+class S3Server(Service):
     """moto's standalone S3-compatible HTTP server on loopback, with one bucket."""
 
     bucket: str = "kvpool-test"
@@ -239,21 +180,10 @@ class S3Server:
 
     def start(self, create_bucket: bool = True) -> "S3Server":
         env = dict(os.environ, **self.env())
-        self.proc = subprocess.Popen(
+        self.proc = process.start(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )
+            env=env)
         wait_port(self.port, proc=self.proc)
         if create_bucket:
             self.client().create_bucket(Bucket=self.bucket)
         return self
-
-    def stop(self) -> None:
-        _stop(self.proc)
-        self.proc = None
-
-    def __enter__(self) -> "S3Server":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

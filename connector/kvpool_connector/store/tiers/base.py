@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import threading
 from collections import deque
 from typing import Any, ClassVar
@@ -29,9 +28,9 @@ class Tier(abc.ABC):
     """A storage backend of the tiered store.
 
     A new tier is one module with a subclass of this class (its five abstract methods, the
-    capability attributes below where the defaults do not fit) plus one `register_tier`
-    call (`tiers/__init__.py`), and its config model in the `TierConfig` union of
-    `kvpool_connector.config`. The store and the connector decide by the capability
+    capability attributes below where the defaults do not fit) and its config model (a
+    `kvpool_connector.config.TierConfigBase` subclass), plus one `register_tier` call
+    (`tiers/__init__.py`). The store and the connector decide by the capability
     attributes, never by a tier's type name.
     """
 
@@ -192,28 +191,3 @@ def _payload_len(blob) -> int:
             if len(blob) >= FIXED_SIZE else 0
     except (TypeError, ValueError):
         return 0
-
-
-def secret(env_name: str | None, file_name: str | None = None, field: str = "",
-           optional: bool = False) -> str | None:
-    """A secret from an environment variable or a file. A named but missing source is an
-    error, or None when `optional` (a rotation's previous key that is not set)."""
-    if file_name:
-        try:
-            with open(file_name) as f:
-                value = f.read().strip()
-        except FileNotFoundError:
-            if optional:
-                return None
-            raise ValueError(f"{field}_file: cannot read {file_name}: no such file") from None
-        except OSError as e:
-            raise ValueError(f"{field}_file: cannot read {file_name}: {e.strerror}") from e
-        return value or (None if optional else value)
-    if env_name:
-        val = os.environ.get(env_name)
-        if val is None or (optional and not val):
-            if optional:
-                return None
-            raise ValueError(f"{field}_env: environment variable {env_name} is not set")
-        return val
-    return None

@@ -107,8 +107,8 @@ class CpuTier(Tier):
         with self._lock:
             if not self.slot_size:
                 self._init_slots(-(-max(n, 1) // _ROUND) * _ROUND)
-            ss = self.slot_size
-            units = max(1, -(-n // ss))
+            slot = self.slot_size
+            units = max(1, -(-n // slot))
             if units > self.nslots:
                 self.stats.inc("rejected")
                 return False
@@ -122,8 +122,8 @@ class CpuTier(Tier):
             slots = tuple(self._free.pop() for _ in range(units))
             arena, src = self._arena, rec.payload
             for i, s in enumerate(slots):
-                chunk = src[i * ss:(i + 1) * ss]
-                arena[s * ss:s * ss + len(chunk)] = chunk
+                chunk = src[i * slot:(i + 1) * slot]
+                arena[s * slot:s * slot + len(chunk)] = chunk
             self._index[rec.name] = _Entry(slots, n, rec.layout)
             self._policy.insert(rec.name, units)
             self.note(True, (rec.name,))
@@ -143,10 +143,10 @@ class CpuTier(Tier):
         return e
 
     def _copy_out(self, e: _Entry, out: memoryview) -> None:
-        ss, arena = self.slot_size, self._arena
+        slot, arena = self.slot_size, self._arena
         for i, s in enumerate(e.slots):
-            m = min(ss, e.length - i * ss)
-            out[i * ss:i * ss + m] = arena[s * ss:s * ss + m]
+            m = min(slot, e.length - i * slot)
+            out[i * slot:i * slot + m] = arena[s * slot:s * slot + m]
 
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
         out: list[Record | None] = []

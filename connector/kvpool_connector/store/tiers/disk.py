@@ -382,14 +382,14 @@ class DiskTier(Tier):
             if size > self.read_limit(name, out):
                 self.stats.inc("rejected")  # never read whole what cannot be ours
                 return None
-            hs = header_size(name)
-            h = check_header(os.pread(fd, hs, 0), name, layout, size)
+            header_len = header_size(name)
+            h = check_header(os.pread(fd, header_len, 0), name, layout, size)
             status = h.status
             if status is not Status.CORRUPT:
                 n = h.payload_len
                 if status is Status.OK:
                     target = out[:n] if out is not None else uninitialized(n)
-                tag = os.pread(fd, TAG_SIZE, hs + n)
+                tag = os.pread(fd, TAG_SIZE, header_len + n)
                 # another layout's object is kept only once its tag proves a pool member
                 # wrote it (checked without a byte reaching the caller); a forgery is corrupt
                 authentic = self._read_verified(fd, h, key, tag, target)

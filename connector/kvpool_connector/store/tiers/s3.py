@@ -21,9 +21,10 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from ..credentials import secret
 from ..format import Record
 from ..sealing import PoolKey
-from .base import Tier, secret
+from .base import Tier
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 

@@ -6,28 +6,26 @@ costs a miss at the deadline without a single late write into the caller's buffe
 
 from __future__ import annotations
 
-import contextlib
 import os
-import select
-import socket
 import threading
 import time
 
 import pytest
 import redis
 
-from kvpool_connector.store import open_store
 from kvpool_connector.store.format import Record, layout_digest
 from kvpool_connector.store.sealing import PoolKey
 from tests.conftest import SECURITY
+from tests.connector.loopback import LoopbackServer, StallingProxy
+from tests.connector.store.helpers import build_store
 
 LAYOUT = b"stream-layout"
 BIG = 3 * (256 << 10) + 12345  # several pieces, the last one partial
 
 
 def build(namespace, tier, encrypt=False, timeout=5.0):
-    return open_store({"namespace": namespace, "tiers": [tier], "timeout_seconds": timeout,
-                       "security": {**SECURITY, "encrypt": encrypt}}, layout=LAYOUT)
+    return build_store(namespace, tier, layout=LAYOUT, timeout=timeout,
+                       security={**SECURITY, "encrypt": encrypt})
 
 
 def redis_key(namespace: str, name: bytes) -> str:
@@ -104,69 +102,6 @@ def test_an_error_reply_fails_the_read_and_the_next_one_succeeds(redis_tier, red
     r.close()
     s.close()
     s2.close()
-
-
-class LoopbackServer:
-    """A TCP listener on loopback handing each connection to `handle` on its own thread."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.stop = threading.Event()
-        self._acceptor = threading.Thread(target=self._accept, daemon=True)
-        self._acceptor.start()
-
-    def _accept(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
-
-    def handle(self, conn: socket.socket) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self.stop.set()
-        self._acceptor.join()
-        self.listener.close()
-
-
-class StallingProxy(LoopbackServer):
-    """A loopback TCP proxy in front of a real redis-server. Once armed, it forwards only
-    `budget` more bytes from the server, then holds the rest until released: a server (or
-    network) that stalls in the middle of a value."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.budget: int | None = None
-        self.released = threading.Event()
-        super().__init__()
-
-    def handle(self, client: socket.socket) -> None:
-        server = socket.create_connection(("127.0.0.1", self.upstream))
-        with client, server, contextlib.suppress(OSError):  # either side may hang up
-            while not self.stop.is_set():
-                ready, _, _ = select.select([client, server], [], [], 0.2)
-                for src in ready:
-                    data = src.recv(65536)
-                    if not data:
-                        return
-                    if src is server and self.budget is not None:
-                        if len(data) > self.budget:
-                            head, data = data[:self.budget], data[self.budget:]
-                            client.sendall(head)
-                            self.budget = 0
-                            self.released.wait(60)
-                        else:
-                            self.budget -= len(data)
-                    (client if src is server else server).sendall(data)
-
-    def close(self) -> None:
-        self.released.set()
-        super().close()
 
 
 def test_a_server_stalling_mid_value_costs_a_miss_and_never_writes_late(

@@ -8,16 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_offload.base import (
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    GPULoadStoreSpec,
-)
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 
 from kvpool_connector.native.host_copy import HostCopyWorker, Run, plan_copies, runs
+from tests.connector.native.harness import PagedCache
 
 
 def test_plan_follows_vllms_mapping_with_an_unaligned_first_chunk():
@@ -59,24 +55,6 @@ def test_runs_merge_blocks_adjacent_on_both_sides_within_a_chunk():
     plan = plan_copies([4, 5, 6, 7, 9, 10], [3, 8], [6], [1], blocks_per_chunk=4)[0]
     # sub-blocks 13,14,15 | 32,33,34 of chunks 3 and 8; paged 4,5,6 | 7 | 9,10
     assert runs(plan, 4) == [Run(4, 3, 1, 3), Run(7, 8, 0, 1), Run(9, 8, 1, 2)]
-
-
-class PagedCache:
-    """Host KV tensors as vLLM's OffloadingConnector registers them: one int8 `(num_blocks,
-    page)` view per tensor; `unpadded[t]` bytes of each page are KV, the rest padding."""
-
-    def __init__(self, pages: list[int], unpadded: list[int], num_blocks: int, seed: int):
-        gen = torch.Generator().manual_seed(seed)
-        self.tensors = [torch.randint(-128, 128, (num_blocks, p), dtype=torch.int8, generator=gen)
-                        for p in pages]
-        self.unpadded = unpadded
-
-    def canonical(self, groups: list[list[int]]) -> CanonicalKVCaches:
-        """`groups[g]`: the tensor indices of group g's layers."""
-        return CanonicalKVCaches(
-            tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in self.tensors],
-            group_data_refs=[[CanonicalKVCacheRef(i, self.unpadded[i]) for i in g]
-                             for g in groups])
 
 
 def host_views(pages: list[int], bpc: int, num_chunks: int, pad: int = 64):

@@ -42,7 +42,7 @@ def test_parse_size_rejects(bad):
         parse_size(bad)
 
 
-def test_the_four_tier_example_parses_in_order():
+def test_a_full_config_keeps_its_tiers_in_order_with_their_own_models():
     cfg = load_store_config(FULL)
     assert [type(t) for t in cfg.tiers] == [CpuTierConfig, DiskTierConfig, RedisTierConfig,
                                             S3TierConfig]

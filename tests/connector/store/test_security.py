@@ -5,6 +5,7 @@ directory cannot redirect or hang the store; a slow tier cannot grow host memory
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import threading
@@ -17,14 +18,13 @@ from kvpool_connector.store import PoolKeyError, open_store
 from kvpool_connector.store.format import Record, layout_digest
 from kvpool_connector.store.sealing import PoolKey
 from tests.conftest import SECURITY, skip_or_fail
+from tests.connector.store.helpers import build_store
 
 LAYOUT = b"security-layout"
 SHARED = ["disk", "redis", "s3"]
 
 
-def build(namespace, *tiers, security=None, **extra):
-    return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": 5,
-                       "security": security or SECURITY, **extra}, layout=LAYOUT)
+build = functools.partial(build_store, layout=LAYOUT)
 
 
 def forged(name: bytes, payload: bytes, key: PoolKey, encrypt: bool = False) -> bytes:

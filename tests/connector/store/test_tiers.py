@@ -3,6 +3,7 @@ namespace isolation, restart of the disk tier, processes sharing one directory."
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SECURITY
 from kvpool_connector.store import open_store
+from kvpool_dev.testbed.process import ServerProcess, free_port
+from tests.conftest import SECURITY
+from tests.connector.store.helpers import build_store
 
 SIZES = [1, 4095, 4096, 70_001, 1 << 20, (2 << 20) + 3]
 LAYOUT = b"test-model|bf16|L2xH4xD64|blk16"
@@ -27,10 +30,7 @@ def payloads_of(sizes) -> list[bytes]:
     return [random.randbytes(s) for s in sizes]
 
 
-def build(namespace, *tiers, **extra):
-    # a generous bound: these tests check function, and moto on 2 busy cores can be slow
-    return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": 5,
-                       "security": SECURITY, **extra}, layout=LAYOUT)
+build = functools.partial(build_store, layout=LAYOUT)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "s3"])
@@ -252,6 +252,7 @@ def test_disk_restart_finds_objects(tmp_path, namespace):
 _WRITER = """
 import os, sys
 from kvpool_connector.store import open_store
+from kvpool_dev.testbed.process import ServerProcess, free_port
 s = open_store({"namespace": sys.argv[2], "metrics": False, "tiers": [{"type": "disk",
     "path": sys.argv[1], "size": "64Mi", "rescan_seconds": 0}],
     "security": {"key_env": "KVPOOL_TEST_POOL_KEY"}}, layout=b"L")
@@ -409,18 +410,15 @@ def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
 
 def test_redis_over_tls(tmp_path, namespace):
     """rediss:// against a real TLS redis-server, verified with its CA file (and insecure)."""
-    from kvpool_dev.testbed.servers import free_port, wait_port
     from tests.conftest import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)
     port = free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
-         str(cert), "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port, proc=proc)
+    with ServerProcess(
+            ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+             str(cert), "--tls-auth-clients", "no", "--save", "", "--dir", str(tmp_path)],
+            port):
         url = f"rediss://127.0.0.1:{port}/0"
         key_ = os.urandom(32)
         s = build(namespace, {"type": "redis", "url": url, "tls_ca_file": str(cert)})
@@ -434,24 +432,17 @@ def test_redis_over_tls(tmp_path, namespace):
         assert s.get_many([key_]) == [None]
         assert s.stats()["tiers"]["redis"]["errors"] == 1
         s.close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_s3_over_tls_with_a_ca_file(tmp_path, namespace, monkeypatch):
     """https:// against a real S3 server (moto) with a self-signed certificate: trusted
     through tls_ca_file, refused with the system CAs."""
-    from kvpool_dev.testbed.servers import free_port, wait_port
     from tests.conftest import self_signed_cert
 
     cert, key = self_signed_cert(tmp_path)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port),
-                             "-c", str(cert), "-k", str(key)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port, proc=proc)
+    with ServerProcess([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port),
+                        "-c", str(cert), "-k", str(key)], port):
         monkeypatch.setenv("TLS_AK", "test")
         monkeypatch.setenv("TLS_SK", "test")
         tier = {"type": "s3", "endpoint": f"https://127.0.0.1:{port}", "bucket": "tls-bucket",
@@ -465,9 +456,6 @@ def test_s3_over_tls_with_a_ca_file(tmp_path, namespace, monkeypatch):
         assert untrusted.get_many([k]) == [None]
         assert untrusted.stats()["tiers"]["s3"]["errors"] == 1
         untrusted.close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_s3_presence_cache_saves_requests(tier_cfgs, namespace, s3_server):

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from kvpool_connector.config import RedisTierConfig
 from kvpool_connector.store import open_store
-from kvpool_dev.testbed.servers import RedisCluster, free_port
+from kvpool_dev.testbed.process import free_port
+from kvpool_dev.testbed.servers import RedisCluster
 from tests.conftest import SECURITY
 
 PASSWORD_ENV = "KVPOOL_TEST_RCLUSTER_PASSWORD"

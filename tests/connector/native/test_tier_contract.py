@@ -36,14 +36,15 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvpool_connector.vllm_tiers import KVPoolTier
+from kvpool_connector.native.tier import KVPoolTier
 from tests.conftest import SECURITY
-from tests.connector.test_store_redis_stream import StallingProxy
-from tests.connector.test_vllm_tiers import (
+from tests.connector.loopback import StallingProxy
+from tests.connector.native.harness import (
     BLOCK_BYTES,
     BLOCKS_PER_CHUNK,
     chunk_keys,
     offloading_config,
+    poll,
 )
 
 ROW = BLOCK_BYTES * BLOCKS_PER_CHUNK  # one chunk: 32 KiB
@@ -93,14 +94,13 @@ class Tier:
     def lookup(self, keys, req: str = "req", timeout: float = 20.0) -> list[LookupResult]:
         """Lookups as vLLM's tiering manager makes them: RETRY means ask again next step."""
         ctx = ReqContext(req_id=req)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def attempt() -> list[LookupResult] | None:
             got = [self.tier.lookup(k, ctx) for k in keys]
-            if LookupResult.RETRY not in got:
-                return got
-            assert time.monotonic() < deadline, "lookups never resolved"
-            self.tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-            time.sleep(0.01)
+            return None if LookupResult.RETRY in got else got
+
+        return poll(attempt, lambda: self.tier.on_schedule_end(
+            ScheduleEndContext(new_req_ids=(), preempted_req_ids=())), "the lookups", timeout)
 
     def fill(self, chunk_ids) -> list[bytes]:
         data = [os.urandom(ROW) for _ in chunk_ids]

@@ -7,24 +7,22 @@ configured 0.3 s timeout), not performance assertions.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
 
 import pytest
 
-from tests.conftest import SECURITY
-from kvpool_connector.store import open_store
-from kvpool_dev.testbed.servers import free_port
+from kvpool_dev.testbed.process import free_port
+from tests.connector.store.helpers import build_store
 
 TIMEOUT = 0.3
 BOUND = 4 * TIMEOUT + 1.0
 
 
-def build(namespace, *tiers):
-    return open_store({"namespace": namespace, "tiers": list(tiers), "timeout_seconds": TIMEOUT,
-                       "security": SECURITY,
-                       "backoff_initial_seconds": 0.1, "backoff_max_seconds": 0.5}, layout=b"L")
+build = functools.partial(build_store, layout=b"L", timeout=TIMEOUT,
+                          backoff_initial_seconds=0.1, backoff_max_seconds=0.5)
 
 
 def bounded(fn, *args):

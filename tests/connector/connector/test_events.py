@@ -16,8 +16,8 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from kvpool_dev.testbed.kv_events import decode_batch
-from tests.connector.test_connector_scheduler import BPC, BS, PREFIX, _alloc, _output, _request
-from tests.connector.test_connector_scheduler import side  # noqa: F401 (the base fixture)
+from tests.connector.connector.helpers import (BPC, BS, PREFIX, allocate, make_request,
+                                               scheduler_output)
 from tests.conftest import SECURITY
 
 CHUNK = 64 * 1024
@@ -64,13 +64,13 @@ def sched(side):
 
 def _saved_keys(sched, req) -> list[bytes]:
     sched.num_matched(req, 0)
-    _alloc(sched, req, 0)
-    (save,) = sched.build_meta(_output({req.request_id: req.num_tokens})).saves
+    allocate(sched, req, 0)
+    (save,) = sched.build_meta(scheduler_output({req.request_id: req.num_tokens})).saves
     return save.keys
 
 
 def test_a_saved_chunk_is_announced_like_vllms_own_blocks(sched):
-    req = _request("r1", 1000, cache_salt="tenant-a")  # 3 complete chunks
+    req = make_request("r1", 1000, cache_salt="tenant-a")  # 3 complete chunks
     keys = _saved_keys(sched, req)
     assert sched.events.take() == []  # planned is not stored yet
     sched.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys))
@@ -89,7 +89,7 @@ def test_a_saved_chunk_is_announced_like_vllms_own_blocks(sched):
 
 
 def test_lower_local_tier_evictions_and_drops(sched):
-    req = _request("r1", 600)
+    req = make_request("r1", 600)
     keys = _saved_keys(sched, req)  # 2 chunks
     sched.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys, tier_events=[
         ("disk", True, keys[0]), ("redis", True, keys[0])]))  # the shared tier: not announced
@@ -106,12 +106,12 @@ def test_lower_local_tier_evictions_and_drops(sched):
 
 
 def test_a_promoted_load_is_announced_when_the_cpu_tier_takes_it(sched):
-    req = _request("r1", 1000)
+    req = make_request("r1", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     sched.lower.put_many(keys, [b"x" * 64] * 3)  # found on disk (another engine wrote it)
     assert sched.num_matched(req, 0) == (768, True)
-    _alloc(sched, req, 768)
-    sched.build_meta(_output({}))
+    allocate(sched, req, 768)
+    sched.build_meta(scheduler_output({}))
     assert sched.events.take() == []
     sched.on_worker_meta(KVPoolWorkerMetadata(tier_events=[("cpu", True, k) for k in keys]))
     assert [e.medium for e in sched.events.take()] == ["CPU"] * 3
@@ -119,18 +119,18 @@ def test_a_promoted_load_is_announced_when_the_cpu_tier_takes_it(sched):
 
 def test_snapshots_are_bounded_and_what_falls_out_is_withdrawn(sched):
     sched.events.capacity = 3
-    req = _request("r1", 1000)  # 3 chunks: the snapshots are full
+    req = make_request("r1", 1000)  # 3 chunks: the snapshots are full
     keys = _saved_keys(sched, req)
     sched.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
     sched.events.take()
-    other = _request("r2", 300, seed=5)
+    other = make_request("r2", 300, seed=5)
     _saved_keys(sched, other)  # a third snapshot pushes out the oldest announced chunk
     (withdrawn,) = sched.events.take()
     assert isinstance(withdrawn, BlockRemoved) and withdrawn.block_hashes == ext(req.block_hashes[:2])
 
 
 def test_events_go_out_in_vllms_wire_format(sched):
-    req = _request("r1", 600)
+    req = make_request("r1", 600)
     keys = _saved_keys(sched, req)
     sched.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:1], tier_events=[("cpu", False, keys[0])]))
     batch = KVEventBatch(ts=1.0, events=sched.events.take())

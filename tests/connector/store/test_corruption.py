@@ -3,20 +3,16 @@ authentic objects of another layout: a miss, counted, and left in place."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
 import pytest
 import redis
 
-from tests.conftest import SECURITY
-from kvpool_connector.store import open_store
+from tests.connector.store.helpers import build_store
 
-
-def build(namespace, tier, layout=b"layout-A"):
-    return open_store({"namespace": namespace, "tiers": [tier], "timeout_seconds": 5,
-                       "security": SECURITY},
-                      layout=layout)
+build = functools.partial(build_store, layout=b"layout-A")
 
 
 def written(namespace, tier, size=200_000):

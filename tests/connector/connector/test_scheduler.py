@@ -3,88 +3,40 @@ disk-tier store: lookups, load plans, save plans, delayed frees, failed-load re-
 
 from __future__ import annotations
 
-import random
-
-import pytest
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-from vllm.v1.request import Request
-
 from kvpool_connector.connector.config import load_connector_config
-from kvpool_connector.connector.keys import KeySpace, chunk_keys
+from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from tests.conftest import SECURITY
-
-BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
-PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 0, 1, "sha256", 256).prefix()
-
-
-def _request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None) -> Request:
-    init_none_hash(sha256)
-    rng = random.Random(seed)
-    return Request(rid, [rng.randrange(3, 2000) for _ in range(n)],
-                   SamplingParams(max_tokens=4), None, cache_salt=cache_salt,
-                   block_hasher=get_request_block_hasher(BS, sha256))
-
-
-def _output(sched: dict[str, int], preempted=()) -> SchedulerOutput:
-    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-                           num_scheduled_tokens=sched, total_num_scheduled_tokens=sum(sched.values()),
-                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                           finished_req_ids=set(), free_encoder_mm_hashes=[],
-                           preempted_req_ids=set(preempted))
-
-
-@pytest.fixture
-def side(tmp_path):
-    cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
-        {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
-    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
-    blocks: dict[str, list[int]] = {}
-    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
-                      block_ids=lambda rid: blocks[rid], is_async=True)
-    s.test_blocks = blocks
-    yield s
-    lower.close()
-
-
-def _alloc(side, req, n_external):
-    ids = list(range(100, 100 + len(req.block_hashes) + 1))
-    side.test_blocks[req.request_id] = ids
-    side.after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),)), n_external)
-    return ids
-
+from tests.connector.connector.helpers import (BPC, BS, PREFIX, allocate, make_request,
+                                               scheduler_output)
 
 def test_cold_request_plans_saves_of_complete_prompt_chunks_only(side):
-    req = _request("r1", 1000)  # 7 full blocks: 3 complete chunks + a tail
+    req = make_request("r1", 1000)  # 7 full blocks: 3 complete chunks + a tail
     assert side.num_matched(req, 0) == (0, False)
-    _alloc(side, req, 0)
-    meta = side.build_meta(_output({"r1": 1000}))
+    allocate(side, req, 0)
+    meta = side.build_meta(scheduler_output({"r1": 1000}))
     assert not meta.loads and len(meta.saves) == 1
     save = meta.saves[0]
     assert save.keys == chunk_keys(PREFIX, req.block_hashes, BPC)
     assert save.block_ids == [[100, 101], [102, 103], [104, 105]]
     # the same chunks are not planned again for another request while in flight
-    twin = _request("r2", 1000)
-    _alloc(side, twin, 0)
-    assert side.build_meta(_output({"r2": 1000})).saves == []
+    twin = make_request("r2", 1000)
+    allocate(side, twin, 0)
+    assert side.build_meta(scheduler_output({"r2": 1000})).saves == []
 
 
 def test_reported_chunks_become_hits_with_an_async_load_plan(side):
-    req = _request("r1", 1000)
+    req = make_request("r1", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
     assert side.num_matched(req, 0) == (512, True)
     # a local prefix hit of one block: load only the rest of the hit
-    again = _request("r1b", 1000)
+    again = make_request("r1b", 1000)
     assert side.num_matched(again, 128) == (384, True)
-    ids = _alloc(side, again, 384)
-    meta = side.build_meta(_output({}))
+    ids = allocate(side, again, 384)
+    meta = side.build_meta(scheduler_output({}))
     (load,) = meta.loads
     assert [c.key for c in load.chunks] == keys[:2]
     assert [c.rows for c in load.chunks] == [[1], [0, 1]]
@@ -92,7 +44,7 @@ def test_reported_chunks_become_hits_with_an_async_load_plan(side):
 
 
 def test_lower_tier_objects_count_as_hits_and_the_last_token_is_never_claimed(side):
-    req = _request("r1", 512)  # exactly two chunks
+    req = make_request("r1", 512)  # exactly two chunks
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     side.lower.put_many(keys, [b"x" * 64, b"y" * 64])
     # both chunks are stored, but vLLM must compute the last prompt token
@@ -100,54 +52,54 @@ def test_lower_tier_objects_count_as_hits_and_the_last_token_is_never_claimed(si
 
 
 def test_finished_request_waits_for_its_save_copies(side):
-    req = _request("r1", 600)
+    req = make_request("r1", 600)
     side.num_matched(req, 0)
-    _alloc(side, req, 0)
-    meta = side.build_meta(_output({"r1": 600}))
+    allocate(side, req, 0)
+    meta = side.build_meta(scheduler_output({"r1": 600}))
     assert len(meta.saves) == 1
     assert side.finished(req) is True  # copy not confirmed yet: keep the blocks
-    meta = side.build_meta(_output({}))
+    meta = side.build_meta(scheduler_output({}))
     assert meta.await_saves == {"r1"}
     side.on_worker_meta(KVPoolWorkerMetadata(copied_saves={"r1": 1}))
     assert side.delayed == {}
-    done = _request("r2", 100)  # no complete chunk, nothing to wait for
+    done = make_request("r2", 100)  # no complete chunk, nothing to wait for
     side.num_matched(done, 0)
     assert side.finished(done) is False
 
 
 def test_failed_load_is_saved_again_after_recompute(side):
-    req = _request("r1", 1000)
+    req = make_request("r1", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys))
     assert side.num_matched(req, 0) == (768, True)
-    _alloc(side, req, 768)
-    side.build_meta(_output({}))
+    allocate(side, req, 768)
+    side.build_meta(scheduler_output({}))
     side.on_worker_meta(KVPoolWorkerMetadata(failed_loads={"r1": [keys[1]]}))
     assert keys[1] not in side.index
     req.num_computed_tokens = 256  # vLLM rewinds to the first failed block
-    meta = side.build_meta(_output({"r1": 1000 - 256}))
+    meta = side.build_meta(scheduler_output({"r1": 1000 - 256}))
     (save,) = meta.saves
     assert save.keys == [keys[1]]  # keys[2] is still indexed: not saved twice
 
 
 def test_kv_role_producer_never_loads_and_consumer_never_saves(side):
-    req = _request("r1", 1000)
+    req = make_request("r1", 1000)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=chunk_keys(PREFIX, req.block_hashes, BPC)))
     side.load_enabled = False  # kv_producer
     assert side.num_matched(req, 0) == (0, False)
     side.load_enabled, side.save_enabled = True, False  # kv_consumer
-    cold = _request("r2", 1000, seed=1)
+    cold = make_request("r2", 1000, seed=1)
     side.num_matched(cold, 0)
-    _alloc(side, cold, 0)
-    assert side.build_meta(_output({"r2": 1000})).saves == []
+    allocate(side, cold, 0)
+    assert side.build_meta(scheduler_output({"r2": 1000})).saves == []
 
 
 def test_cache_salt_isolates_tenants_and_can_be_required(side):
     """vLLM mixes cache_salt into the first block hash: two tenants' identical prompts share
     no chunk. With require_cache_salt an unsalted request is neither looked up nor saved."""
-    a = _request("a", 1000, seed=3, cache_salt="tenant-a")
-    b = _request("b", 1000, seed=3, cache_salt="tenant-b")
-    plain = _request("p", 1000, seed=3)
+    a = make_request("a", 1000, seed=3, cache_salt="tenant-a")
+    b = make_request("b", 1000, seed=3, cache_salt="tenant-b")
+    plain = make_request("p", 1000, seed=3)
     ka, kb, kp = (chunk_keys(PREFIX, r.block_hashes, BPC) for r in (a, b, plain))
     assert not set(ka) & set(kb) and not set(ka) & set(kp)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=ka))
@@ -160,15 +112,15 @@ def test_cache_salt_isolates_tenants_and_can_be_required(side):
     assert strict.num_matched(plain, 0) == (0, False)  # stored, but never looked up
     strict.num_matched(a, 0)
     assert strict.reqs["a"].hit_chunks == 3
-    fresh = _request("f", 1000, seed=4)
+    fresh = make_request("f", 1000, seed=4)
     strict.num_matched(fresh, 0)
-    _alloc(side, fresh, 0)
+    allocate(side, fresh, 0)
     strict.test_blocks = side.test_blocks
-    assert strict.build_meta(_output({"f": 1000})).saves == []  # and never saved
-    salted = _request("s", 1000, seed=4, cache_salt="tenant-a")
+    assert strict.build_meta(scheduler_output({"f": 1000})).saves == []  # and never saved
+    salted = make_request("s", 1000, seed=4, cache_salt="tenant-a")
     strict.num_matched(salted, 0)
-    _alloc(side, salted, 0)
-    assert strict.build_meta(_output({"s": 1000})).saves
+    allocate(side, salted, 0)
+    assert strict.build_meta(scheduler_output({"s": 1000})).saves
 
 
 def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
@@ -184,7 +136,7 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
     try:
         s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
                           lower_store=lower, block_ids=lambda rid: [], is_async=True)
-        req = _request("r1", 1000, seed=11)
+        req = make_request("r1", 1000, seed=11)
         keys = chunk_keys(PREFIX, req.block_hashes, BPC)
         lower.put_many(keys[:2], [b"x" * 64] * 2)
         lower.flush()

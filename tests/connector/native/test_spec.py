@@ -6,26 +6,26 @@ kvpool secondary tier on a real Redis) moving real KV bytes between two "engines
 from __future__ import annotations
 
 import re
-import time
 import tomllib
-import uuid
 
 import pytest
 import torch
 import vllm
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvpool_connector.native import KVPoolOffloadingSpec, contract
-from kvpool_connector.native.host_copy import HostCopyWorker
 from kvpool_connector.native.spec import choose_worker
 from tests.conftest import REPO, SECURITY
-from tests.connector.test_native_host_copy import PagedCache
-from tests.connector.test_vllm_tiers import BLOCKS_PER_CHUNK, chunk_keys, offloading_config
+from tests.connector.native.harness import (
+    NATIVE,
+    NativeHalves,
+    PagedCache,
+    chunk_keys,
+    offloading_config,
+)
 
-NATIVE = {"spec_name": "KVPoolOffloadingSpec", "spec_module_path": "kvpool_connector.native"}
 VLLM_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 
 
@@ -128,77 +128,6 @@ def test_spec_refuses_settings_the_host_copy_worker_cannot_honour():
 
 
 # -- both halves of an engine, no engine ------------------------------------------------------
-
-PAGE = 4096            # one layer's bytes per block; two layers -> BLOCK_BYTES of test_vllm_tiers
-NUM_BLOCKS = 32
-
-
-class NativeHalves:
-    """One engine's native offloading, minus the model: the scheduler's TieringOffloadingManager
-    (with the kvpool tier) and the worker's HostCopyWorker, sharing vLLM's host region, and a
-    paged cache of two layers. Steps are driven the way vLLM's connector drives them."""
-
-    def __init__(self, tier_options: dict, seed: int):
-        extra = {**NATIVE, "cpu_bytes_to_use": 64 * BLOCKS_PER_CHUNK * 2 * PAGE,
-                 "secondary_tiers": [{"type": "kvpool",
-                                      "module_path": "kvpool_connector.vllm_tiers",
-                                      **tier_options}]}
-        cfg = offloading_config(extra, block_bytes=2 * PAGE)
-        self.paged = PagedCache([PAGE, PAGE], [PAGE, PAGE], NUM_BLOCKS, seed)
-        # two roles, two spec objects (as in an engine); the worker maps the region first
-        self.worker = KVPoolOffloadingSpec(cfg).get_worker(self.paged.canonical([[0, 1]]))
-        assert isinstance(self.worker, HostCopyWorker)
-        self.manager = KVPoolOffloadingSpec(cfg).get_manager()
-        self.job = 0
-
-    def step(self) -> None:
-        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-
-    def _transfer(self, submit, *specs) -> None:
-        self.job += 1
-        assert submit(self.job, *specs)
-        assert [r.job_id for r in self.worker.get_finished()] == [self.job]
-
-    def offload(self, keys: list[bytes], blocks: list[int]) -> None:
-        ctx = ReqContext(req_id=uuid.uuid4().hex)
-        self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store(keys, ctx)
-        assert out is not None and out.keys_to_store == keys
-        self._transfer(self.worker.submit_store, GPULoadStoreSpec(blocks, [len(blocks)], [0]),
-                       out.store_spec)
-        self.manager.complete_store(keys, ctx)
-        self.manager.on_request_finished(ctx)
-        deadline = time.monotonic() + 20
-        while self.manager.has_pending_work():  # the cascade into the kvpool tier
-            assert time.monotonic() < deadline, "cascade did not finish"
-            self.step()
-            time.sleep(0.01)
-
-    def load(self, keys: list[bytes], blocks: list[int], timeout: float = 20.0) -> int:
-        """Chunks hit (RETRY/HIT_PENDING = ask next step) and loaded into `blocks`."""
-        ctx = ReqContext(req_id=uuid.uuid4().hex)
-        self.manager.on_new_request(ctx)
-        deadline = time.monotonic() + timeout
-        while (results := [self.manager.lookup(k, ctx) for k in keys])[-1] is not \
-                LookupResult.HIT and LookupResult.MISS not in results:
-            assert time.monotonic() < deadline, f"lookups never resolved: {results}"
-            self.step()
-            time.sleep(0.01)
-        hits = len(keys) if results[-1] is LookupResult.HIT else results.index(LookupResult.MISS)
-        if hits:
-            spec = self.manager.prepare_load(keys[:hits], ctx)
-            n = hits * BLOCKS_PER_CHUNK
-            self._transfer(self.worker.submit_load, spec,
-                           GPULoadStoreSpec(blocks[:n], [n], [0]))
-            self.manager.complete_load(keys[:hits], ctx)
-        self.manager.on_request_finished(ctx)
-        self.step()
-        return hits
-
-    def close(self) -> None:
-        self.manager.shutdown()
-        self.worker.shutdown()
-
 
 def test_a_second_engine_loads_the_paged_kv_the_first_offloaded_through_redis(
         redis_tier, namespace):

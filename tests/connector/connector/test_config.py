@@ -101,7 +101,7 @@ def test_xxhash_prefix_hashes_are_refused_in_a_pool_with_a_shared_tier(tiers, re
 
     from kvpool_connector.vllm import KVPoolConnector
     from tests.conftest import SECURITY
-    from tests.connector.conftest import engine_configs
+    from tests.connector.helpers import engine_configs
 
     monkeypatch.setenv("PYTHONHASHSEED", "3141592653")
     tiers = [{**t, "path": str(tmp_path)} if t["type"] == "disk" else t for t in tiers]

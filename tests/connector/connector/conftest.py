@@ -1,0 +1,27 @@
+"""The scheduler half under test: a real SchedulerSide over a cpu tier (the workers') and a
+disk tier it opens itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool_connector.connector.config import load_connector_config
+from kvpool_connector.connector.scheduler import SchedulerSide
+from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
+from tests.connector.connector.helpers import BPC, BS, PREFIX
+
+
+@pytest.fixture
+def side(tmp_path):
+    """A SchedulerSide of pool `t` (cpu + disk tiers); `side.test_blocks[request id]` holds
+    the block ids `allocate` gave the request."""
+    cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+    blocks: dict[str, list[int]] = {}
+    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
+                      block_ids=lambda rid: blocks[rid], is_async=True)
+    s.test_blocks = blocks
+    yield s
+    lower.close()
