@@ -174,7 +174,7 @@ def test_a_config_dumps_each_tier_with_its_own_keys():
 
 
 def test_kvpool_validate_checks_a_config_naming_an_out_of_tree_tier(tmp_path, capsys):
-    from kvpool_connector.validate import main
+    from kvpool_cli.validate import main
 
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(yaml.safe_dump({"namespace": "n", "security": SECURITY,
@@ -204,7 +204,7 @@ def test_a_tier_package_is_found_through_its_entry_point(tmp_path, repo_root):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [*path, str(repo_root), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]))
         return subprocess.run(
-            [sys.executable, "-c", "import sys; from kvpool_connector.validate import main; "
+            [sys.executable, "-c", "import sys; from kvpool_cli.validate import main; "
              "sys.exit(main(sys.argv[1:]))", str(config)],
             env=env, capture_output=True, text=True, timeout=120)
 
