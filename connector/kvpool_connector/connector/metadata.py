@@ -47,6 +47,9 @@ class KVPoolMetadata(KVConnectorMetadata):
     await_saves: set[str] = field(default_factory=set)
     # preempted requests: their blocks are reused next, finish their copies first
     preempted: set[str] = field(default_factory=set)
+    # the step computes nothing (every request waits, for KV or a save): the workers may
+    # spend it waiting for their loads instead of returning to vLLM's loop at once
+    idle: bool = False
 
 
 @dataclass

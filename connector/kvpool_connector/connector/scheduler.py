@@ -272,6 +272,7 @@ class SchedulerSide:
         meta.await_saves = set(self.await_saves)
         self.await_saves.clear()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         return meta
 
     def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:

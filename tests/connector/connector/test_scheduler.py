@@ -17,6 +17,7 @@ def test_cold_request_plans_saves_of_complete_prompt_chunks_only(side):
     assert side.num_matched(req, 0) == (0, False)
     allocate(side, req, 0)
     meta = side.build_meta(scheduler_output({"r1": 1000}))
+    assert not meta.idle
     assert not meta.loads and len(meta.saves) == 1
     save = meta.saves[0]
     assert save.keys == chunk_keys(PREFIX, req.block_hashes, BPC)
@@ -37,6 +38,7 @@ def test_reported_chunks_become_hits_with_an_async_load_plan(side):
     assert side.num_matched(again, 128) == (384, True)
     ids = allocate(side, again, 384)
     meta = side.build_meta(scheduler_output({}))
+    assert meta.idle  # the request waits for its load: the workers may wait for it too
     (load,) = meta.loads
     assert [c.key for c in load.chunks] == keys[:2]
     assert [c.rows for c in load.chunks] == [[1], [0, 1]]

@@ -1,0 +1,80 @@
+"""The worker half's load loop against vLLM's engine loop: an idle step (nothing scheduled,
+every request waiting for its KV) waits for an in-flight load instead of returning at once.
+
+Why it matters: vLLM's in-process engine loop calls the connector again right away after an
+idle step and holds the GIL in between; the loader thread, which reacquires the GIL after
+every tensor copy, then crawled (a 16k-token hit of the tiny model took 5 s of 45,000 empty
+steps instead of 0.01 s). Real tensors, a real store; a gate in front of the store's read
+holds the load in flight for as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvpool_connector.connector import worker as worker_module
+from kvpool_connector.connector.layout import KVLayout
+from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob
+from kvpool_connector.connector.worker import WorkerSide
+from kvpool_connector.store import open_store
+
+NUM_BLOCKS, BPC = 8, 2
+
+
+class GatedStore:
+    """A real store whose reads wait until the test opens the gate."""
+
+    def __init__(self, store) -> None:
+        self.store, self.gate = store, threading.Event()
+
+    def get_many_into(self, keys, bufs):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.store.get_many_into(keys, bufs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def worker_with_one_stored_chunk():
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = GatedStore(open_store({"namespace": "worker-test",
+                                   "tiers": [{"type": "cpu", "size": "16Mi"}]}, layout=b"l"))
+    payload = torch.empty(layout.chunk_nbytes(BPC), dtype=torch.uint8)
+    layout.gather(torch.tensor([0, 1]), payload)
+    store.put_many([b"k" * 16], [payload.numpy()])
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False)
+    side.register(layout)
+    load = LoadJob("req", [ChunkLoad(b"k" * 16, rows=[0, 1], block_ids=[5, 6])], is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    return side, store, caches
+
+
+def test_a_busy_step_never_waits_for_a_load():
+    side, store, _ = worker_with_one_stored_chunk()
+    t0 = time.monotonic()
+    assert side.get_finished(KVPoolMetadata(idle=False)) == (set(), set())
+    assert time.monotonic() - t0 < worker_module.IDLE_WAIT_S  # the gate is still shut
+    store.gate.set()
+
+
+def test_an_idle_step_waits_for_the_load_and_reports_it(monkeypatch):
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
+    side, store, caches = worker_with_one_stored_chunk()
+    threading.Timer(0.05, store.gate.set).start()
+    t0 = time.monotonic()
+    assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), {"req"})
+    assert time.monotonic() - t0 >= 0.04
+    for cache in caches.values():  # the load landed: blocks 5, 6 hold what 0, 1 held
+        assert torch.equal(cache[5:7], cache[0:2])
+
+
+def test_an_idle_step_waits_a_bounded_time():
+    side, store, _ = worker_with_one_stored_chunk()
+    t0 = time.monotonic()
+    assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), set())
+    assert time.monotonic() - t0 >= worker_module.IDLE_WAIT_S * 0.9
+    store.gate.set()
