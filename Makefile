@@ -9,12 +9,18 @@ export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
 setup:
 	@bash scripts/setup.sh
 
+# Two pytest-xdist workers: one runs the tests that start vLLM engines, one after another
+# (tests/conftest.py groups them), the other everything else meanwhile. PYTEST_WORKERS=0
+# runs the suite in one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The edit-test loop: everything but the tests that start vLLM engines (marker `vllm`).
 test-fast: setup
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not vllm" $(PYTEST_ARGS)
 
 # Every Dockerfile target built with buildah (no Docker daemon, no registry); test-images also runs
 # each image as its manifest does (tests/images). IMAGES_ARGS: e.g. `--bases public` or targets.

@@ -33,6 +33,15 @@ def pytest_configure(config) -> None:
 ENGINE_DTYPE: engine_dtype.DtypeChoice | None = None
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """With pytest-xdist (`make test` runs two workers), every test that starts vLLM engines
+    runs in one worker, one at a time as without xdist, while the other worker takes the rest
+    (operator, store, chart tests), which mostly wait on servers and subprocesses."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
 def pytest_report_header(config) -> str:
     return ENGINE_DTYPE.describe() if ENGINE_DTYPE else ""
 

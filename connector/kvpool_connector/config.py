@@ -37,6 +37,7 @@ _UNITS = {  # Kubernetes quantity suffixes (the operator's CRD grammar), plus "b
     "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18,
     "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50, "ei": 2**60,
 }
+SIZE_MAX_CHARS = 32  # the KVCachePool CRD's bound on a size string; one grammar for both
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -55,6 +56,9 @@ def parse_size(value: int | float | str) -> int:
     if not isinstance(value, str):
         raise ValueError(f"size must be an integer or a string like '4Gi', "
                          f"not {type(value).__name__}")
+    if len(value) > SIZE_MAX_CHARS:
+        raise ValueError(f"invalid size {value[:SIZE_MAX_CHARS]!r}...: at most {SIZE_MAX_CHARS} "
+                         "characters")
     m = _SIZE_RE.match(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from kvpool_connector.config import CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, parse_size, url_problem
+from kvpool_connector.config import (CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, SIZE_MAX_CHARS,
+                                     parse_size, url_problem)
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -86,7 +87,7 @@ Size = Annotated[
     str,
     AfterValidator(_positive_size),
     Field(
-        max_length=32,
+        max_length=SIZE_MAX_CHARS,
         json_schema_extra={"pattern": SIZE_PATTERN, "x-kubernetes-validations": [
             {"rule": _matches(WHOLE_BYTES_PATTERN), "message": WHOLE_BYTES_MESSAGE},
             {"rule": f"!{_matches(ZERO_PATTERN)}", "message": POSITIVE_MESSAGE},

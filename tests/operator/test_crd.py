@@ -85,7 +85,15 @@ def _mutate(pool: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return out
 
 
-_DELETE = object()
+class _Delete:
+    """Sentinel for "remove the field"; a stable repr keeps test ids the same in every
+    process (pytest-xdist workers must collect identical ids)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+_DELETE = _Delete()
 
 INVALID = [
     # (example, path, value, what both the API server and pydantic say: one message, or
@@ -191,6 +199,7 @@ SIZES = st.one_of(
 @example("1.5")
 @example("0.3Ki")
 @example("1.0000001k")
+@example("0" * 32 + "1")  # longer than the CRD allows: refused by both
 @example("1.5Gi")
 @example("0.125Ki")
 @example("0.001k")
