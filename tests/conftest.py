@@ -33,13 +33,29 @@ def pytest_configure(config) -> None:
 ENGINE_DTYPE: engine_dtype.DtypeChoice | None = None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """With pytest-xdist (`make test` runs two workers), every test that starts vLLM engines
     runs in one worker, one at a time as without xdist, while the other worker takes the rest
-    (operator, store, chart tests), which mostly wait on servers and subprocesses."""
+    (operator, store, chart tests), which mostly wait on servers and subprocesses.
+
+    tryfirst: xdist's own hook reads the group marks to route tests; a mark added after it
+    does nothing, and engine modules (which share state between their tests) split across
+    workers."""
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(pytest.mark.xdist_group("engines"))
+
+
+def pytest_collection_finish(session) -> None:
+    """Refuse to run engine tests ungrouped under `--dist loadgroup` (the failure it
+    prevents is a module's tests on two workers, seen only as missing hits)."""
+    if not session.config.getoption("loadgroup", default=False):
+        return
+    loose = [i.nodeid for i in session.items
+             if i.get_closest_marker("vllm") is not None and not i.nodeid.endswith("@engines")]
+    if loose:
+        raise pytest.UsageError(f"vllm tests not in the engines xdist group: {loose[:3]}")
 
 
 def pytest_report_header(config) -> str:
