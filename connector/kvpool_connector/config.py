@@ -116,6 +116,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_UNVERIFIED_TLS = ("TLS certificate verification is off ({field}): anyone on the network path "
+                   "can pose as the server, read what is stored (unless security.encrypt) and "
+                   "drop or withhold objects; objects stay authenticated by the pool key")
+
+
 class TierConfigBase(_Strict):
     """What every tier's config has. A tier's model subclasses it with
     `type: Literal["<type>"] = "<type>"` and its own keys, and is registered with its tier
@@ -131,6 +136,11 @@ class TierConfigBase(_Strict):
     workers: int = Field(2, ge=1, le=64, description="writer threads serving the queue")
     timeout_seconds: float | None = Field(None, gt=0, le=60,
                                           description="per-call bound; defaults to the store's")
+
+    def transport_warnings(self) -> list[str]:
+        """What this tier's transport settings expose (logged when a store opens it): the
+        objects stay authenticated, but an unverified peer sees and drops what passes."""
+        return []
 
 
 class CpuTierConfig(TierConfigBase):
@@ -179,6 +189,11 @@ class RedisTierConfig(TierConfigBase):
     cluster: bool = Field(False, description="a Redis Cluster: url names one node (a seed; the "
                           "client discovers the others), keys spread over the slot owners")
 
+    def transport_warnings(self) -> list[str]:
+        if self.url.startswith("rediss://") and self.tls_insecure:
+            return [_UNVERIFIED_TLS.format(field="tls_insecure: true")]
+        return []
+
     @model_validator(mode="after")
     def _checked_url(self):
         no_credentials(self.url, "url", REDIS_QUERY_KEYS)
@@ -211,6 +226,11 @@ class S3TierConfig(TierConfigBase):
     tls_ca_file: str | None = Field(None, description="CA bundle that signs the endpoint's "
                                     "certificate (https://), e.g. a mounted Secret's ca.crt")
 
+
+    def transport_warnings(self) -> list[str]:
+        if not self.verify_tls and (self.endpoint is None or self.endpoint.startswith("https:")):
+            return [_UNVERIFIED_TLS.format(field="verify_tls: false")]
+        return []
 
     @model_validator(mode="after")
     def _no_endpoint_credentials(self):
@@ -376,6 +396,12 @@ class StoreConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: names must be unique, got {names}")
         return self
+
+
+def transport_warnings(cfg: StoreConfig) -> list[str]:
+    """One line per tier whose transport settings weaken it (see transport_warnings)."""
+    return [f"tier {name}: {w}" for name, t in zip(tier_names(cfg.tiers), cfg.tiers)
+            for w in t.transport_warnings()]
 
 
 def tier_names(tiers: list) -> list[str]:

@@ -16,18 +16,21 @@ one: if the previous key leaked, whatever its holder forged must not outlive the
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any, Sequence
 
-from ..config import StoreConfig, tier_names
+from ..config import StoreConfig, tier_names, transport_warnings
 from . import cpu_pool
 from .format import MAX_NAME, Record, layout_digest, to_view
 from .metrics import USAGE, TierStats
 from .runner import TierRunner
 from .sealing import Keyring, PoolKey
 from .tiers import tier_class
+
+log = logging.getLogger("kvpool.store")
 
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
 EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
@@ -48,6 +51,8 @@ class TieredStore:
         self.layout = layout_digest(layout)
         shared = any(tier_class(t.type).shared for t in cfg.tiers)
         self.keyring = Keyring.from_config(cfg.security, needs_key=shared)
+        for warning in transport_warnings(cfg):
+            log.warning("%s", warning)
         self._closed = False
         self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread

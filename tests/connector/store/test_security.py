@@ -491,3 +491,26 @@ def test_a_slow_tier_keeps_host_memory_bounded(s3_tier, namespace):
     assert grown < 64 << 20, grown  # 300 MiB went through put_many
     assert s.flush(30)
     s.close()
+
+
+def test_a_tier_without_tls_verification_is_logged_as_such(namespace, caplog):
+    """Turning certificate checks off is allowed (private CAs without a bundle) but never
+    silent: opening the store logs one warning per such tier, naming it and the key."""
+    redis_insecure = {"type": "redis", "url": "rediss://redis.invalid:6380/0",
+                      "tls_insecure": True, "name": "shared"}
+    s3_unverified = {"type": "s3", "endpoint": "https://s3.invalid", "bucket": "kvp",
+                     "verify_tls": False}
+    verified = [{"type": "redis", "url": "rediss://redis.invalid:6380/0"},
+                {"type": "s3", "endpoint": "https://s3.invalid", "bucket": "kvp"},
+                {"type": "redis", "url": "redis://redis.invalid:6379/0", "tls_insecure": True}]
+    cpu = {"type": "cpu", "size": "1Mi"}
+    with caplog.at_level("WARNING", logger="kvpool.store"):
+        build_store(namespace, cpu, *verified).close()
+        assert not [r for r in caplog.records if "TLS" in r.getMessage()]
+        build_store(namespace, cpu, redis_insecure, s3_unverified).close()
+    lines = [r.getMessage() for r in caplog.records if "TLS" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("tier shared: TLS certificate verification is off "
+                               "(tls_insecure: true)")
+    assert lines[1].startswith("tier s3: TLS certificate verification is off "
+                               "(verify_tls: false)")
