@@ -8,6 +8,10 @@ installer allowed. Pure: a spec and settings in, problems naming the field out (
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.settings import Settings
 
@@ -95,3 +99,75 @@ def exposure_warnings(spec: models.KVCachePoolSpec) -> list[str]:
         return [f"spec.service.type: {service.type} without apiKeySecretRef: whoever reaches it outside the "
                 "cluster uses the engines (and reads /metrics); set service.apiKeySecretRef"]
     return []
+
+
+# The most memory a node of each sort has, generously (docs/operator.md, "Sizes"): the largest
+# 8-GPU servers carry 2-3 TiB of host memory, the largest memory-optimised machines 32 TiB (AWS
+# u7in-32tb). A pod asking for more is never scheduled: almost always a unit typo (1Pi for 1Ti).
+GPU_NODE_MEMORY_MAX = 4 * 2**40
+NODE_MEMORY_MAX = 32 * 2**40
+
+
+def _memory_request(pod_spec: dict[str, Any]) -> int | None:
+    """The memory a pod's containers request (their limits where no request); None when a value
+    is not a size this operator reads (the user's own resources in another spelling)."""
+    total = 0
+    for container in pod_spec.get("containers", []):
+        resources = container.get("resources") or {}
+        value = (resources.get("requests") or {}).get("memory") or (resources.get("limits") or {}).get("memory")
+        if value is None:
+            continue
+        try:
+            total += parse_size(str(value))
+        except ValueError:
+            return None
+    return total
+
+
+def _asks_gpus(pod_spec: dict[str, Any]) -> bool:
+    return any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})
+               for c in pod_spec.get("containers", []))
+
+
+def _memory_fields(spec: models.KVCachePoolSpec, component: str) -> str:
+    """The spec fields a component's memory request comes from, the largest first."""
+    if component == "engine":
+        if "memory" in (spec.model.resources.get("requests") or {}) or "memory" in (spec.model.resources.get("limits") or {}):
+            return "spec.model.resources"
+        parts = [("spec.model.memoryOverhead", spec.model.memory_overhead), ("spec.model.shmSize", spec.model.shm_size)]
+        if spec.tiers.cpu is not None:
+            parts.append(("spec.tiers.cpu.size", spec.tiers.cpu.size))
+        return max(parts, key=lambda p: parse_size(p[1]))[0]
+    if component == "redis":
+        return "spec.tiers.redis.managed.memory"
+    if component == "router":
+        return "spec.router.resources"
+    return f"spec ({component})"
+
+
+def _human(nbytes: int) -> str:
+    unit, suffix = max(((u, s) for u, s in ((2**40, "Ti"), (2**50, "Pi"), (2**60, "Ei")) if nbytes >= u),
+                       default=(2**30, "Gi"))
+    return f"{nbytes / unit:.1f}{suffix}"
+
+
+def size_warnings(spec: models.KVCachePoolSpec, manifests: list[dict[str, Any]]) -> list[str]:
+    """Pods whose memory request no node of their sort has (GPU nodes for GPU pods): allowed
+    (someone may have such a node), but reported (SizesFit=False, a CLI warning), since such a
+    pod stays Pending forever with nothing else saying why."""
+    out = []
+    for manifest in manifests:
+        pod_spec = ((manifest.get("spec") or {}).get("template") or {}).get("spec")
+        if not isinstance(pod_spec, dict):
+            continue
+        request = _memory_request(pod_spec)
+        gpus = _asks_gpus(pod_spec)
+        bound = GPU_NODE_MEMORY_MAX if gpus else NODE_MEMORY_MAX
+        if request is None or request <= bound:
+            continue
+        component = manifest["metadata"].get("labels", {}).get("app.kubernetes.io/component", manifest["kind"])
+        node = "a GPU node" if gpus else "any node"
+        out.append(f"{_memory_fields(spec, component)}: {manifest['kind']}/{manifest['metadata']['name']} requests "
+                   f"{_human(request)} of memory per pod, more than {node} has (bound "
+                   f"{models.format_size(bound)}): it would never be scheduled; is the unit right?")
+    return out

@@ -7,7 +7,9 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Literal, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from kvpool_connector.config import UsageError
 
 from kvpool_operator import __version__
 
@@ -23,6 +25,15 @@ def _node_dirs(prefixes: tuple[str, ...]) -> tuple[str, ...]:
         if not prefix.startswith("/") or re.search(r"(^|/)[.]{1,2}(/|$)|//", prefix):
             raise ValueError(f"{prefix!r} is not a normal absolute path")
     return tuple(p.rstrip("/") or "/" for p in prefixes)
+
+
+class SettingsError(UsageError):
+    """Bad `KVPOOL_*` variables: one line per problem, each naming the variable and its value."""
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting (`retry_delay` -> KVPOOL_RETRY_DELAY)."""
+    return ENV_PREFIX + field.upper()
 
 
 class Settings(BaseModel):
@@ -91,4 +102,13 @@ class Settings(BaseModel):
                 continue
             is_list = get_origin(info.annotation) is tuple
             values[name] = tuple(n.strip() for n in raw.split(",") if n.strip()) if is_list else raw
-        return cls.model_validate(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                field = str(err["loc"][0]) if err["loc"] else ""
+                shown = env.get(env_name(field), "") if field else ""
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{env_name(field)}={shown!r}: {message}" if field else message)
+            raise SettingsError("; ".join(problems)) from None
