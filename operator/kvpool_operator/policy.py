@@ -32,17 +32,26 @@ def image_under(image: str, prefix: str) -> bool:
 
 def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
+    host_paths = []
     disk = spec.tiers.disk
     if disk is not None and disk.volume.host_path is not None:
-        path = disk.volume.host_path.path.rstrip("/") or "/"
-        allowed = settings.allowed_host_path_prefixes
+        host_paths.append(("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path,
+                           "emptyDir, ephemeral or persistentVolumeClaim"))
+    model_volume = spec.model.volume
+    if model_volume is not None and model_volume.host_path is not None:
+        host_paths.append(("spec.model.volume.hostPath", model_volume.host_path.path, "persistentVolumeClaim or image"))
+    allowed = settings.allowed_host_path_prefixes
+    for field, path, instead in host_paths:
+        path = path.rstrip("/") or "/"
         if not allowed:
-            out.append("spec.tiers.disk.volume.hostPath: refused by this operator (its setting "
-                       "allowedHostPathPrefixes is empty); use emptyDir, ephemeral or persistentVolumeClaim")
+            out.append(f"{field}: refused by this operator (its setting allowedHostPathPrefixes is empty); "
+                       f"use {instead}")
         elif not any(under(path, prefix) for prefix in allowed):
-            out.append(f"spec.tiers.disk.volume.hostPath.path: {path} is not under an allowed prefix "
+            out.append(f"{field}.path: {path} is not under an allowed prefix "
                        f"(operator setting allowedHostPathPrefixes: {', '.join(allowed)})")
     images = [("spec.model.image", spec.model.image)]
+    if model_volume is not None and model_volume.image is not None:
+        images.append(("spec.model.volume.image.reference", model_volume.image.reference))
     if spec.tiers.redis and spec.tiers.redis.managed:
         images.append(("spec.tiers.redis.managed.image", spec.tiers.redis.managed.image))
     if spec.tiers.s3 and spec.tiers.s3.managed:

@@ -62,9 +62,15 @@ async def running_operator(server: kmock.KubernetesEmulator, settings: Settings)
         await asyncio.wait_for(task, 20)  # raises if the operator crashed
 
 
+# What examples/tiered-full.yaml asks to find in its namespace: its Hugging Face token Secret
+HF_TOKEN_SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token", "namespace": NS},
+                   "data": {"token": base64.b64encode(b"hf_user-token-0123456789").decode()}}
+
+
 @pytest.fixture
 async def server():
     srv = apiserver_with_resources()
+    srv.objects[kmock.resource("v1/secrets"), NS, "hf-token"] = copy.deepcopy(HF_TOKEN_SECRET)  # no request
     async with srv, http_server(srv):
         yield srv
 
@@ -833,7 +839,8 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
                              message=f"{name} reconciled")
     values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
               for v in secret_data(obj.raw).values()]
-    assert len(values) == 3 + 2 * 2 + 2 + 4  # the user's, both pools' keys, Redis, MinIO credentials
+    # the user's (tiered-full's Hugging Face token among them), both pools' keys, Redis, MinIO credentials
+    assert len(values) == 1 + 3 + 2 * 2 + 2 + 4
     values = [v for v in values if len(v) >= 8]  # a short hash seed would match some digits by chance
     others = json.dumps([obj.raw for (res, _, _), obj in server.objects.items() if res.plural != "secrets"])
     logs = "\n".join(record.getMessage() for record in caplog.records)
