@@ -42,7 +42,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     connector_image: Image = Field(
-        f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector)."
+        f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector, Dockerfile target `connector`). Not "
+        "published: build it (`make images`), push it to your registry and set this."
     )
     redis_image: Image = Field("redis:7.4-alpine", description="Default image of managed Redis.")
     minio_image: Image = Field(
@@ -54,9 +55,11 @@ class Settings(BaseModel):
     )
     router_image: Image = Field(
         f"ghcr.io/kvpool/kvpool-router:{__version__}",
-        description="Default router image (vllm-router, Dockerfile target `router`) for pools with spec.router.",
+        description="Default router image (vllm-router, Dockerfile target `router`) for pools with spec.router. "
+        "Not published: build and push it like the engine image.",
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of every child container (Always, IfNotPresent or Never).")
     namespaces: tuple[str, ...] = Field((), description="Watched namespaces; empty: all namespaces.")
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")
     reconcile_interval: float = Field(300.0, gt=0, description="Seconds between drift-correction passes.")
@@ -66,7 +69,8 @@ class Settings(BaseModel):
     )
     # What pool creators may ask for (policy.py): these hold whatever RBAC lets them write into a pool.
     allowed_host_path_prefixes: Annotated[tuple[str, ...], AfterValidator(_node_dirs)] = Field(
-        (), description="Node directories a hostPath disk tier may live under; empty: hostPath is refused."
+        (), description="Node directories a hostPath disk tier or model volume may live under; empty: hostPath is "
+        "refused."
     )
     allowed_image_prefixes: tuple[str, ...] = Field(
         (), description="Prefixes of the images a pool may name (model, router, managed backends), matched on a "
