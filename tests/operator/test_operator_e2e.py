@@ -871,3 +871,18 @@ async def test_taking_over_the_generated_keys_keeps_them(server, op_settings):
         assert conditions(server)["ConfigValid"]["status"] == "True"
         assert child(server, "v1/secrets", "tiered-full-kvpool-keys")["data"] == keys["data"]
         assert {r.method for r in writes_to(server, "secrets", "tiered-full-kvpool-keys")} == {"POST"}
+
+
+async def test_a_size_no_node_holds_is_a_warning_and_the_pool_is_still_applied(server, op_settings):
+    """SizesFit=False and one ExceedsNodeMemory Warning Event naming the field; children applied."""
+    pool = load_example("tiered-cpu-only")
+    pool["spec"]["tiers"]["cpu"]["size"] = "64Ti"  # a CPU pool (gpus: 0): beyond any node's 32Ti
+    name = pool["metadata"]["name"]
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        sizes = await eventually(lambda: {c["type"]: c for c in (live(server, POOLS, NS, name) or {}).get(
+            "status", {}).get("conditions", [])}.get("SizesFit"), message="SizesFit")
+        assert sizes["status"] == "False" and sizes["reason"] == "ExceedsNodeMemory"
+        assert sizes["message"].startswith(f"spec.tiers.cpu.size: Deployment/{name} requests 64.0Ti")
+        await eventually(lambda: ("Warning", "ExceedsNodeMemory") in event_reasons(server, with_type=True))
+        assert await eventually(lambda: child(server, "apps/v1/deployments", name), message="engines applied")

@@ -178,3 +178,19 @@ def test_the_reconciler_reports_sizes_no_node_holds(settings):
     pool["spec"]["tiers"]["redis"] = {"managed": {"memory": "64Ti"}}
     [warning] = validation.check(pool, settings).warnings
     assert warning.startswith("spec.tiers.redis.managed.memory: StatefulSet/p-redis requests 64.0Ti")
+
+
+def test_a_reconcile_pass_reports_sizes_fit_and_still_applies(settings):
+    """The reconciler runs validation.check: a 5Ti cpu tier on a GPU pool is applied, with
+    SizesFit=False naming the field (the pod would stay Pending with nothing else saying why)."""
+    from kvpool_operator.reconcile.children import reconcile
+    from tests.operator.test_children import _RacedKube
+
+    pool = {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "p", "namespace": "ml", "uid": "u1", "generation": 1},
+            "spec": {"model": {"name": "m"}, "tiers": {"cpu": {"size": "5Ti"}}}}
+    kube = _RacedKube()
+    outcome = reconcile(kube, pool, settings, T0)
+    sizes = conds(outcome.status)["SizesFit"]
+    assert sizes["status"] == "False" and sizes["message"].startswith("spec.tiers.cpu.size: Deployment/p requests 5.0Ti")
+    assert "Deployment" in kube.applied and outcome.invalid is None
