@@ -25,7 +25,7 @@ from kvpool_connector.config import MalformedFile, UsageError, load_documents
 
 from kvpool_operator import crd, validation, yamlio
 from kvpool_operator.render import InvalidPool
-from kvpool_operator.settings import Settings
+from kvpool_operator.settings import Settings, misspelled
 
 
 def peering_priority(explicit: int | None, hostname: str | None = None) -> int:
@@ -50,6 +50,8 @@ def _run(args: argparse.Namespace) -> int:
     except UsageError as exc:  # the pod's env (chart values) is wrong: one line in its log, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return validation.EXIT_USAGE
+    for warning in misspelled():
+        print(f"warning: {warning}", file=sys.stderr)
     namespaces = list(args.namespace or settings.namespaces)
     clusterwide = args.all_namespaces or not namespaces
     log_format = {"plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON, "full": kopf.LogFormat.FULL}
@@ -98,8 +100,8 @@ def check_pool(doc: dict) -> tuple[str, str | None, list[str]]:
     try:
         checked = validation.check_document(doc, settings)
     except InvalidPool as exc:
-        return validation.describe(doc), str(exc), []
-    return validation.describe(doc), None, checked.warnings
+        return validation.describe(doc), str(exc), misspelled()
+    return validation.describe(doc), None, [*misspelled(), *checked.warnings]
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -114,7 +116,7 @@ def _render(args: argparse.Namespace) -> int:
     except (MalformedFile, InvalidPool) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return validation.EXIT_INVALID
-    for warning in warnings:
+    for warning in [*misspelled(), *warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     sys.stdout.write(text)
     return validation.EXIT_OK

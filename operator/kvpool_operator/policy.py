@@ -160,6 +160,20 @@ def _human(nbytes: int) -> str:
     return f"{nbytes / unit:.1f}{suffix}"
 
 
+def model_warnings(spec: models.KVCachePoolSpec) -> list[str]:
+    """A model volume the engines would not read: name is not a path under its mountPath, so vLLM
+    downloads `name` at every start anyway (the volume was meant to prevent that)."""
+    volume = spec.model.volume
+    if volume is None:
+        return []
+    mount = volume.mount_path.rstrip("/")
+    name = spec.model.name.rstrip("/")
+    if name == mount or name.startswith(mount + "/"):
+        return []
+    return [f"spec.model.name: {spec.model.name!r} is not under spec.model.volume.mountPath {volume.mount_path}: "
+            "vLLM reads the hub id (a download at every start), not the mounted weights"]
+
+
 def size_warnings(spec: models.KVCachePoolSpec, manifests: list[dict[str, Any]]) -> list[str]:
     """Pods whose memory request no node of their sort has (GPU nodes for GPU pods): allowed
     (someone may have such a node), but reported (SizesFit=False, a CLI warning), since such a

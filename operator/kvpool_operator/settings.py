@@ -36,6 +36,28 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+# KVPOOL_* variables that are not operator settings but may stand in the same environment (the
+# engines' and the dev tools'): never reported as typos.
+OTHER_VARIABLES = ("KVPOOL_DTYPE", "KVPOOL_POOL_KEY", "KVPOOL_POOL_KEY_PREVIOUS", "KVPOOL_REDIS_PASSWORD",
+                   "KVPOOL_S3_ACCESS_KEY", "KVPOOL_S3_SECRET_KEY")
+
+
+def misspelled(env: Mapping[str, str] | None = None) -> list[str]:
+    """`KVPOOL_*` variables close to a setting's name but not one (KVPOOL_ALLOWED_HOSTPATH_PREFIXES):
+    from_env ignores them, so the setting keeps its default while the user thinks it is set."""
+    import difflib
+
+    env = os.environ if env is None else env
+    names = [env_name(f) for f in Settings.model_fields]
+    out = []
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
+            if close:
+                out.append(f"{var} is not an operator setting (ignored); did you mean {close[0]}?")
+    return out
+
+
 class Settings(BaseModel):
     """Defaults the operator fills into rendered children and how it runs."""
 

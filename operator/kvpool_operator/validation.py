@@ -26,11 +26,13 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 @dataclass(frozen=True)
 class Checked:
-    """A pool that passed: its children as the operator would apply them, and the warnings."""
+    """A pool that passed: its children as the operator would apply them, and the warnings (sizes:
+    those about pods no node holds, the operator's SizesFit condition)."""
 
     pool: Pool
     manifests: list[dict[str, Any]]
     warnings: list[str]
+    sizes: list[str]
 
 
 def check(doc: Any, settings: Settings, namespace: str | None = None) -> Checked:
@@ -39,7 +41,8 @@ def check(doc: Any, settings: Settings, namespace: str | None = None) -> Checked
         raise InvalidPool(f"expected a {models.KIND} mapping, got a {type(doc).__name__}")
     pool = load_pool(doc, settings, namespace)
     manifests = render_pool(pool)
-    return Checked(pool=pool, manifests=manifests, warnings=policy.size_warnings(pool.spec, manifests))
+    sizes = policy.size_warnings(pool.spec, manifests)
+    return Checked(pool=pool, manifests=manifests, warnings=policy.model_warnings(pool.spec) + sizes, sizes=sizes)
 
 
 def kind_problem(doc: dict[str, Any]) -> str | None:

@@ -246,3 +246,21 @@ def test_a_size_no_node_holds_is_a_warning_not_an_error(tmp_path):
     assert "kind: Deployment" in render.stdout
     ok = both(write(tmp_path, yaml.safe_dump(POOL)))
     assert ok[0].stderr == "" and ok[1].stderr == ""
+
+
+def test_a_misspelled_setting_is_a_warning(tmp_path):
+    """from_env ignores unknown variables: a typo would leave the setting at its default unseen."""
+    path = write(tmp_path, yaml.safe_dump(POOL))
+    render, validate = both(path, env={"KVPOOL_ALLOWED_HOSTPATH_PREFIXES": "/mnt", "KVPOOL_POOL_KEY": "x" * 40})
+    assert (render.returncode, validate.returncode) == (0, 0)
+    for text in (render.stderr, validate.stderr):
+        assert "KVPOOL_ALLOWED_HOSTPATH_PREFIXES is not an operator setting (ignored); did you mean " \
+               "KVPOOL_ALLOWED_HOST_PATH_PREFIXES?" in one_line(text)
+
+
+def test_a_model_volume_the_engines_would_not_read_is_a_warning(tmp_path):
+    doc = pool(spec__model__volume={"persistentVolumeClaim": {"claimName": "models"}})  # name "m": a hub id
+    render, validate = both(write(tmp_path, yaml.safe_dump(doc)))
+    assert (render.returncode, validate.returncode) == (0, 0)
+    for text in (render.stderr, validate.stderr):
+        assert "spec.model.name: 'm' is not under spec.model.volume.mountPath /models" in one_line(text)

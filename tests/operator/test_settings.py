@@ -27,3 +27,11 @@ def test_bad_values_name_the_variable_in_one_line():
         Settings.from_env({"KVPOOL_RETRY_DELAY": "soon", "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "mnt"})
     assert "\n" not in str(exc.value)
     assert "KVPOOL_RETRY_DELAY='soon'" in str(exc.value) and "KVPOOL_ALLOWED_HOST_PATH_PREFIXES='mnt'" in str(exc.value)
+
+
+def test_a_misspelled_variable_is_named_and_the_engines_own_are_not():
+    from kvpool_operator.settings import misspelled
+
+    assert misspelled({"KVPOOL_RETRY_DELAYS": "5", "KVPOOL_REDIS_PASSWORD": "x", "KVPOOL_DTYPE": "bfloat16",
+                       "KVPOOL_TEST_POOL_KEY": "k", "OTHER": "1"}) == [
+        "KVPOOL_RETRY_DELAYS is not an operator setting (ignored); did you mean KVPOOL_RETRY_DELAY?"]

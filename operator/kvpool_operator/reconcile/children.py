@@ -274,7 +274,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     try:
         checked = validation.check(body, settings)  # what `kvpool render` and `kvpool validate` run
         pool, rendered = checked.pool, checked.manifests
-        sizes = tuple(checked.warnings)
+        sizes = tuple(checked.sizes)
         invalid = check_secrets(kube, pool)
         recheck = invalid is not None
     except InvalidPool as exc:
@@ -293,7 +293,8 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
         invalid = "; ".join(steps.conflicts)
         status = compute_status(_observation(body, pool, live, invalid=invalid, sizes=sizes), now)
         return Outcome(status=status, invalid=invalid, recheck=True, unchanged=len(live))
-    outcome = Outcome(status={}, unchanged=len(steps.unchanged), warnings=policy.exposure_warnings(pool.spec))
+    outcome = Outcome(status={}, unchanged=len(steps.unchanged),
+                      warnings=policy.exposure_warnings(pool.spec) + policy.model_warnings(pool.spec))
     for action in steps.secrets:
         try:
             outcome.applied.append(execute(kube, action))
@@ -352,4 +353,4 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     for cond in previous.get("conditions", []) or []:
         if cond.get("type") == "ConfigValid" and cond.get("status") == "False":
             invalid = cond.get("message") or "invalid"
-    return compute_status(_observation(body, pool, live, invalid=invalid, sizes=tuple(checked.warnings)), now)
+    return compute_status(_observation(body, pool, live, invalid=invalid, sizes=tuple(checked.sizes)), now)
