@@ -429,6 +429,59 @@ def read_documents(path: str | Path, text: str | None = None) -> list[Any]:
     return [d for d in yaml.safe_load_all(text) if d is not None]
 
 
+class UsageError(ValueError):
+    """A command cannot run as asked (a path it cannot read, bad settings): CLIs exit 2, where an
+    invalid document exits 1. The message is one line."""
+
+
+class UnreadableFile(UsageError):
+    """A config file that cannot be read at all (missing, a directory, no permission): the
+    command was given the wrong path (CLIs exit 2). One line, naming the path."""
+
+
+class MalformedFile(ValueError):
+    """A config file that was read but holds no usable documents (a YAML or JSON syntax error,
+    not text, empty): the input is invalid (CLIs exit 1). One line, naming path, line and column."""
+
+
+def _syntax_error(path: str, exc: Exception) -> MalformedFile:
+    if isinstance(exc, json.JSONDecodeError):
+        return MalformedFile(f"{path}:{exc.lineno}:{exc.colno}: JSON syntax error: {exc.msg}")
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    if "'\\t'" in problem:
+        problem += " (YAML indents with spaces, never tabs)"
+    return MalformedFile(f"{where}: YAML syntax error: {problem}")
+
+
+def load_documents(path: str | Path, text: str | None = None) -> list[Any]:
+    """`read_documents` for commands: the documents of a file ('-': `text`, read from stdin by
+    the caller), or one-line errors: UnreadableFile for a path that cannot be read,
+    MalformedFile for a syntax error, bytes that are not UTF-8 or a file with no document."""
+    shown = str(path)
+    if text is None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UnreadableFile(f"{shown}: no such file") from None
+        except IsADirectoryError:
+            raise UnreadableFile(f"{shown}: is a directory, not a file") from None
+        except PermissionError:
+            raise UnreadableFile(f"{shown}: permission denied") from None
+        except UnicodeDecodeError as exc:
+            raise MalformedFile(f"{shown}: not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise UnreadableFile(f"{shown}: cannot read: {exc.strerror or exc}") from None
+    try:
+        docs = read_documents(path, text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise _syntax_error(shown, exc) from None
+    if not docs:
+        raise MalformedFile(f"{shown}: no document (the file is empty)")
+    return docs
+
+
 C = TypeVar("C", bound=StoreConfig)
 
 

@@ -5,8 +5,11 @@
   kvpool-operator crd --write crds/
   kvpool-operator golden --write tests/operator/golden/ [--examples examples/]
 
-`golden` is dev tooling: it runs the `kvpool-dev` distribution's generator (dev/ in a kvpool
-checkout, package kvpool_dev), imported by name only when the command runs; no image has it.
+`render` exits 0 when every document renders (warnings on stderr), 1 when one is invalid (its
+error, naming the field, on stderr; nothing on stdout), 2 when it cannot run (usage, a path it
+cannot read, bad KVPOOL_* settings). `golden` is dev tooling: it runs the `kvpool-dev`
+distribution's generator (dev/ in a kvpool checkout, package kvpool_dev), imported by name only
+when the command runs; no image has it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from kvpool_connector.config import MalformedFile, UsageError, load_documents
 
-from kvpool_operator import crd, yamlio
-from kvpool_operator.models import format_error, parse_spec
-from kvpool_operator.render import InvalidPool, render
-from kvpool_operator.settings import Settings
+from kvpool_operator import crd, validation, yamlio
+from kvpool_operator.render import InvalidPool
+from kvpool_operator.settings import Settings, misspelled
 
 
 def peering_priority(explicit: int | None, hostname: str | None = None) -> int:
@@ -43,7 +45,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvpool_operator.reconcile.handlers import build_registry
 
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except UsageError as exc:  # the pod's env (chart values) is wrong: one line in its log, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return validation.EXIT_USAGE
+    for warning in misspelled():
+        print(f"warning: {warning}", file=sys.stderr)
     namespaces = list(args.namespace or settings.namespaces)
     clusterwide = args.all_namespaces or not namespaces
     log_format = {"plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON, "full": kopf.LogFormat.FULL}
@@ -62,33 +70,56 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def render_documents(path: str, docs: list, namespace: str | None,
+                     settings: Settings) -> tuple[str, list[str]]:
+    """All children of every KVCachePool in a file's documents, as one multi-document YAML
+    stream, and the warnings; InvalidPool names the document and the field. Every document
+    goes through validation.check_document, the reconciler's path."""
+    out, warnings = [], []
+    for index, doc in enumerate(docs):
+        where = path if len(docs) == 1 else f"{path} (document {index + 1})"
+        try:
+            checked = validation.check_document(doc, settings, namespace)
+        except InvalidPool as exc:
+            raise InvalidPool(f"{where}: {validation.describe(doc)}: {exc}") from None
+        out.extend(checked.manifests)
+        warnings += [f"{where}: {validation.describe(doc)}: {w}" for w in checked.warnings]
+    return yamlio.dump_all(out), warnings
+
+
 def render_file(path: str, namespace: str | None, settings: Settings) -> str:
-    """All children of every KVCachePool in a YAML file, as one multi-document YAML stream."""
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    out = []
-    for doc in yaml.safe_load_all(text):
-        if doc:
-            out.extend(render(doc, settings, namespace))
-    return yamlio.dump_all(out)
+    """All children of every KVCachePool in a YAML file (`-`: stdin), as one YAML stream."""
+    docs = load_documents(path, sys.stdin.read() if path == "-" else None)
+    return render_documents(path, docs, namespace, settings)[0]
 
 
-def check_pool(doc: dict) -> tuple[str, str | None]:
-    """`kvpool validate` on a KVCachePool document: (what it is, error message or None)."""
-    name = (doc.get("metadata") or {}).get("name", "<unnamed>")
+def check_pool(doc: dict) -> tuple[str, str | None, list[str]]:
+    """`kvpool validate` on a KVCachePool document: (what it is, error or None, warnings), by the
+    operator's own path with its settings from the environment (SettingsError: exit 2)."""
+    settings = Settings.from_env()
     try:
-        parse_spec(doc.get("spec") or {})
-    except Exception as exc:  # pydantic ValidationError or a rule's ValueError
-        return f"KVCachePool {name}", format_error(exc)
-    return f"KVCachePool {name}", None
+        checked = validation.check_document(doc, settings)
+    except InvalidPool as exc:
+        return validation.describe(doc), str(exc), misspelled()
+    return validation.describe(doc), None, [*misspelled(), *checked.warnings]
 
 
 def _render(args: argparse.Namespace) -> int:
+    """Nothing on stdout unless every document renders: a pipe into kubectl never applies half."""
     try:
-        sys.stdout.write(render_file(args.filename, args.namespace, Settings.from_env()))
-    except InvalidPool as exc:
-        print(f"error: {args.filename}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        settings = Settings.from_env()
+        docs = load_documents(args.filename, sys.stdin.read() if args.filename == "-" else None)
+        text, warnings = render_documents(args.filename, docs, args.namespace, settings)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return validation.EXIT_USAGE
+    except (MalformedFile, InvalidPool) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return validation.EXIT_INVALID
+    for warning in [*misspelled(), *warnings]:
+        print(f"warning: {warning}", file=sys.stderr)
+    sys.stdout.write(text)
+    return validation.EXIT_OK
 
 
 def _crd(args: argparse.Namespace) -> int:

@@ -189,10 +189,105 @@ _SECRET_ARGS_MESSAGE = ("extraArgs must not pass --api-key or --hf-token (the va
                         "use service.apiKeySecretRef, or model.env with valueFrom.secretKeyRef")
 
 
+IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
+PULL_POLICIES = Literal["Always", "IfNotPresent", "Never"]
+# Where the engine container keeps things of its own; a model volume mounted over one would hide it.
+MODEL_MOUNT_DEFAULT = "/models"
+HF_CACHE_DIR = "/var/cache/huggingface"  # HF_HOME when spec.model.hfCache is set
+RESERVED_MOUNTS = ("/etc/kvpool", "/etc/kvpool-tls", "/dev/shm", "/home/kvpool", "/var/lib/kvpool", HF_CACHE_DIR)
+_RESERVED_RULE = ("![" + ", ".join(f"'{p}'" for p in RESERVED_MOUNTS) + "].exists(p, self == p || "
+                  "self.startsWith(p + '/') || p.startsWith(self + '/')) && self != '/'")
+_RESERVED_MESSAGE = ("must not be /, nor be, hold or lie under a directory of the engine's own ("
+                     + ", ".join(RESERVED_MOUNTS) + ")")
+_RELATIVE_RULE = "!self.startsWith('/') && !self.matches('(^|/)[.]{1,2}(/|$)|//')"
+_RELATIVE_MESSAGE = "must be a relative path inside the volume (no leading /, no '.', '..' or empty segments)"
+
+
+def _model_mount(value: str) -> str:
+    _normal_path(value)
+    path = value.rstrip("/")
+    if not path or any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in RESERVED_MOUNTS):
+        raise ValueError(_RESERVED_MESSAGE)
+    return value
+
+
+def _relative(value: str) -> str:
+    if value and (value.startswith("/") or re.search(r"(^|/)[.]{1,2}(/|$)|//", value)):
+        raise ValueError(_RELATIVE_MESSAGE)
+    return value
+
+
+class ModelImage(_Model):
+    """A Kubernetes image volume (`volumes[].image`): an OCI image or artifact holding the weights,
+    pulled by the kubelet like a container image and mounted read-only (Kubernetes 1.33+ with the
+    ImageVolume feature; on by default from 1.35)."""
+
+    reference: str = Field(
+        min_length=1, max_length=1024, pattern=IMAGE_PATTERN,
+        description="Image reference, by tag or pinned by digest (repo@sha256:...); subject to the operator's "
+        "allowedImagePrefixes like every image a pool names.",
+    )
+    pull_policy: PULL_POLICIES | None = Field(  # type: ignore[valid-type]
+        None, description="Always, IfNotPresent or Never; empty: Kubernetes' default (Always for :latest).")
+
+
+class ModelVolume(_Model):
+    """Where the weights are read from, mounted read-only: serve them from here (model.name = a path
+    under mountPath) instead of downloading them at every pod start."""
+
+    persistent_volume_claim: PvcVolume | None = Field(
+        None, description="An existing claim holding the weights (ReadOnlyMany or ReadWriteMany for several replicas)."
+    )
+    host_path: HostPathVolume | None = Field(
+        None, description="A node directory with the weights; under the operator's allowedHostPathPrefixes."
+    )
+    image: ModelImage | None = Field(None, description="An OCI image volume with the weights.")
+    mount_path: Annotated[str, AfterValidator(_model_mount)] = Field(
+        MODEL_MOUNT_DEFAULT, min_length=1, max_length=1024, pattern=r"^/",
+        description="Where the engine sees the volume (read-only).",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": NORMAL_PATH_RULE[0], "message": NORMAL_PATH_RULE[1]},
+            {"rule": _RESERVED_RULE, "message": _RESERVED_MESSAGE}]},
+    )
+    sub_path: Annotated[str, AfterValidator(_relative)] = Field(
+        "", max_length=1024, description="A directory inside the volume to mount instead of its root.",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": f"self == '' || ({_RELATIVE_RULE})", "message": _RELATIVE_MESSAGE}]},
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            ("[has(self.persistentVolumeClaim), has(self.hostPath), has(self.image)].filter(x, x).size() == 1",
+             "exactly one of persistentVolumeClaim, hostPath, image must be set", None),
+        )
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelVolume:
+        if sum(v is not None for v in (self.persistent_volume_claim, self.host_path, self.image)) != 1:
+            raise ValueError("exactly one of persistentVolumeClaim, hostPath, image must be set")
+        return self
+
+
+class HfCache(_Model):
+    """A Hugging Face cache shared by the replicas: HF_HOME on a claim, so a hub model is downloaded
+    once (by the first pod) instead of at every pod start."""
+
+    persistent_volume_claim: PvcVolume = Field(
+        description="An existing claim (ReadWriteMany for several replicas) mounted at HF_HOME "
+        f"({HF_CACHE_DIR})."
+    )
+    read_only: bool = Field(
+        False, description="Mount it read-only and run the engines offline (HF_HUB_OFFLINE=1): the cache is "
+        "filled beforehand, pods never download."
+    )
+
+
 class ModelSpec(_Model):
     name: str = Field(
         min_length=1,
-        description="What vLLM serves: a Hugging Face hub id or a path inside the image or a volume.",
+        description="What vLLM serves: a Hugging Face hub id (downloaded at start: see hfCache, hfTokenSecretRef) "
+        "or a path inside the image or under volume.mountPath.",
     )
     image: str = Field(
         "",
@@ -218,6 +313,17 @@ class ModelSpec(_Model):
         description="core/v1 ResourceRequirements merged over the operator's (GPU limit, memory, tier requests).",
     )
     shm_size: Size = Field("2Gi", description="sizeLimit of the engine's /dev/shm (memory-backed; counts as memory).")
+    volume: ModelVolume | None = Field(
+        None, description="A volume holding the weights, mounted read-only at its mountPath (default /models): "
+        "set name to the model's directory there (for example /models/llama-3.1-8b)."
+    )
+    hf_cache: HfCache | None = Field(
+        None, description="A shared Hugging Face cache (HF_HOME on a claim) for a hub model id in name."
+    )
+    hf_token_secret_ref: SecretKeyRef | None = Field(
+        None, description="The Hugging Face token for gated or private models: HF_TOKEN from this Secret key "
+        "(by secretKeyRef: the value never appears in a manifest)."
+    )
     memory_overhead: Size = Field(
         "8Gi",
         description="Host memory of vLLM's own process. Memory request = limit = CPU tier + the connector's "

@@ -8,6 +8,10 @@ installer allowed. Pure: a spec and settings in, problems naming the field out (
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvpool_connector.config import parse_size
+
 from kvpool_operator import models
 from kvpool_operator.settings import Settings
 
@@ -28,17 +32,26 @@ def image_under(image: str, prefix: str) -> bool:
 
 def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
+    host_paths = []
     disk = spec.tiers.disk
     if disk is not None and disk.volume.host_path is not None:
-        path = disk.volume.host_path.path.rstrip("/") or "/"
-        allowed = settings.allowed_host_path_prefixes
+        host_paths.append(("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path,
+                           "emptyDir, ephemeral or persistentVolumeClaim"))
+    model_volume = spec.model.volume
+    if model_volume is not None and model_volume.host_path is not None:
+        host_paths.append(("spec.model.volume.hostPath", model_volume.host_path.path, "persistentVolumeClaim or image"))
+    allowed = settings.allowed_host_path_prefixes
+    for field, path, instead in host_paths:
+        path = path.rstrip("/") or "/"
         if not allowed:
-            out.append("spec.tiers.disk.volume.hostPath: refused by this operator (its setting "
-                       "allowedHostPathPrefixes is empty); use emptyDir, ephemeral or persistentVolumeClaim")
+            out.append(f"{field}: refused by this operator (its setting allowedHostPathPrefixes is empty); "
+                       f"use {instead}")
         elif not any(under(path, prefix) for prefix in allowed):
-            out.append(f"spec.tiers.disk.volume.hostPath.path: {path} is not under an allowed prefix "
+            out.append(f"{field}.path: {path} is not under an allowed prefix "
                        f"(operator setting allowedHostPathPrefixes: {', '.join(allowed)})")
     images = [("spec.model.image", spec.model.image)]
+    if model_volume is not None and model_volume.image is not None:
+        images.append(("spec.model.volume.image.reference", model_volume.image.reference))
     if spec.tiers.redis and spec.tiers.redis.managed:
         images.append(("spec.tiers.redis.managed.image", spec.tiers.redis.managed.image))
     if spec.tiers.s3 and spec.tiers.s3.managed:
@@ -95,3 +108,89 @@ def exposure_warnings(spec: models.KVCachePoolSpec) -> list[str]:
         return [f"spec.service.type: {service.type} without apiKeySecretRef: whoever reaches it outside the "
                 "cluster uses the engines (and reads /metrics); set service.apiKeySecretRef"]
     return []
+
+
+# The most memory a node of each sort has, generously (docs/operator.md, "Sizes"): the largest
+# 8-GPU servers carry 2-3 TiB of host memory, the largest memory-optimised machines 32 TiB (AWS
+# u7in-32tb). A pod asking for more is never scheduled: almost always a unit typo (1Pi for 1Ti).
+GPU_NODE_MEMORY_MAX = 4 * 2**40
+NODE_MEMORY_MAX = 32 * 2**40
+
+
+def _memory_request(pod_spec: dict[str, Any]) -> int | None:
+    """The memory a pod's containers request (their limits where no request); None when a value
+    is not a size this operator reads (the user's own resources in another spelling)."""
+    total = 0
+    for container in pod_spec.get("containers", []):
+        resources = container.get("resources") or {}
+        value = (resources.get("requests") or {}).get("memory") or (resources.get("limits") or {}).get("memory")
+        if value is None:
+            continue
+        try:
+            total += parse_size(str(value))
+        except ValueError:
+            return None
+    return total
+
+
+def _asks_gpus(pod_spec: dict[str, Any]) -> bool:
+    return any("nvidia.com/gpu" in ((c.get("resources") or {}).get("limits") or {})
+               for c in pod_spec.get("containers", []))
+
+
+def _memory_fields(spec: models.KVCachePoolSpec, component: str) -> str:
+    """The spec fields a component's memory request comes from, the largest first."""
+    if component == "engine":
+        if "memory" in (spec.model.resources.get("requests") or {}) or "memory" in (spec.model.resources.get("limits") or {}):
+            return "spec.model.resources"
+        parts = [("spec.model.memoryOverhead", spec.model.memory_overhead), ("spec.model.shmSize", spec.model.shm_size)]
+        if spec.tiers.cpu is not None:
+            parts.append(("spec.tiers.cpu.size", spec.tiers.cpu.size))
+        return max(parts, key=lambda p: parse_size(p[1]))[0]
+    if component == "redis":
+        return "spec.tiers.redis.managed.memory"
+    if component == "router":
+        return "spec.router.resources"
+    return f"spec ({component})"
+
+
+def _human(nbytes: int) -> str:
+    unit, suffix = max(((u, s) for u, s in ((2**40, "Ti"), (2**50, "Pi"), (2**60, "Ei")) if nbytes >= u),
+                       default=(2**30, "Gi"))
+    return f"{nbytes / unit:.1f}{suffix}"
+
+
+def model_warnings(spec: models.KVCachePoolSpec) -> list[str]:
+    """A model volume the engines would not read: name is not a path under its mountPath, so vLLM
+    downloads `name` at every start anyway (the volume was meant to prevent that)."""
+    volume = spec.model.volume
+    if volume is None:
+        return []
+    mount = volume.mount_path.rstrip("/")
+    name = spec.model.name.rstrip("/")
+    if name == mount or name.startswith(mount + "/"):
+        return []
+    return [f"spec.model.name: {spec.model.name!r} is not under spec.model.volume.mountPath {volume.mount_path}: "
+            "vLLM reads the hub id (a download at every start), not the mounted weights"]
+
+
+def size_warnings(spec: models.KVCachePoolSpec, manifests: list[dict[str, Any]]) -> list[str]:
+    """Pods whose memory request no node of their sort has (GPU nodes for GPU pods): allowed
+    (someone may have such a node), but reported (SizesFit=False, a CLI warning), since such a
+    pod stays Pending forever with nothing else saying why."""
+    out = []
+    for manifest in manifests:
+        pod_spec = ((manifest.get("spec") or {}).get("template") or {}).get("spec")
+        if not isinstance(pod_spec, dict):
+            continue
+        request = _memory_request(pod_spec)
+        gpus = _asks_gpus(pod_spec)
+        bound = GPU_NODE_MEMORY_MAX if gpus else NODE_MEMORY_MAX
+        if request is None or request <= bound:
+            continue
+        component = manifest["metadata"].get("labels", {}).get("app.kubernetes.io/component", manifest["kind"])
+        node = "a GPU node" if gpus else "any node"
+        out.append(f"{_memory_fields(spec, component)}: {manifest['kind']}/{manifest['metadata']['name']} requests "
+                   f"{_human(request)} of memory per pod, more than {node} has (bound "
+                   f"{models.format_size(bound)}): it would never be scheduled; is the unit right?")
+    return out

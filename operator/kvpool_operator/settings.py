@@ -7,7 +7,9 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Literal, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from kvpool_connector.config import UsageError
 
 from kvpool_operator import __version__
 
@@ -25,13 +27,45 @@ def _node_dirs(prefixes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p.rstrip("/") or "/" for p in prefixes)
 
 
+class SettingsError(UsageError):
+    """Bad `KVPOOL_*` variables: one line per problem, each naming the variable and its value."""
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting (`retry_delay` -> KVPOOL_RETRY_DELAY)."""
+    return ENV_PREFIX + field.upper()
+
+
+# KVPOOL_* variables that are not operator settings but may stand in the same environment (the
+# engines' and the dev tools'): never reported as typos.
+OTHER_VARIABLES = ("KVPOOL_DTYPE", "KVPOOL_POOL_KEY", "KVPOOL_POOL_KEY_PREVIOUS", "KVPOOL_REDIS_PASSWORD",
+                   "KVPOOL_S3_ACCESS_KEY", "KVPOOL_S3_SECRET_KEY")
+
+
+def misspelled(env: Mapping[str, str] | None = None) -> list[str]:
+    """`KVPOOL_*` variables close to a setting's name but not one (KVPOOL_ALLOWED_HOSTPATH_PREFIXES):
+    from_env ignores them, so the setting keeps its default while the user thinks it is set."""
+    import difflib
+
+    env = os.environ if env is None else env
+    names = [env_name(f) for f in Settings.model_fields]
+    out = []
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
+            if close:
+                out.append(f"{var} is not an operator setting (ignored); did you mean {close[0]}?")
+    return out
+
+
 class Settings(BaseModel):
     """Defaults the operator fills into rendered children and how it runs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     connector_image: Image = Field(
-        f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector)."
+        f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector, Dockerfile target `connector`). Not "
+        "published: build it (`make images`), push it to your registry and set this."
     )
     redis_image: Image = Field("redis:7.4-alpine", description="Default image of managed Redis.")
     minio_image: Image = Field(
@@ -43,9 +77,11 @@ class Settings(BaseModel):
     )
     router_image: Image = Field(
         f"ghcr.io/kvpool/kvpool-router:{__version__}",
-        description="Default router image (vllm-router, Dockerfile target `router`) for pools with spec.router.",
+        description="Default router image (vllm-router, Dockerfile target `router`) for pools with spec.router. "
+        "Not published: build and push it like the engine image.",
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of every child container (Always, IfNotPresent or Never).")
     namespaces: tuple[str, ...] = Field((), description="Watched namespaces; empty: all namespaces.")
     log_format: Literal["plain", "json", "full"] = Field("plain", description="kopf log format.")
     reconcile_interval: float = Field(300.0, gt=0, description="Seconds between drift-correction passes.")
@@ -55,7 +91,8 @@ class Settings(BaseModel):
     )
     # What pool creators may ask for (policy.py): these hold whatever RBAC lets them write into a pool.
     allowed_host_path_prefixes: Annotated[tuple[str, ...], AfterValidator(_node_dirs)] = Field(
-        (), description="Node directories a hostPath disk tier may live under; empty: hostPath is refused."
+        (), description="Node directories a hostPath disk tier or model volume may live under; empty: hostPath is "
+        "refused."
     )
     allowed_image_prefixes: tuple[str, ...] = Field(
         (), description="Prefixes of the images a pool may name (model, router, managed backends), matched on a "
@@ -91,4 +128,13 @@ class Settings(BaseModel):
                 continue
             is_list = get_origin(info.annotation) is tuple
             values[name] = tuple(n.strip() for n in raw.split(",") if n.strip()) if is_list else raw
-        return cls.model_validate(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                field = str(err["loc"][0]) if err["loc"] else ""
+                shown = env.get(env_name(field), "") if field else ""
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{env_name(field)}={shown!r}: {message}" if field else message)
+            raise SettingsError("; ".join(problems)) from None

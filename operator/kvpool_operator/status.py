@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ConfigValid", "BackendsReady", "BackendsSecure",
-                   "Reconciling", "Stalled")
+                   "SizesFit", "Reconciling", "Stalled")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Observation:
     router_replicas: int | None = None  # spec.router.replicas; None: the pool has no router
     endpoints: dict[str, str] = field(default_factory=dict)
     insecure: tuple[str, ...] = ()  # external backends without password or TLS (a warning, not an error)
+    sizes: tuple[str, ...] = ()  # pods no node of their sort can hold (policy.size_warnings; a warning)
     previous: dict[str, Any] = field(default_factory=dict)  # the current .status
 
 
@@ -125,6 +126,7 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
              backends_msg or ("no managed backends" if not obs.backends else "all managed backends ready")),
         cond("BackendsSecure", not obs.insecure, "InsecureBackend" if obs.insecure else "Secure",
              "; ".join(obs.insecure)),
+        cond("SizesFit", not obs.sizes, "ExceedsNodeMemory" if obs.sizes else "Fits", "; ".join(obs.sizes)),
         cond("Reconciling", progressing, reason if progressing else "Idle", message if progressing else ""),
         cond("Stalled", stalled, reason if stalled else "AsExpected", message if stalled else ""),
     ]

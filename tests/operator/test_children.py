@@ -191,6 +191,8 @@ class _RacedKube(_ListingKube):
         self.applied: list[str] = []
 
     def get(self, api_version, kind, namespace, name):
+        if name == "hf-token":  # the user's Secret tiered-full names (its Hugging Face token) exists
+            return {"metadata": {"name": name}, "data": {"token": "aGZfeHh4"}}
         return None
 
     def create(self, manifest):

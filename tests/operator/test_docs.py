@@ -19,6 +19,24 @@ def test_api_reference_is_current():
     assert "`spec.tiers.redis.managed.memory`" in reference()
 
 
+def test_the_settings_table_is_generated_from_the_settings_model():
+    """Every operator setting documented (KVPOOL_INFERENCE_POOLS was not), with its chart value."""
+    import yaml
+
+    from kvpool_dev.apidoc import SETTINGS_BEGIN, settings_table
+    from kvpool_operator.settings import Settings, env_name
+
+    text = DOC.read_text()
+    assert settings_table() in text, "run `python -m kvpool_dev.apidoc --write docs/operator.md`"
+    chart = yaml.safe_load((REPO / "charts" / "kvpool" / "values.yaml").read_text())["operator"]["settings"]
+    for name, info in Settings.model_fields.items():
+        assert info.description, f"Settings.{name} has no description"
+        row = next(line for line in settings_table().splitlines() if line.startswith(f"| `{env_name(name)}` |"))
+        value = re.search(r"`operator\.settings\.(\w+)`", row)
+        assert value is None or value.group(1) in chart, row  # the chart value named exists
+    assert text.index(SETTINGS_BEGIN) < text.index("## Model sources")
+
+
 def test_examples_are_documented():
     text = DOC.read_text()
     for name in example_ids():

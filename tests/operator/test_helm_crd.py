@@ -43,7 +43,10 @@ def test_sync_check_detects_a_stale_copy(tmp_path):
     (repo / "crds" / CRD_FILE).write_text("new: 1\n")
     (repo / "charts" / "kvpool" / "files" / "crds" / CRD_FILE).write_text("old: 1\n")
     (repo / "charts" / "kvpool" / "files" / "crds" / "gone.yaml").write_text("orphan: 1\n")
+    (repo / "charts" / "kvpool" / "values.schema.json").write_text('{"properties": {"examplePool": {"properties": '
+                                                                    '{"spec": {"type": "object"}}}}}\n')
     stale = {p.relative_to(repo).as_posix() for p in sync.stale(repo)}
+    assert "charts/kvpool/values.schema.json" in stale  # examplePool.spec not checked against the CRD
     assert f"charts/kvpool/files/crds/{CRD_FILE}" in stale
     assert "charts/kvpool/files/crds/gone.yaml" in stale
     assert "examples/gitops/argocd/argocd-cm-health.yaml" in stale

@@ -62,9 +62,15 @@ async def running_operator(server: kmock.KubernetesEmulator, settings: Settings)
         await asyncio.wait_for(task, 20)  # raises if the operator crashed
 
 
+# What examples/tiered-full.yaml asks to find in its namespace: its Hugging Face token Secret
+HF_TOKEN_SECRET = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token", "namespace": NS},
+                   "data": {"token": base64.b64encode(b"hf_user-token-0123456789").decode()}}
+
+
 @pytest.fixture
 async def server():
     srv = apiserver_with_resources()
+    srv.objects[kmock.resource("v1/secrets"), NS, "hf-token"] = copy.deepcopy(HF_TOKEN_SECRET)  # no request
     async with srv, http_server(srv):
         yield srv
 
@@ -833,7 +839,8 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
                              message=f"{name} reconciled")
     values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
               for v in secret_data(obj.raw).values()]
-    assert len(values) == 3 + 2 * 2 + 2 + 4  # the user's, both pools' keys, Redis, MinIO credentials
+    # the user's (tiered-full's Hugging Face token among them), both pools' keys, Redis, MinIO credentials
+    assert len(values) == 1 + 3 + 2 * 2 + 2 + 4
     values = [v for v in values if len(v) >= 8]  # a short hash seed would match some digits by chance
     others = json.dumps([obj.raw for (res, _, _), obj in server.objects.items() if res.plural != "secrets"])
     logs = "\n".join(record.getMessage() for record in caplog.records)
@@ -864,3 +871,18 @@ async def test_taking_over_the_generated_keys_keeps_them(server, op_settings):
         assert conditions(server)["ConfigValid"]["status"] == "True"
         assert child(server, "v1/secrets", "tiered-full-kvpool-keys")["data"] == keys["data"]
         assert {r.method for r in writes_to(server, "secrets", "tiered-full-kvpool-keys")} == {"POST"}
+
+
+async def test_a_size_no_node_holds_is_a_warning_and_the_pool_is_still_applied(server, op_settings):
+    """SizesFit=False and one ExceedsNodeMemory Warning Event naming the field; children applied."""
+    pool = load_example("tiered-cpu-only")
+    pool["spec"]["tiers"]["cpu"]["size"] = "64Ti"  # a CPU pool (gpus: 0): beyond any node's 32Ti
+    name = pool["metadata"]["name"]
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        sizes = await eventually(lambda: {c["type"]: c for c in (live(server, POOLS, NS, name) or {}).get(
+            "status", {}).get("conditions", [])}.get("SizesFit"), message="SizesFit")
+        assert sizes["status"] == "False" and sizes["reason"] == "ExceedsNodeMemory"
+        assert sizes["message"].startswith(f"spec.tiers.cpu.size: Deployment/{name} requests 64.0Ti")
+        await eventually(lambda: ("Warning", "ExceedsNodeMemory") in event_reasons(server, with_type=True))
+        assert await eventually(lambda: child(server, "apps/v1/deployments", name), message="engines applied")

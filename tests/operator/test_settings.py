@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
-from kvpool_operator.settings import Settings
+from kvpool_operator.settings import Settings, SettingsError
 
 
 def test_from_env_reads_prefixed_variables():
@@ -18,8 +17,21 @@ def test_from_env_reads_prefixed_variables():
     assert s.redis_image == Settings().redis_image  # empty keeps the default
 
 
-def test_bad_values_name_the_setting():
-    with pytest.raises(ValidationError, match="log_format"):
+def test_bad_values_name_the_variable_in_one_line():
+    """The operator's pod and `kvpool render` read these: an error names the variable as set."""
+    with pytest.raises(SettingsError, match=r"^KVPOOL_LOG_FORMAT='xml': Input should be 'plain', 'json' or 'full'$"):
         Settings.from_env({"KVPOOL_LOG_FORMAT": "xml"})
-    with pytest.raises(ValidationError, match="reconcile_interval"):
+    with pytest.raises(SettingsError, match=r"^KVPOOL_RECONCILE_INTERVAL='-1': Input should be greater than 0$"):
         Settings.from_env({"KVPOOL_RECONCILE_INTERVAL": "-1"})
+    with pytest.raises(SettingsError) as exc:
+        Settings.from_env({"KVPOOL_RETRY_DELAY": "soon", "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "mnt"})
+    assert "\n" not in str(exc.value)
+    assert "KVPOOL_RETRY_DELAY='soon'" in str(exc.value) and "KVPOOL_ALLOWED_HOST_PATH_PREFIXES='mnt'" in str(exc.value)
+
+
+def test_a_misspelled_variable_is_named_and_the_engines_own_are_not():
+    from kvpool_operator.settings import misspelled
+
+    assert misspelled({"KVPOOL_RETRY_DELAYS": "5", "KVPOOL_REDIS_PASSWORD": "x", "KVPOOL_DTYPE": "bfloat16",
+                       "KVPOOL_TEST_POOL_KEY": "k", "OTHER": "1"}) == [
+        "KVPOOL_RETRY_DELAYS is not an operator setting (ignored); did you mean KVPOOL_RETRY_DELAY?"]

@@ -154,3 +154,43 @@ def test_an_api_outside_the_cluster_without_a_key_is_a_warning():
         assert warning.startswith(f"spec.service.type: {kind} without apiKeySecretRef")
     spec["service"]["apiKeySecretRef"] = {"name": "api", "key": "token"}
     assert exposure_warnings(parse_spec(spec)) == []
+
+
+def test_a_size_no_node_holds_is_a_condition_not_a_phase():
+    warning = "spec.tiers.cpu.size: Deployment/p requests 1.0Pi of memory per pod, more than any node has"
+    s = compute_status(obs(deployment=dep(0, 2), sizes=(warning,)), T0)
+    c = conds(s)
+    assert c["SizesFit"]["status"] == "False" and c["SizesFit"]["reason"] == "ExceedsNodeMemory"
+    assert c["SizesFit"]["message"] == warning and c["ConfigValid"]["status"] == "True"
+    assert conds(compute_status(obs(deployment=dep(2, 2)), T0))["SizesFit"]["status"] == "True"
+
+
+def test_the_reconciler_reports_sizes_no_node_holds(settings):
+    """policy.size_warnings from the rendered pods: GPU pods against GPU nodes' memory."""
+    from kvpool_operator import validation
+
+    pool = {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool", "metadata": {"name": "p"},
+            "spec": {"model": {"name": "m"}, "tiers": {"cpu": {"size": "5Ti"}}}}
+    [warning] = validation.check(pool, settings).warnings
+    assert warning.startswith("spec.tiers.cpu.size: Deployment/p requests 5.0Ti") and "a GPU node" in warning
+    pool["spec"]["model"]["gpus"] = 0  # a CPU server may have that much
+    assert validation.check(pool, settings).warnings == []
+    pool["spec"]["tiers"]["redis"] = {"managed": {"memory": "64Ti"}}
+    [warning] = validation.check(pool, settings).warnings
+    assert warning.startswith("spec.tiers.redis.managed.memory: StatefulSet/p-redis requests 64.0Ti")
+
+
+def test_a_reconcile_pass_reports_sizes_fit_and_still_applies(settings):
+    """The reconciler runs validation.check: a 5Ti cpu tier on a GPU pool is applied, with
+    SizesFit=False naming the field (the pod would stay Pending with nothing else saying why)."""
+    from kvpool_operator.reconcile.children import reconcile
+    from tests.operator.test_children import _RacedKube
+
+    pool = {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "p", "namespace": "ml", "uid": "u1", "generation": 1},
+            "spec": {"model": {"name": "m"}, "tiers": {"cpu": {"size": "5Ti"}}}}
+    kube = _RacedKube()
+    outcome = reconcile(kube, pool, settings, T0)
+    sizes = conds(outcome.status)["SizesFit"]
+    assert sizes["status"] == "False" and sizes["message"].startswith("spec.tiers.cpu.size: Deployment/p requests 5.0Ti")
+    assert "Deployment" in kube.applied and outcome.invalid is None

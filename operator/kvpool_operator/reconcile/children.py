@@ -19,10 +19,10 @@ from typing import Any
 from kubernetes.client import ApiException
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpool_operator import models, policy
+from kvpool_operator import models, policy, validation
 from kvpool_operator.kube import Kube
 from kvpool_operator.kinds import SECRET, WATCHED, ChildKind, enabled
-from kvpool_operator.render import InvalidPool, Pool, load_pool, render_pool
+from kvpool_operator.render import InvalidPool, Pool
 from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, is_ours, plan_secret
 from kvpool_operator.render.router import router_name
@@ -270,15 +270,17 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     live = list_children(kube, namespace, name, listed_kinds(settings))
     recheck = False
+    sizes: tuple[str, ...] = ()
     try:
-        pool = load_pool(body, settings)
-        rendered = render_pool(pool)
+        checked = validation.check(body, settings)  # what `kvpool render` and `kvpool validate` run
+        pool, rendered = checked.pool, checked.manifests
+        sizes = tuple(checked.sizes)
         invalid = check_secrets(kube, pool)
         recheck = invalid is not None
     except InvalidPool as exc:
         pool, invalid = None, str(exc)
     if invalid is not None:
-        status = compute_status(_observation(body, pool, live, invalid=invalid), now)
+        status = compute_status(_observation(body, pool, live, invalid=invalid, sizes=sizes), now)
         return Outcome(status=status, invalid=invalid, recheck=recheck, unchanged=len(live))
 
     assert pool is not None
@@ -289,9 +291,10 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
     steps = plan(desired, {**live, **unlisted(kube, namespace, desired, live)}, uid, keep=in_use)
     if steps.conflicts:  # someone else's object stands where ours belongs: touch nothing, look again later
         invalid = "; ".join(steps.conflicts)
-        status = compute_status(_observation(body, pool, live, invalid=invalid), now)
+        status = compute_status(_observation(body, pool, live, invalid=invalid, sizes=sizes), now)
         return Outcome(status=status, invalid=invalid, recheck=True, unchanged=len(live))
-    outcome = Outcome(status={}, unchanged=len(steps.unchanged), warnings=policy.exposure_warnings(pool.spec))
+    outcome = Outcome(status={}, unchanged=len(steps.unchanged),
+                      warnings=policy.exposure_warnings(pool.spec) + policy.model_warnings(pool.spec))
     for action in steps.secrets:
         try:
             outcome.applied.append(execute(kube, action))
@@ -316,7 +319,7 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
             outcome.pruned.append(describe(key))
         except ApiException as exc:
             outcome.errors.append(f"prune {describe(key)}: {exc.status} {exc.reason}")
-    obs = _observation(body, pool, live, apply_errors=tuple(outcome.errors))
+    obs = _observation(body, pool, live, apply_errors=tuple(outcome.errors), sizes=sizes)
     outcome.status = compute_status(obs, now)
     return outcome
 
@@ -342,11 +345,12 @@ def refresh_status(kube: Kube, body: dict[str, Any], settings: Settings, now: st
     # Not a reconcile: report the generation last reconciled, not the one just written.
     body = {**body, "metadata": {**meta, "generation": previous.get("observedGeneration")}}
     try:
-        pool = load_pool(body, settings)
+        checked = validation.check(body, settings)
     except InvalidPool as exc:
         return compute_status(_observation(body, None, live, invalid=str(exc)), now)
+    pool = checked.pool
     invalid = None
     for cond in previous.get("conditions", []) or []:
         if cond.get("type") == "ConfigValid" and cond.get("status") == "False":
             invalid = cond.get("message") or "invalid"
-    return compute_status(_observation(body, pool, live, invalid=invalid), now)
+    return compute_status(_observation(body, pool, live, invalid=invalid, sizes=tuple(checked.sizes)), now)

@@ -43,11 +43,14 @@ def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
 
 
 def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous: dict[str, Any]) -> None:
-    """Kubernetes Events for what changed; warnings for invalid specs and insecure backends (once
-    per message) and errors."""
+    """Kubernetes Events for what changed; warnings for invalid specs, insecure backends and
+    sizes no node holds (once per message) and errors."""
     insecure = _condition(outcome.status, "BackendsSecure")
     if insecure.get("status") == "False" and _condition(previous, "BackendsSecure").get("message") != insecure["message"]:
         kopf.event(body, type="Warning", reason="InsecureBackend", message=insecure["message"])
+    sizes = _condition(outcome.status, "SizesFit")
+    if sizes.get("status") == "False" and _condition(previous, "SizesFit").get("message") != sizes["message"]:
+        kopf.event(body, type="Warning", reason="ExceedsNodeMemory", message=sizes["message"])
     for change in outcome.applied:
         kopf.event(body, type="Normal", reason="Applied", message=change)
     for pruned in outcome.pruned:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,10 @@ PREVIOUS_POOL_KEY = "previousPoolKey"  # only during a rotation: objects under i
 HASH_SEED = "hashSeed"  # PYTHONHASHSEED: vLLM's prefix hashes, identical on every replica
 POOL_KEY_ENV = "KVPOOL_POOL_KEY"
 PREVIOUS_POOL_KEY_ENV = "KVPOOL_POOL_KEY_PREVIOUS"
+
+
+# RFC 1035 label: a pool's name is also its Services' (`<name>`, `<name>-redis`), which must be one.
+DNS_LABEL = r"[a-z]([-a-z0-9]*[a-z0-9])?"
 
 
 def child_name(pool_name: str, component: str) -> str:
@@ -117,17 +122,28 @@ class Pool:
 
 def load_pool(pool: dict[str, Any], settings: Settings, namespace: str | None = None) -> Pool:
     """Validate a KVCachePool object (as from the API or a YAML file) and the operator's policy."""
-    if pool.get("kind") not in (None, models.KIND) or pool.get("apiVersion") not in (None, models.API_VERSION):
-        raise InvalidPool(f"expected apiVersion {models.API_VERSION} kind {models.KIND}")
+    if pool.get("kind") not in (None, models.KIND):
+        raise InvalidPool(f"kind: {pool['kind']!r} is not {models.KIND}")
+    if pool.get("apiVersion") not in (None, models.API_VERSION):
+        raise InvalidPool(f"apiVersion: {pool['apiVersion']!r} is not {models.API_VERSION} (the only version "
+                          f"of {models.KIND})")
     meta = pool.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise InvalidPool(f"metadata: must be a mapping, not {type(meta).__name__}")
     name = meta.get("name") or ""
     if not name:
         raise InvalidPool("metadata.name: required")
+    if not isinstance(name, str) or not re.fullmatch(DNS_LABEL, name):
+        raise InvalidPool(f"metadata.name: {name!r} must be a DNS label (lowercase letters, digits and '-', "
+                          "starting with a letter, ending with a letter or digit): it names Services")
     if len(name) > MAX_POOL_NAME:
         raise InvalidPool(f"metadata.name: at most {MAX_POOL_NAME} characters (children append -minio)")
     ns = namespace or meta.get("namespace") or "default"
+    spec = pool.get("spec") or {}
+    if not isinstance(spec, dict):
+        raise InvalidPool(f"spec: must be a mapping, not {type(spec).__name__}")
     try:
-        spec = models.parse_spec(pool.get("spec") or {})
+        spec = models.parse_spec(spec)
     except ValueError as exc:
         raise InvalidPool(models.format_error(exc)) from exc
     refused = policy.refusals(spec, settings)

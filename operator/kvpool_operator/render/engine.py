@@ -115,6 +115,52 @@ def _disk_volume(pool: Pool) -> dict[str, Any] | None:
     return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": source.persistent_volume_claim.claim_name}}
 
 
+def _model_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(volume, mount) for the weights (always read-only: engines never write a model) and the
+    Hugging Face cache (read-only with hfCache.readOnly)."""
+    model = pool.spec.model
+    out = []
+    source = model.volume
+    if source is not None:
+        volume: dict[str, Any] = {"name": "model"}
+        if source.persistent_volume_claim is not None:
+            volume["persistentVolumeClaim"] = {"claimName": source.persistent_volume_claim.claim_name, "readOnly": True}
+        elif source.host_path is not None:
+            volume["hostPath"] = {"path": source.host_path.path, "type": "Directory"}
+        else:
+            assert source.image is not None
+            image = {"reference": source.image.reference}
+            if source.image.pull_policy:
+                image["pullPolicy"] = source.image.pull_policy
+            volume["image"] = image
+        mount = {"name": "model", "mountPath": source.mount_path, "readOnly": True}
+        if source.sub_path:
+            mount["subPath"] = source.sub_path
+        out.append((volume, mount))
+    cache = model.hf_cache
+    if cache is not None:
+        claim: dict[str, Any] = {"claimName": cache.persistent_volume_claim.claim_name}
+        if cache.read_only:
+            claim["readOnly"] = True
+        out.append(({"name": "hf-cache", "persistentVolumeClaim": claim},
+                    {"name": "hf-cache", "mountPath": models.HF_CACHE_DIR, "readOnly": cache.read_only}))
+    return out
+
+
+def model_env(pool: Pool) -> list[dict[str, Any]]:
+    """HF_HOME on the cache volume (offline when it is read-only) and HF_TOKEN from its Secret."""
+    model = pool.spec.model
+    env = []
+    if model.hf_cache is not None:
+        env.append({"name": "HF_HOME", "value": models.HF_CACHE_DIR})
+        if model.hf_cache.read_only:
+            env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    if model.hf_token_secret_ref is not None:
+        ref = model.hf_token_secret_ref
+        env.append(secret_env("HF_TOKEN", ref.name, ref.key))
+    return env
+
+
 def _ca_volumes(pool: Pool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(volume, mount) per backend CA: only the ca.crt key of its Secret, never a private key."""
     out = []
@@ -190,7 +236,7 @@ def engine_args(pool: Pool) -> list[str]:
 
 def engine_env(pool: Pool) -> list[dict[str, Any]]:
     """The hash seed and API key from Secrets, HOME, the pod name (KV event topics), the backends'
-    credentials, then the user's env."""
+    credentials, the model's (HF_HOME, HF_TOKEN), then the user's env."""
     api_key = pool.spec.service.api_key_secret_ref
     events = kv_events_config(pool) is not None
     return [
@@ -199,13 +245,14 @@ def engine_env(pool: Pool) -> list[dict[str, Any]]:
         *([{"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if events else []),
         *([secret_env("VLLM_API_KEY", api_key.name, api_key.key)] if api_key else []),  # vLLM's --api-key
         *secret_envs(pool),
+        *model_env(pool),
         *pool.spec.model.env,
     ]
 
 
 def engine_volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, the container's mounts): the connector config, /dev/shm, HOME, the disk tier and
-    the backends' CAs."""
+    """(volumes, the container's mounts): the connector config, /dev/shm, HOME, the model's
+    volume and Hugging Face cache, the disk tier and the backends' CAs."""
     mounts = [
         {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -216,6 +263,9 @@ def engine_volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.spec.model.shm_size}},
         {"name": "home", "emptyDir": {}},
     ]
+    for volume, mount in _model_volumes(pool):
+        volumes.append(volume)
+        mounts.append(mount)
     disk = _disk_volume(pool)
     if disk is not None:
         volumes.append(disk)

@@ -43,6 +43,9 @@ def referenced_secrets(pool: Pool) -> list[SecretRef]:
     if keys is not None:
         field = "spec.security.keysSecretRef"
         refs += [SecretRef(field, keys.name, POOL_KEY, _pool_key), SecretRef(field, keys.name, HASH_SEED, _hash_seed)]
+    if spec.model.hf_token_secret_ref is not None:
+        ref = spec.model.hf_token_secret_ref
+        refs.append(SecretRef("spec.model.hfTokenSecretRef", ref.name, ref.key))
     if spec.service.api_key_secret_ref is not None:
         ref = spec.service.api_key_secret_ref
         refs.append(SecretRef("spec.service.apiKeySecretRef", ref.name, ref.key))
