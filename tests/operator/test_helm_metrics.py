@@ -114,7 +114,9 @@ def _connector_series() -> set[str]:
     """Series names the connector's metrics expose (counters get _total, histograms _bucket...)."""
     from prometheus_client import REGISTRY
 
-    import kvpool_connector.store.metrics  # noqa: F401  (registers the kvpool_* metrics)
+    from kvpool_connector.store.metrics import registered
+
+    registered()  # a store with metrics on registers them (the connector's go through vLLM)
 
     names = set()
     for metric in REGISTRY.collect():
