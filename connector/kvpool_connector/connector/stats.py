@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ..store.metrics import BUCKETS, DOCS, TIER_METRICS
+from ..store.metrics import BUCKETS, DOCS, EVENTS, OPS, TIER_METRICS
 
 # metric name -> (help text, label name or None)
 METRICS: dict[str, tuple[str, str | None]] = {
@@ -253,6 +253,7 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                                                   multiprocess_mode="mostrecent")
         self._bound: dict[tuple, Any] = {}
         self._sources: dict[int, dict[str, dict]] = {}  # engine -> source -> newest sample
+        self._tiers: set[tuple[int, str, str]] = set()  # (engine, store, tier) seen
 
     def _child(self, engine_idx: int, metric: str, *labels: str):
         key = (engine_idx, metric, *labels)
@@ -298,5 +299,19 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             if source not in known or sample.get("seq", 0) >= known[source].get("seq", 0):
                 known[source] = sample
         for (store, tier), gauges in combine_state(known).items():
+            if (engine_idx, store, tier) not in self._tiers:
+                self._tiers.add((engine_idx, store, tier))
+                self._zero_series(engine_idx, store, tier)
             for name, v in gauges.items():
                 self._child(engine_idx, GAUGE_METRICS[name], store, tier).set(v)
+
+    def _zero_series(self, engine_idx: int, store: str, tier: str) -> None:
+        """Every event, direction and op of a tier from its first report on, at 0 until it
+        happens (as a standalone store exports them): a dashboard shows "0 drops", and a
+        rate over them is 0, never "no data"."""
+        for event in EVENTS:
+            self._child(engine_idx, "kvpool_store_events", store, tier, event)
+        for direction in ("in", "out"):
+            self._child(engine_idx, "kvpool_store_bytes", store, tier, direction)
+        for op in OPS:
+            self._child(engine_idx, LATENCY, store, tier, op)

@@ -197,6 +197,9 @@ def test_prometheus_store_series_match_the_store_exports(two_workers, namespace)
     assert get("kvpool_store_tier_used_bytes", {**labels, "tier": "cpu"}) == used
     assert get("kvpool_store_tier_healthy", {**labels, "tier": "disk"}) == 1
     assert get("kvpool_store_queue_depth", {**labels, "tier": "disk"}) is not None
+    # what did not happen is there at 0 (a panel of drops shows 0, not "no data")
+    assert get("kvpool_store_events_total", {**labels, "tier": "disk", "event": "drops"}) == 0
+    assert get("kvpool_store_op_seconds_count", {**labels, "tier": "disk", "op": "delete"}) == 0
     # one store's tier turns unhealthy: the exported gauge says so, the other's sample stays
     sick = {STATE: {sa.source: {"seq": 99, "store": namespace,
                                 "tiers": {"disk": {"healthy": False, "queue_depth": 4,
