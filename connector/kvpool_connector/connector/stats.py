@@ -17,12 +17,13 @@ The payload crosses process boundaries, so it is plain data (str keys, numbers, 
 - `kvpool_store_op_seconds`: `{store: {tier: {op: {bucket: [count, sum]}}}}`, increases of
   each latency bucket (bucket: index into store.metrics.BUCKETS, len(BUCKETS) for +Inf).
 - `kvpool_store_state`: `{source: {"seq", "store", "tiers": {tier: {"healthy",
-  "queue_depth", "used_bytes"}}}}`: the gauges of one store (source: one store in one
-  process), its latest sample.
+  "queue_depth", "used_bytes", "shared"}}}}`: the gauges of one store (source: one store in
+  one process), its latest sample.
 
 Increases add up across workers and steps; a source's gauges are its newest sample (`seq`),
-and sources combine only at export: a tier is healthy if every process sees it healthy,
-queue depths and bytes held add up.
+and sources combine only at export (combine_state): a tier is healthy if every process sees
+it healthy, queue depths add up, bytes held add up for cpu tiers and are the largest report
+for shared ones.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ STATE = "kvpool_store_state"
 # store counters: payload key -> the label of their innermost level
 STORE_COUNTERS = {"kvpool_store_events": "event", "kvpool_store_bytes": "direction"}
 LATENCY = "kvpool_store_op_seconds"
-GAUGES = ("healthy", "queue_depth", "used_bytes")
+GAUGES = ("healthy", "queue_depth", "used_bytes", "shared")
 GAUGE_METRICS = {"healthy": "kvpool_store_tier_healthy",
                  "queue_depth": "kvpool_store_queue_depth",
                  "used_bytes": "kvpool_store_tier_used_bytes"}
@@ -91,8 +92,10 @@ def _any_nonzero(d: Any) -> bool:
 
 def combine_state(sources: dict[str, dict]) -> dict[tuple[str, str], dict[str, float]]:
     """The gauges of every (store, tier) over the latest samples of all sources: healthy
-    only if healthy everywhere, queue depths and bytes held summed (bytes only where some
-    source's tier is capped)."""
+    only if healthy everywhere, queue depths summed (each process has its own queue), bytes
+    held summed for a tier of each process's own memory (cpu) and the largest report for a
+    shared one (a disk directory every worker and the scheduler see whole); bytes only where
+    some source's tier is capped."""
     out: dict[tuple[str, str], dict[str, float]] = {}
     for sample in sources.values():
         for tier, g in (sample.get("tiers") or {}).items():
@@ -100,8 +103,10 @@ def combine_state(sources: dict[str, dict]) -> dict[tuple[str, str], dict[str, f
                                  {"healthy": 1, "queue_depth": 0})
             cur["healthy"] = min(cur["healthy"], 1 if g.get("healthy") else 0)
             cur["queue_depth"] += g.get("queue_depth") or 0
-            if g.get("used_bytes") is not None:
-                cur["used_bytes"] = cur.get("used_bytes", 0) + g["used_bytes"]
+            used = g.get("used_bytes")
+            if used is not None:
+                before = cur.get("used_bytes", 0)
+                cur["used_bytes"] = max(before, used) if g.get("shared") else before + used
     return out
 
 

@@ -344,7 +344,7 @@ class TieredStore:
     def telemetry(self) -> dict:
         """Everything the store's Prometheus series show, as plain data (totals since open
         and current gauges): `{"store", "tiers": {name: {"events", "bytes", "latency",
-        "healthy", "queue_depth", "used_bytes"}}}`. The connector ships differences of it
+        "healthy", "queue_depth", "used_bytes", "shared"}}}`. The connector ships differences of it
         through vLLM's KV connector stats (connector/stats.py)."""
         tiers = {}
         for r in self.runners:
@@ -360,6 +360,7 @@ class TieredStore:
                 "healthy": bool(r.healthy),
                 "queue_depth": r.queue.qsize() if r.queue is not None else 0,
                 "used_bytes": used,
+                "shared": bool(r.tier.shared),  # other processes see the same bytes
             }
         return {"store": self.namespace, "tiers": tiers}
 

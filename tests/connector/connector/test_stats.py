@@ -135,6 +135,10 @@ def test_store_series_add_up_across_workers_and_steps(two_workers, namespace):
     used = a.stats()["tiers"]["cpu"]["used_bytes"] + b.stats()["tiers"]["cpu"]["used_bytes"]
     assert reduced[f"kvpool_store_tier_used_bytes[{namespace}/cpu]"] == used
     assert reduced[f"kvpool_store_tier_healthy[{namespace}/disk]"] == 1
+    # a disk is shared (every worker and the scheduler index the same directory): its bytes
+    # are the largest report, not the sum of what each process sees of the same files
+    disk = [s.stats()["tiers"]["disk"]["used_bytes"] for s in (a, b)]
+    assert reduced[f"kvpool_store_tier_used_bytes[{namespace}/disk]"] == max(disk) > 0
 
 
 def test_unchanged_store_sends_nothing(two_workers):
