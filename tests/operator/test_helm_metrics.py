@@ -2,7 +2,7 @@
 
 ServiceMonitor/PodMonitor selectors are checked against the Service and pod labels that
 kvpool_operator.render gives a pool's engines; the dashboard's queries against the metrics that
-kvpool_connector.store.metrics registers and those vLLM itself exports.
+a vLLM API server with the connector exports (the connector's and vLLM's own).
 """
 
 from __future__ import annotations
@@ -110,18 +110,47 @@ def _exprs() -> list[str]:
     ]
 
 
-def _connector_series() -> set[str]:
-    """Series names the connector's metrics expose (counters get _total, histograms _bucket...)."""
-    from prometheus_client import REGISTRY
-
-    import kvpool_connector.store.metrics  # noqa: F401  (registers the kvpool_* metrics)
-
+def _series(registry) -> set[str]:
+    """Series names a registry's kvpool metrics expose (counters get _total, histograms
+    _bucket...)."""
     names = set()
-    for metric in REGISTRY.collect():
+    for metric in registry.collect():
         if metric.name.startswith("kvpool_"):
             suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(metric.type, [""])
             names |= {metric.name + s for s in suffixes}
     return names
+
+
+def _connector_series() -> set[str]:
+    """What a vLLM API server with the connector exports: the connector's KVPoolPromMetrics,
+    built as vLLM builds it (the store's series too: its stores run in the engine-core
+    process, and their series reach /metrics through vLLM's connector stats). A real
+    server's /metrics is checked against every panel by tests/e2e/test_metrics_dashboard.py."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvpool_connector.connector.stats import KVPoolPromMetrics
+
+    reg = CollectorRegistry()
+    types = {cls: (lambda cls: lambda **kw: cls(registry=reg, **kw))(cls)
+             for cls in (Counter, Gauge, Histogram)}
+
+    class _Cfg:
+        kv_transfer_config = None
+
+    KVPoolPromMetrics(_Cfg(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    return _series(reg)
+
+
+def test_api_server_exports_the_store_series_a_standalone_store_does():
+    """One dashboard for both: the names (and so the panels) of a store that exports its
+    own series are those the API server exports for the connector's stores."""
+    from prometheus_client import REGISTRY
+
+    from kvpool_connector.store.metrics import registered
+
+    registered()
+    standalone = {n for n in _series(REGISTRY) if n.startswith("kvpool_store_")}
+    assert standalone and standalone <= _connector_series()
 
 
 def _vllm_metric_names() -> set[str]:
@@ -147,7 +176,7 @@ def test_dashboard_uses_only_real_metrics():
     assert any(u.startswith("kvpool_") for u in used) and any(u.startswith("vllm:") for u in used)
     for name in used:
         if name.startswith("kvpool_"):
-            assert name in series, f"{name} is not a connector metric ({sorted(series)})"
+            assert name in series, f"{name} is not exported by a server with the connector ({sorted(series)})"
         else:
             base = re.sub(r"_(total|bucket|sum|count)$", "", name)
             assert base in vllm_names, f"{name} is not a vLLM metric"

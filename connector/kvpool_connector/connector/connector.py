@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..config import StoreConfig
 from ..store import open_store
 from ..store.tiers import tier_class
 from .audit import KVAudit
@@ -51,6 +52,15 @@ def _tensor_parallel_rank_and_size(vllm_config: "VllmConfig",
         return 0, size  # the scheduler looks up rank 0's keys (all ranks save together)
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     return get_tensor_model_parallel_rank(), size
+
+
+def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
+    """The store config without the store's own Prometheus series in this process: the
+    connector's stores run in vLLM's engine-core process, which serves no /metrics, and
+    `metrics: true` sends their series through vLLM's stats instead (stats.py), to the API
+    server; registering them here as well would collide with those where vLLM runs
+    everything in one process."""
+    return cfg.model_copy(update={"metrics": False}) if cfg is not None else None
 
 
 def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
@@ -102,7 +112,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.blocks_per_chunk
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
-            lower_cfg = self.cfg.as_store_config(drop_types=unshared)
+            lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
             lower = (open_store(lower_cfg, layout=self.spec_fingerprint)
                      if lower_cfg is not None else None)
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
@@ -131,11 +141,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
-        store = open_store(self.cfg.as_store_config(), layout=full_fingerprint)
+        store = open_store(_unexported(self.cfg.as_store_config()), layout=full_fingerprint)
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,
-                                 events=kv_events_enabled(self._vllm_config))
+                                 events=kv_events_enabled(self._vllm_config),
+                                 store_metrics=self.cfg.metrics)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),

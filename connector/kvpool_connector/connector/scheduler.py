@@ -31,8 +31,8 @@ from ..store.tiers import tier_class
 from .config import ConnectorConfig
 from .events import KVEvents
 from .keys import chunk_keys
-from .stats import KVPoolConnectorStats
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -117,6 +117,10 @@ class SchedulerSide:
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
         self.stats = KVPoolConnectorStats()
+        # the lower store's series (lookups' latencies, its health) go out with the stats
+        self._sampler = (StoreSampler(lower_store) if lower_store is not None and cfg.metrics
+                         else None)
+        self._sampled_at = 0.0
         remote = any(tier_class(t.type).remote for t in cfg.tiers)
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
@@ -372,6 +376,10 @@ class SchedulerSide:
         return record.hit_local_index, record.hit_chunks - record.hit_local_index
 
     def take_stats(self) -> KVPoolConnectorStats | None:
+        now = time.monotonic()
+        if self._sampler is not None and now - self._sampled_at >= STORE_STATS_EVERY_S:
+            self._sampled_at = now
+            self.stats.merge(self._sampler.sample())
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KVPoolConnectorStats()

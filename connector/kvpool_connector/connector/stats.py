@@ -1,13 +1,35 @@
 """Connector statistics: collected in workers and the scheduler, summed by vLLM, exported on
 the API server's /metrics through `build_prom_metrics`.
 
-The payload crosses process boundaries (worker -> EngineCore -> API server), so it is a
-plain dict of counters: `{metric: {label: value}}` with string labels ("" when unlabelled;
-the tier name for per-tier counters).
+vLLM runs the connector's stores in its engine-core process (the workers' stores, and the
+scheduler's for the shared tiers), which serves no /metrics; only what travels through
+vLLM's KV connector stats (worker -> EngineCore -> API server) reaches Prometheus. So the
+store's own series (`kvpool_store_*`, the ones the Grafana dashboard shows) travel that way
+too, under the names and labels a standalone store exports (store/metrics.py), plus vLLM's
+`model_name` and `engine` labels.
+
+The payload crosses process boundaries, so it is plain data (str keys, numbers, lists):
+
+- `{metric: {label: value}}`: the connector's counters (label "" when unlabelled, the tier
+  name for per-tier counters); increases since the last report.
+- `kvpool_store_events` / `kvpool_store_bytes`: `{store: {tier: {event|direction: n}}}`,
+  increases since the last report.
+- `kvpool_store_op_seconds`: `{store: {tier: {op: {bucket: [count, sum]}}}}`, increases of
+  each latency bucket (bucket: index into store.metrics.BUCKETS, len(BUCKETS) for +Inf).
+- `kvpool_store_state`: `{source: {"seq", "store", "tiers": {tier: {"healthy",
+  "queue_depth", "used_bytes", "shared"}}}}`: the gauges of one store (source: one store in
+  one process), its latest sample.
+
+Increases add up across workers and steps; a source's gauges are its newest sample (`seq`),
+and sources combine only at export (combine_state): a tier is healthy if every process sees
+it healthy, queue depths add up, bytes held add up for cpu tiers and are the largest report
+for shared ones.
 """
 
 from __future__ import annotations
 
+import itertools
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ..store.metrics import TIER_METRICS
+from ..store.metrics import BUCKETS, DOCS, EVENTS, OPS, TIER_METRICS
 
 # metric name -> (help text, label name or None)
 METRICS: dict[str, tuple[str, str | None]] = {
@@ -32,6 +54,124 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "kvpool_lookup_seconds": ("Scheduler time spent in lookups", None),
 }
 
+STORE_STATS_EVERY_S = 0.5  # how often a process samples its store for the stats
+
+STATE = "kvpool_store_state"
+# store counters: payload key -> the label of their innermost level
+STORE_COUNTERS = {"kvpool_store_events": "event", "kvpool_store_bytes": "direction"}
+LATENCY = "kvpool_store_op_seconds"
+GAUGES = ("healthy", "queue_depth", "used_bytes", "shared")
+GAUGE_METRICS = {"healthy": "kvpool_store_tier_healthy",
+                 "queue_depth": "kvpool_store_queue_depth",
+                 "used_bytes": "kvpool_store_tier_used_bytes"}
+
+
+def _add(into: dict, other: dict) -> None:
+    """Add `other`'s numbers into `into`, level by level ([count, sum] lists elementwise)."""
+    for k, v in other.items():
+        if isinstance(v, dict):
+            sub = into.get(k)
+            if not isinstance(sub, dict):
+                sub = into[k] = {}
+            _add(sub, v)
+        elif isinstance(v, (list, tuple)):
+            cur = into.get(k)
+            into[k] = ([a + b for a, b in zip(cur, v)] if isinstance(cur, list)
+                       and len(cur) == len(v) else list(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            into[k] = into.get(k, 0) + v
+
+
+def _any_nonzero(d: Any) -> bool:
+    if isinstance(d, dict):
+        return any(_any_nonzero(v) for v in d.values())
+    if isinstance(d, (list, tuple)):
+        return any(_any_nonzero(v) for v in d)
+    return bool(d)
+
+
+def combine_state(sources: dict[str, dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """The gauges of every (store, tier) over the latest samples of all sources: healthy
+    only if healthy everywhere, queue depths summed (each process has its own queue), bytes
+    held summed for a tier of each process's own memory (cpu) and the largest report for a
+    shared one (a disk directory every worker and the scheduler see whole); bytes only where
+    some source's tier is capped."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for sample in sources.values():
+        for tier, g in (sample.get("tiers") or {}).items():
+            cur = out.setdefault((sample.get("store", ""), tier),
+                                 {"healthy": 1, "queue_depth": 0})
+            cur["healthy"] = min(cur["healthy"], 1 if g.get("healthy") else 0)
+            cur["queue_depth"] += g.get("queue_depth") or 0
+            used = g.get("used_bytes")
+            if used is not None:
+                before = cur.get("used_bytes", 0)
+                cur["used_bytes"] = max(before, used) if g.get("shared") else before + used
+    return out
+
+
+def store_delta(prev: dict | None, now: dict) -> dict:
+    """The payload (store counters and latency buckets) of what a store's `telemetry()`
+    counted between two samples; `prev` None: everything since it opened. Pure."""
+    store = now.get("store", "")
+    prev_tiers = (prev or {}).get("tiers", {})
+    events: dict = {}
+    nbytes: dict = {}
+    latency: dict = {}
+    for tier, t in now.get("tiers", {}).items():
+        p = prev_tiers.get(tier, {})
+        for key, into in (("events", events), ("bytes", nbytes)):
+            before = p.get(key, {})
+            d = {k: v - before.get(k, 0) for k, v in t.get(key, {}).items()
+                 if v - before.get(k, 0) > 0}
+            if d:
+                into[tier] = d
+        for op, buckets in t.get("latency", {}).items():
+            before = p.get("latency", {}).get(op) or [[0, 0.0]] * len(buckets)
+            d = {str(i): [c - bc, s - bs] for i, ((c, s), (bc, bs))
+                 in enumerate(zip(buckets, before)) if c - bc > 0}
+            if d:
+                latency.setdefault(tier, {})[op] = d
+    out: dict = {}
+    for key, val in (("kvpool_store_events", events), ("kvpool_store_bytes", nbytes),
+                     (LATENCY, latency)):
+        if val:
+            out[key] = {store: val}
+    return out
+
+
+def store_state(now: dict) -> dict:
+    """A store's gauges from its `telemetry()`: `{"store", "tiers": {tier: gauges}}`."""
+    return {"store": now.get("store", ""),
+            "tiers": {tier: {g: t.get(g) for g in GAUGES}
+                      for tier, t in now.get("tiers", {}).items()}}
+
+
+class StoreSampler:
+    """Turns one store's `telemetry()` into stats payloads: what it counted since the last
+    sample, and its gauges when they changed (first sample: always)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.source = uuid.uuid4().hex[:16]  # this store in this process, across hosts
+        self._seq = itertools.count(1)
+        self._prev: dict | None = None
+        self._state: dict | None = None
+
+    def sample(self) -> dict:
+        try:
+            now = self.store.telemetry()
+        except Exception:  # a store that cannot report leaves the metrics where they are
+            return {}
+        out = store_delta(self._prev, now)
+        self._prev = now
+        state = store_state(now)
+        if state != self._state:
+            self._state = state
+            out[STATE] = {self.source: {"seq": next(self._seq), **state}}
+        return out
+
+
 @dataclass
 class KVPoolConnectorStats(KVConnectorStats):
     def __post_init__(self):
@@ -46,25 +186,57 @@ class KVPoolConnectorStats(KVConnectorStats):
     def reset(self):
         self.data = {}
 
+    def merge(self, data: dict) -> None:
+        """Add a payload: increases add up, a source's gauges keep their newest sample."""
+        for metric, value in (data or {}).items():
+            if not isinstance(value, dict):
+                continue
+            if metric == STATE:
+                mine = self.data.setdefault(STATE, {})
+                for source, sample in value.items():
+                    if source not in mine or sample.get("seq", 0) >= mine[source].get("seq", 0):
+                        mine[source] = dict(sample)
+            else:
+                _add(self.data.setdefault(metric, {}), value)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for metric, labels in (other.data or {}).items():
-            for label, v in labels.items():
-                self.inc(metric, v, label)
+        self.merge(other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
+        """Flat totals for vLLM's log line: `metric[label/...]`, latencies as _count/_sum,
+        gauges combined over sources."""
         out: dict[str, int | float] = {}
         for metric, labels in self.data.items():
-            for label, v in labels.items():
-                out[f"{metric}{'[' + label + ']' if label else ''}"] = v
+            if metric == STATE:
+                for (store, tier), g in combine_state(labels).items():
+                    for name, v in g.items():
+                        out[f"{GAUGE_METRICS[name]}[{store}/{tier}]"] = v
+            elif metric in STORE_COUNTERS:
+                for store, tiers in labels.items():
+                    for tier, values in tiers.items():
+                        for label, v in values.items():
+                            out[f"{metric}[{store}/{tier}/{label}]"] = v
+            elif metric == LATENCY:
+                for store, tiers in labels.items():
+                    for tier, ops in tiers.items():
+                        for op, buckets in ops.items():
+                            key = f"{metric}[{store}/{tier}/{op}]"
+                            out[key + "_count"] = sum(c for c, _ in buckets.values())
+                            out[key + "_sum"] = sum(s for _, s in buckets.values())
+            else:
+                for label, v in labels.items():
+                    out[f"{metric}{'[' + label + ']' if label else ''}"] = v
         return out
 
     def is_empty(self) -> bool:
-        return not any(any(v for v in labels.values()) for labels in self.data.values())
+        return not (self.data.get(STATE) or _any_nonzero(
+            {k: v for k, v in self.data.items() if k != STATE}))
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):
-    """Counters `kvpool_*_total` (per tier where labelled) with vLLM's engine labels."""
+    """The connector's counters `kvpool_*_total` (per tier where labelled) and the store's
+    series `kvpool_store_*`, with vLLM's engine labels first."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -73,20 +245,78 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             names = list(labelnames) + ([label] if label else [])
             self._metrics[name] = self._counter_cls(name=name, documentation=doc,
                                                     labelnames=names)
-        self._bound: dict[tuple[int, str, str], Any] = {}
+        base = list(labelnames) + ["store", "tier"]
+        for name, label in STORE_COUNTERS.items():
+            self._metrics[name] = self._counter_cls(name=name, documentation=DOCS[name],
+                                                    labelnames=base + [label])
+        self._metrics[LATENCY] = self._histogram_cls(
+            name=LATENCY, documentation=DOCS[LATENCY], labelnames=base + ["op"],
+            buckets=list(BUCKETS))
+        for name in GAUGE_METRICS.values():
+            self._metrics[name] = self._gauge_cls(name=name, documentation=DOCS[name],
+                                                  labelnames=base,
+                                                  multiprocess_mode="mostrecent")
+        self._bound: dict[tuple, Any] = {}
+        self._sources: dict[int, dict[str, dict]] = {}  # engine -> source -> newest sample
+        self._tiers: set[tuple[int, str, str]] = set()  # (engine, store, tier) seen
+
+    def _child(self, engine_idx: int, metric: str, *labels: str):
+        key = (engine_idx, metric, *labels)
+        m = self._bound.get(key)
+        if m is None:
+            values = list(self.per_engine_labelvalues[engine_idx]) + list(labels)
+            m = self._bound[key] = self._metrics[metric].labels(*values)
+        return m
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for metric, labels in (transfer_stats_data or {}).items():
-            if metric not in self._metrics or not isinstance(labels, dict):
+            if not isinstance(labels, dict):
                 continue
-            for label, v in labels.items():
-                if not v:
-                    continue
-                key = (engine_idx, metric, label)
-                m = self._bound.get(key)
-                if m is None:
-                    values = list(self.per_engine_labelvalues[engine_idx])
-                    if METRICS[metric][1]:
-                        values.append(label)
-                    m = self._bound[key] = self._metrics[metric].labels(*values)
-                m.inc(v)
+            if metric == STATE:
+                self._observe_state(labels, engine_idx)
+            elif metric in STORE_COUNTERS:
+                for store, tiers in labels.items():
+                    for tier, values in tiers.items():
+                        for label, v in values.items():
+                            if v > 0:
+                                self._child(engine_idx, metric, store, tier, label).inc(v)
+            elif metric == LATENCY:
+                for store, tiers in labels.items():
+                    for tier, ops in tiers.items():
+                        for op, buckets in ops.items():
+                            h = self._child(engine_idx, metric, store, tier, op)
+                            for count, total in buckets.values():
+                                # each call's bucket and the sum come out exact: the mean
+                                # of the calls in one bucket lies in that bucket
+                                for _ in range(int(count)):
+                                    h.observe(total / count)
+            elif metric in METRICS:
+                for label, v in labels.items():
+                    if v:
+                        if METRICS[metric][1]:
+                            self._child(engine_idx, metric, label).inc(v)
+                        else:
+                            self._child(engine_idx, metric).inc(v)
+
+    def _observe_state(self, samples: dict[str, dict], engine_idx: int) -> None:
+        known = self._sources.setdefault(engine_idx, {})
+        for source, sample in samples.items():
+            if source not in known or sample.get("seq", 0) >= known[source].get("seq", 0):
+                known[source] = sample
+        for (store, tier), gauges in combine_state(known).items():
+            if (engine_idx, store, tier) not in self._tiers:
+                self._tiers.add((engine_idx, store, tier))
+                self._zero_series(engine_idx, store, tier)
+            for name, v in gauges.items():
+                self._child(engine_idx, GAUGE_METRICS[name], store, tier).set(v)
+
+    def _zero_series(self, engine_idx: int, store: str, tier: str) -> None:
+        """Every event, direction and op of a tier from its first report on, at 0 until it
+        happens (as a standalone store exports them): a dashboard shows "0 drops", and a
+        rate over them is 0, never "no data"."""
+        for event in EVENTS:
+            self._child(engine_idx, "kvpool_store_events", store, tier, event)
+        for direction in ("in", "out"):
+            self._child(engine_idx, "kvpool_store_bytes", store, tier, direction)
+        for op in OPS:
+            self._child(engine_idx, LATENCY, store, tier, op)

@@ -35,13 +35,12 @@ from .audit import KVAudit
 from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
-from .stats import KVPoolConnectorStats
+from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 
 log = logging.getLogger("kvpool.connector")
 
 SAVE_QUEUE = 64  # save batches waiting for the store before new ones are dropped
 SHUTDOWN_FLUSH_S = 10.0  # bound on waiting for lower-tier writes at shutdown
-STORE_STATS_EVERY_S = 0.5  # how often per-tier counters are sampled from store.stats()
 LOAD_BATCH_CHUNKS = 8  # chunks per store read, each read with its own time bound
 # An idle step (nothing scheduled: the requests wait for their loads) waits this long for an
 # in-flight load instead of returning to vLLM's engine loop, which would call it again at
@@ -75,8 +74,10 @@ class _Load:
 class WorkerSide:
     def __init__(self, store, blocks_per_chunk: int, layerwise: bool,
                  audit: KVAudit | None = None, staging_bytes: int = 1 << 30,
-                 events: bool = False):
+                 events: bool = False, store_metrics: bool = True):
         self.store = store
+        # the store's series reach /metrics only through vLLM's stats (stats.py)
+        self._sampler = StoreSampler(store) if store_metrics else None
         self.events = events  # vLLM KV events on: report the local tiers' stores/evictions
         if events:
             store.enable_events()
@@ -428,6 +429,10 @@ class WorkerSide:
                 for tier, v in by_tier.items():
                     self._inc(metric, v, tier)
             self._store_stats_prev = now
+            if self._sampler is not None:
+                sample = self._sampler.sample()
+                with self._stats_lock:
+                    self._stats.merge(sample)
         with self._stats_lock:
             if self._stats.is_empty():
                 return None

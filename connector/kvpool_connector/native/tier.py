@@ -61,6 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import (
     Locality,
     OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
     LookupResult,
     Medium,
@@ -195,6 +197,7 @@ class KVPoolTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         from ..connector.config import check_hash_algo
+        from ..connector.stats import StoreSampler
         from ..store import open_store
         from .contract import engine_vllm_config
 
@@ -212,7 +215,11 @@ class KVPoolTier(SecondaryTierManager):
                                         engine_identity(vllm_config))
         self.fingerprint = layout_fingerprint(self.identity)
         self._prefix = key_prefix(self.fingerprint)
-        self.store = open_store(self.config, layout=self.fingerprint)
+        # the store's series travel in get_stats() to the API server; none in this process
+        self.store = open_store(self.config.model_copy(update={"metrics": False}),
+                                layout=self.fingerprint)
+        self._sampler = StoreSampler(self.store) if self.config.metrics else None
+        self._reported_tiers: set[tuple[str, str]] = set()
         self._rows = primary_kv_view.cast("B")
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -369,27 +376,80 @@ class KVPoolTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]
                                  ) -> dict[str, OffloadingMetricMetadata]:
-        """Per store tier counters, named as the kvpool connector names them, so one
-        dashboard serves both modes."""
+        """Per store tier counters, named as the kvpool connector names them, and the store's
+        own series (`kvpool_store_*`, as the connector exports them), so one dashboard
+        serves both modes."""
         from ..store.metrics import TIER_METRICS
 
-        return {name: OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
-                for name, doc in sorted(TIER_METRICS.items())}
+        out: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+            for name, doc in sorted(TIER_METRICS.items())}
+        return {**out, **store_metric_definitions()}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Store counter increases since the last call (hits, misses, corrupt, drops...)."""
+        """Store counter increases since the last call (hits, misses, corrupt, drops...) and
+        the store's series: this tier runs in vLLM's engine-core process, and only what
+        travels in these stats reaches the API server's /metrics."""
         from ..store.metrics import tier_deltas
 
         snapshot = self.store.stats()
         deltas = tier_deltas(self._last_stats, snapshot)
         self._last_stats = snapshot
-        if not deltas:
-            return None
         stats = OffloadingConnectorStats()
         for metric, per_tier in deltas.items():
             for tier, value in per_tier.items():
                 stats.increase_counter(metric, value, (tier,))
-        return stats
+        if self._sampler is not None:
+            add_store_sample(stats, self._sampler.sample(), self._reported_tiers)
+        return None if stats.is_empty() else stats
+
+
+def store_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The store's series as vLLM's OffloadingConnector declares metrics."""
+    from ..connector.stats import GAUGE_METRICS, LATENCY, STORE_COUNTERS
+    from ..store.metrics import BUCKETS, DOCS
+
+    out: dict[str, OffloadingMetricMetadata] = {
+        name: OffloadingCounterMetadata(documentation=DOCS[name],
+                                        labelnames=("store", "tier", label))
+        for name, label in STORE_COUNTERS.items()}
+    out[LATENCY] = OffloadingHistogramMetadata(documentation=DOCS[LATENCY],
+                                               labelnames=("store", "tier", "op"),
+                                               buckets=BUCKETS)
+    for name in GAUGE_METRICS.values():
+        out[name] = OffloadingGaugeMetadata(documentation=DOCS[name], labelnames=("store", "tier"))
+    return out
+
+
+def add_store_sample(stats: OffloadingConnectorStats, sample: dict,
+                     reported: set[tuple[str, str]]) -> None:
+    """A StoreSampler payload (connector/stats.py) as OffloadingConnectorStats: counters
+    as increases, a latency bucket's calls at their mean (buckets and sum exact), gauges
+    as set; a tier's event and direction series start at 0 on its first report (`reported`
+    remembers them). One store per tier object, so its gauges need no combining."""
+    from ..connector.stats import GAUGE_METRICS, LATENCY, STATE, STORE_COUNTERS, combine_state
+    from ..store.metrics import EVENTS
+
+    for (store, tier), gauges in combine_state(sample.get(STATE, {})).items():
+        if (store, tier) not in reported:
+            reported.add((store, tier))
+            for event in EVENTS:
+                stats.increase_counter("kvpool_store_events", 0, (store, tier, event))
+            for direction in ("in", "out"):
+                stats.increase_counter("kvpool_store_bytes", 0, (store, tier, direction))
+        for name, v in gauges.items():
+            stats.set_gauge(GAUGE_METRICS[name], v, (store, tier))
+    for metric in STORE_COUNTERS:
+        for store, tiers in sample.get(metric, {}).items():
+            for tier, values in tiers.items():
+                for label, v in values.items():
+                    stats.increase_counter(metric, v, (store, tier, label))
+    for store, tiers in sample.get(LATENCY, {}).items():
+        for tier, ops in tiers.items():
+            for op, buckets in ops.items():
+                for count, total in buckets.values():
+                    for _ in range(int(count)):
+                        stats.observe_histogram(LATENCY, total / count, (store, tier, op))
 
 
 # vLLM resolves an out-of-tree tier as `getattr(import_module(module_path), type)`: both

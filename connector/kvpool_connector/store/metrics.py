@@ -1,15 +1,23 @@
 """Per-tier counters for `stats()` and the matching Prometheus series.
 
-The Prometheus metric objects are module globals created once at import, labelled by
-the store namespace (label `store`, so it never clashes with Kubernetes' `namespace` label
-that scrapers attach) and tier, so opening several stores in one process never registers a metric twice
-(stores of the same namespace add to the same series). Usage gauges (bytes held, queue
-depth) come from one collector that asks every open store at scrape time. `stats()` reads
-the per-store counters kept here, which start at zero for every store.
+Every store counts its events, bytes and call latencies itself (`TierStats`, read by
+`stats()` and `telemetry()`), whether or not it exports them. A store opened with
+`metrics: true` also mirrors them into this process's Prometheus registry: module-level
+metric objects, created on the first such store (so importing this module registers
+nothing, and a process that exports the same names another way, like vLLM's API server
+through the connector's stats, never sees a duplicate), labelled by the store namespace
+(label `store`, so it never clashes with Kubernetes' `namespace` label that scrapers attach)
+and tier; stores of the same namespace add to the same series. Usage gauges (bytes held,
+queue depth) come from one collector that asks every open store at scrape time.
+
+The connector opens its stores without that mirror: vLLM runs them in its engine-core
+process, which serves no /metrics, so the connector ships `telemetry()` through vLLM's KV
+connector stats to the API server instead (connector/stats.py), under the same names.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from typing import Any
@@ -19,17 +27,48 @@ from prometheus_client.core import GaugeMetricFamily
 
 EVENTS = ("hits", "misses", "evictions", "drops", "errors", "timeouts", "corrupt",
           "foreign_layout", "rejected", "promotions")
+OPS = ("put", "get", "contains", "delete")
+# Upper bounds (seconds) of kvpool_store_op_seconds; +Inf is implicit.
+BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
-_EVENTS = Counter("kvpool_store_events", "Store events per tier (hits, misses, evictions, "
-                  "drops, errors, timeouts, corrupt, foreign_layout, rejected, promotions)",
-                  ["store", "tier", "event"])
-_BYTES = Counter("kvpool_store_bytes", "Payload bytes written to (in) and read from (out) a tier",
-                 ["store", "tier", "direction"])
-_LATENCY = Histogram("kvpool_store_op_seconds", "Latency of one batched call to a tier",
-                     ["store", "tier", "op"],
-                     buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 5))
-_HEALTHY = Gauge("kvpool_store_tier_healthy", "1 when the tier is serving, 0 while backing off",
-                 ["store", "tier"])
+# name -> help text, one place for both ways of exporting them
+DOCS = {
+    "kvpool_store_events": "Store events per tier (hits, misses, evictions, drops, errors, "
+                           "timeouts, corrupt, foreign_layout, rejected, promotions)",
+    "kvpool_store_bytes": "Payload bytes written to (in) and read from (out) a tier",
+    "kvpool_store_op_seconds": "Latency of one batched call to a tier",
+    "kvpool_store_tier_healthy": "1 when the tier is serving, 0 while backing off",
+    "kvpool_store_tier_used_bytes": "Bytes held by a capped tier (cpu, disk)",
+    "kvpool_store_queue_depth": "Writes waiting for a lower tier",
+}
+
+
+class _Prom:
+    """This process's store series, registered once, on the first exporting store."""
+
+    def __init__(self) -> None:
+        self.events = Counter("kvpool_store_events", DOCS["kvpool_store_events"],
+                              ["store", "tier", "event"])
+        self.bytes = Counter("kvpool_store_bytes", DOCS["kvpool_store_bytes"],
+                             ["store", "tier", "direction"])
+        self.latency = Histogram("kvpool_store_op_seconds", DOCS["kvpool_store_op_seconds"],
+                                 ["store", "tier", "op"], buckets=BUCKETS)
+        self.healthy = Gauge("kvpool_store_tier_healthy", DOCS["kvpool_store_tier_healthy"],
+                             ["store", "tier"])
+        REGISTRY.register(USAGE)
+
+
+_PROM: _Prom | None = None
+_PROM_LOCK = threading.Lock()
+
+
+def registered() -> _Prom:
+    """The store series in the default registry, registering them on first use."""
+    global _PROM
+    with _PROM_LOCK:
+        if _PROM is None:
+            _PROM = _Prom()
+        return _PROM
 
 
 # Per-tier counters as the connector and the vLLM secondary tier export them (one dashboard
@@ -77,9 +116,8 @@ class _UsageCollector:
 
     def collect(self):
         used = GaugeMetricFamily("kvpool_store_tier_used_bytes",
-                                 "Bytes held by a capped tier (cpu, disk)",
-                                 labels=["store", "tier"])
-        queue = GaugeMetricFamily("kvpool_store_queue_depth", "Writes waiting for a lower tier",
+                                 DOCS["kvpool_store_tier_used_bytes"], labels=["store", "tier"])
+        queue = GaugeMetricFamily("kvpool_store_queue_depth", DOCS["kvpool_store_queue_depth"],
                                   labels=["store", "tier"])
         totals: dict[tuple[str, str], list[float]] = {}
         for store in list(self.stores):
@@ -97,23 +135,26 @@ class _UsageCollector:
         yield queue
 
 
-USAGE = _UsageCollector()
-REGISTRY.register(USAGE)
+USAGE = _UsageCollector()  # registered with the other series, by registered()
 
 
 class TierStats:
-    """Counters of one tier of one store, mirrored to Prometheus when enabled."""
+    """Counters and call latencies of one tier of one store, mirrored to Prometheus when
+    enabled. Latencies are kept as `{op: [[count, sum] per bucket of BUCKETS, +Inf last]}`
+    (each call in one bucket), totals since the store opened, so a reader takes differences."""
 
     def __init__(self, namespace: str, tier: str, prometheus: bool = True) -> None:
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(EVENTS + ("bytes_in", "bytes_out"), 0)
+        self.latency: dict[str, list[list[float]]] = {}
+        self.healthy = True
         self._prom = prometheus
         if prometheus:
-            self._ev = {e: _EVENTS.labels(namespace, tier, e) for e in EVENTS}
-            self._bytes = {d: _BYTES.labels(namespace, tier, d) for d in ("in", "out")}
-            self._lat = {op: _LATENCY.labels(namespace, tier, op)
-                         for op in ("put", "get", "contains", "delete")}
-            self._healthy = _HEALTHY.labels(namespace, tier)
+            p = registered()
+            self._ev = {e: p.events.labels(namespace, tier, e) for e in EVENTS}
+            self._bytes = {d: p.bytes.labels(namespace, tier, d) for d in ("in", "out")}
+            self._lat = {op: p.latency.labels(namespace, tier, op) for op in OPS}
+            self._healthy = p.healthy.labels(namespace, tier)
             self._healthy.set(1)
 
     def inc(self, event: str, n: int = 1) -> None:
@@ -130,13 +171,25 @@ class TierStats:
                 self._ev[event].inc(n)
 
     def observe(self, op: str, seconds: float) -> None:
+        i = bisect.bisect_left(BUCKETS, seconds)  # the first bound >= seconds, as Prometheus
+        with self._lock:
+            buckets = self.latency.get(op)
+            if buckets is None:
+                buckets = self.latency[op] = [[0, 0.0] for _ in range(len(BUCKETS) + 1)]
+            buckets[i][0] += 1
+            buckets[i][1] += seconds
         if self._prom:
             self._lat[op].observe(seconds)
 
     def set_healthy(self, ok: bool) -> None:
+        self.healthy = bool(ok)
         if self._prom:
             self._healthy.set(1 if ok else 0)
 
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self.counts)
+
+    def latency_snapshot(self) -> dict[str, list[list[float]]]:
+        with self._lock:
+            return {op: [list(b) for b in buckets] for op, buckets in self.latency.items()}

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from ..config import StoreConfig, tier_names, transport_warnings
 from . import cpu_pool
 from .format import MAX_NAME, Record, layout_digest, to_view
-from .metrics import USAGE, TierStats
+from .metrics import EVENTS, USAGE, TierStats
 from .runner import TierRunner
 from .sealing import Keyring, PoolKey
 from .tiers import tier_class
@@ -345,6 +345,29 @@ class TieredStore:
     def stats(self) -> dict:
         return {"namespace": self.namespace, "layout": self.layout.hex(),
                 "tiers": {r.name: r.snapshot() for r in self.runners}}
+
+    def telemetry(self) -> dict:
+        """Everything the store's Prometheus series show, as plain data (totals since open
+        and current gauges): `{"store", "tiers": {name: {"events", "bytes", "latency",
+        "healthy", "queue_depth", "used_bytes", "shared"}}}`. The connector ships differences of it
+        through vLLM's KV connector stats (connector/stats.py)."""
+        tiers = {}
+        for r in self.runners:
+            counts = r.stats.snapshot()
+            try:
+                used = r.tier.usage().get("used_bytes")
+            except Exception:
+                used = None
+            tiers[r.name] = {
+                "events": {e: counts[e] for e in EVENTS},
+                "bytes": {"in": counts["bytes_in"], "out": counts["bytes_out"]},
+                "latency": r.stats.latency_snapshot(),
+                "healthy": bool(r.healthy),
+                "queue_depth": r.queue.qsize() if r.queue is not None else 0,
+                "used_bytes": used,
+                "shared": bool(r.tier.shared),  # other processes see the same bytes
+            }
+        return {"store": self.namespace, "tiers": tiers}
 
     def close(self, flush_timeout: float = 5.0) -> None:
         if self._closed:

@@ -1,8 +1,9 @@
-"""Real Redis (standalone or a cluster) and S3-compatible servers on loopback, started as
-child processes."""
+"""Real Redis (standalone or a cluster), S3-compatible and Prometheus servers on loopback,
+started as child processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -11,8 +12,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from kvpool_dev.testbed import process
 from kvpool_dev.testbed.process import Service, free_port, wait_port
@@ -187,3 +192,81 @@ class S3Server(Service):
         if create_bucket:
             self.client().create_bucket(Bucket=self.bucket)
         return self
+
+
+@dataclass
+class PrometheusServer(Service):
+    """A real Prometheus (Debian's `prometheus` package) on loopback, scraping `targets`
+    every `scrape_interval` and attaching `labels` to every series, as a PodMonitor's
+    podTargetLabels and Kubernetes' `namespace` label do in a cluster."""
+
+    targets: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    scrape_interval: str = "1s"
+    port: int = field(default_factory=free_port)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-prom-")))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> dict:
+        return {"global": {"scrape_interval": self.scrape_interval,
+                           "evaluation_interval": self.scrape_interval},
+                "scrape_configs": [{"job_name": "vllm", "metrics_path": "/metrics",
+                                    "static_configs": [{"targets": self.targets,
+                                                        "labels": self.labels}]}]}
+
+    def start(self) -> "PrometheusServer":
+        exe = shutil.which("prometheus")
+        if exe is None:
+            raise RuntimeError("prometheus not found: run `make setup` (installs it with apt)")
+        cfg = self.workdir / "prometheus.yml"
+        cfg.write_text(yaml.safe_dump(self.config()))
+        self.proc = process.start(
+            [exe, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            self.workdir / "prometheus.log")
+        try:
+            if not process.wait_healthy(self.url + "/-/ready", self.proc, 60, "prometheus",
+                                        lambda: process.log_tail(self.workdir / "prometheus.log"),
+                                        poll=0.1):
+                raise TimeoutError("prometheus not ready after 60s")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _get(self, path: str, **params) -> object:
+        url = f"{self.url}{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus {path} {params}: {body}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector (or scalar) of `expr` now: `[{"metric": {...}, "value": [t, v]}]`."""
+        data = self._get("/api/v1/query", query=expr)
+        return data["result"] if data["resultType"] == "vector" else [{"metric": {},
+                                                                       "value": data["result"]}]
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        """What Grafana's `label_values(match, label)` lists."""
+        return self._get(f"/api/v1/label/{label}/values", **{"match[]": match})
+
+    def wait_for(self, expr: str, timeout: float = 60.0, poll: float = 0.25) -> list[dict]:
+        """Poll `expr` until it returns series; raises after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expr)
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no series for {expr!r} after {timeout}s")
+            time.sleep(poll)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -17,9 +17,11 @@ from kvpool_connector.native import tier as native_tier
 from tests.conftest import SECURITY
 from tests.connector.native.harness import (
     BLOCKS_PER_CHUNK,
+    NATIVE,
     TIER_MODULE,
     RowEngine,
     chunk_keys,
+    kvpool_tiering,
     offloading_config,
     payloads,
 )
@@ -159,6 +161,44 @@ def test_store_counters_reach_vllms_offloading_stats(redis_options):
     assert definitions["kvpool_tier_hit_chunks"].labelnames == ("tier",)
     hits = {k: v for k, v in reduced.items() if k.startswith("kvpool_tier_hit_chunks")}
     assert sum(hits.values()) == 2, reduced
+
+
+def test_store_series_reach_vllms_offloading_prometheus_metrics(redis_options, namespace):
+    """Native mode's tier runs in vLLM's engine-core process too: the store's series
+    (kvpool_store_*, the dashboard's) go in the tier's stats, and vLLM's own
+    OffloadPromMetrics exports them with the store's names and labels."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+        OffloadPromMetrics,
+    )
+
+    keys, data = chunk_keys("series", 2), payloads(2)
+    with RowEngine(redis_options) as a:
+        a.offload(keys, data)
+    with RowEngine(redis_options) as b:  # a fresh engine: its loads come from the tier
+        assert b.load(keys) == data
+        stats = b.manager.get_stats()
+    reg = CollectorRegistry()
+    types = {cls: (lambda cls: lambda **kw: cls(registry=reg, **kw))(cls)
+             for cls in (Counter, Gauge, Histogram)}
+
+    class _Cfg:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={**NATIVE, **kvpool_tiering(redis_options, 1 << 20)})
+
+    prom = OffloadPromMetrics(_Cfg(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(OffloadingConnectorStats(data=stats.data).data, engine_idx=0)
+    labels = {"model_name": "m", "engine": "0", "store": namespace, "tier": "redis"}
+    get = reg.get_sample_value
+    assert get("kvpool_store_events_total", {**labels, "event": "hits"}) == 2
+    assert get("kvpool_store_events_total", {**labels, "event": "drops"}) == 0
+    assert get("kvpool_store_bytes_total", {**labels, "direction": "out"}) >= len(data[0]) * 2
+    assert get("kvpool_store_op_seconds_count", {**labels, "op": "get"}) >= 1
+    assert get("kvpool_store_tier_healthy", labels) == 1
+    assert get("kvpool_store_queue_depth", labels) is not None
 
 
 def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, tiny_model):
