@@ -121,10 +121,11 @@ class WorkerSide:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
         chunk = layout.chunk_nbytes(self.blocks_per_chunk)
-        # loads: one batch in flight (one loader thread); saves: the rest of the budget
-        self._load_pool = BufferPool(chunk, LOAD_BATCH_CHUNKS, self.cuda)
+        # loads: one batch in flight on the loader thread and one in the step (in-memory
+        # loads, submit_loads); saves: the rest of the budget
+        self._load_pool = BufferPool(chunk, 2 * LOAD_BATCH_CHUNKS, self.cuda)
         self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
-                                                - LOAD_BATCH_CHUNKS), self.cuda)
+                                                - 2 * LOAD_BATCH_CHUNKS), self.cuda)
 
     # -- saves -------------------------------------------------------------------------
     def submit_saves(self, meta: KVPoolMetadata) -> None:
@@ -235,29 +236,53 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------
     def submit_loads(self, meta: KVPoolMetadata) -> None:
+        """Async loads whose chunks are all in the process's own memory (the cpu tier, or
+        save buffers on their way there) run here, before the forward, as vLLM's native
+        offloading does: a few memcpys, done when this step's get_finished reports, so the
+        request always resumes next step; on the loader thread it competed with the
+        forward for the GIL and cores and missed that report whenever the forward was the
+        shorter. Everything else (lower tiers, layerwise loads) runs on the loader thread."""
         n_layers = len(self.layout.layers) if self.layout else 0
         for job in meta.loads:
             load = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
             if job.is_async:
                 self._async_loads[job.req_id] = load
+                if self._in_memory(job):
+                    self._inc("kvpool_inline_loads")
+                    self._load_now(load)
+                    continue
             else:
                 self._sync_loads.append(load)
             self._load_q.put(load)
+
+    def _in_memory(self, job: LoadJob) -> bool:
+        keys = [c.key for c in job.chunks]
+        if not keys:
+            return True
+        with self._lock:
+            rest = [k for k in keys if k not in self._pending]
+        try:
+            return not rest or bool(self.store.in_memory(rest))
+        except Exception:  # a hint only: the loader thread reads it the usual way
+            return False
+
+    def _load_now(self, load: _Load) -> None:
+        try:
+            self._run_load(load)
+        except Exception:
+            log.exception("kvpool: load for %s failed", load.job.req_id)
+            load.failed_blocks.update(b for c in load.job.chunks for b in c.block_ids)
+        finally:
+            for e in load.layer_done:
+                e.set()
+            load.done.set()
 
     def _loader(self) -> None:
         while not self._stop:
             load = self._load_q.get()
             if load is None:
                 return
-            try:
-                self._run_load(load)
-            except Exception:
-                log.exception("kvpool: load for %s failed", load.job.req_id)
-                load.failed_blocks.update(b for c in load.job.chunks for b in c.block_ids)
-            finally:
-                for e in load.layer_done:
-                    e.set()
-                load.done.set()
+            self._load_now(load)
 
     def _run_load(self, load: _Load) -> None:
         """Batches of LOAD_BATCH_CHUNKS chunks through the load buffers, each batch read
@@ -272,7 +297,7 @@ class WorkerSide:
             return
         expect = layout.chunk_nbytes(self.blocks_per_chunk)
         bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
-        assert bufs is not None, "one loader thread owns the load buffers"
+        assert bufs is not None, "the loader thread and the step own one batch each"
         try:
             for start in range(0, len(chunks), LOAD_BATCH_CHUNKS):
                 part = chunks[start:start + LOAD_BATCH_CHUNKS]

@@ -273,6 +273,17 @@ class TieredStore:
                     prefix += 1
         return prefix
 
+    def in_memory(self, keys: Sequence[bytes]) -> bool:
+        """True when the first tier is the process's own memory (cpu: never a network or disk
+        round trip, never blocking) and holds every key now. A read may still miss (evicted
+        in between): it is only a hint for where to run the read."""
+        first = self.runners[0] if self.runners else None
+        if first is None or self._closed or first.tier.shared or first.tier.blocking \
+                or first.tier.type != "cpu" or not first.read_health.available():
+            return False
+        keys = self._check_keys(keys)
+        return all(first.tier.contains_many(self.object_names(keys)))
+
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write reached its tier or was dropped; False on timeout."""

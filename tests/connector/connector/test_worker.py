@@ -34,14 +34,18 @@ class GatedStore:
         assert self.gate.wait(30), "the test never opened the gate"
         return self.store.get_many_into(keys, bufs)
 
+    def in_memory(self, keys):
+        return False  # a slow tier: its loads run on the loader thread
+
     def __getattr__(self, name):
         return getattr(self.store, name)
 
 
-def worker_with_one_stored_chunk():
+def worker_with_one_stored_chunk(store_class=None):
+    store_class = store_class or GatedStore
     caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
     layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
-    store = GatedStore(open_store({"namespace": "worker-test",
+    store = store_class(open_store({"namespace": "worker-test",
                                    "tiers": [{"type": "cpu", "size": "16Mi"}]}, layout=b"l"))
     payload = torch.empty(layout.chunk_nbytes(BPC), dtype=torch.uint8)
     layout.gather(torch.tensor([0, 1]), payload)
@@ -78,3 +82,42 @@ def test_an_idle_step_waits_a_bounded_time():
     assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), set())
     assert time.monotonic() - t0 >= worker_module.IDLE_WAIT_S * 0.9
     store.gate.set()
+
+
+class ThreadRecordingStore:
+    """A real store that records which thread read it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.readers = store, []
+
+    def get_many_into(self, keys, bufs):
+        self.readers.append(threading.current_thread())
+        return self.store.get_many_into(keys, bufs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_load_from_the_cpu_tier_is_done_before_the_forward_starts():
+    """Like vLLM's native offloading: chunks in the worker's own memory are copied in the
+    step that submits them, so that step's get_finished reports the request even when the
+    forward is shorter than the copy (on the loader thread it waited another step)."""
+    side, store, caches = worker_with_one_stored_chunk(ThreadRecordingStore)
+    assert store.readers == [threading.current_thread()]
+    for cache in caches.values():
+        assert torch.equal(cache[5:7], cache[0:2])
+    assert side.get_finished(KVPoolMetadata(idle=False)) == (set(), {"req"})
+    assert side.take_stats().data["kvpool_inline_loads"] == {"": 1}
+
+
+def test_a_missing_chunk_goes_to_the_loader_thread_and_fails_there():
+    """Not in memory: the loader thread reads it (a lower tier could have it); missing
+    everywhere it is a load error, as before."""
+    side, store, caches = worker_with_one_stored_chunk(ThreadRecordingStore)
+    load = LoadJob("req2", [ChunkLoad(b"m" * 16, rows=[0, 1], block_ids=[3, 4])],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side._async_loads["req2"].done.wait(5)
+    assert store.readers[-1] is not threading.current_thread()
+    assert side.get_finished(KVPoolMetadata(idle=False))[1] == {"req", "req2"}
+    assert side.take_load_errors() == {3, 4}
