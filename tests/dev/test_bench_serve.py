@@ -92,3 +92,21 @@ def test_bad_input_is_one_line_naming_the_option(repo_root):
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvpool bench serve")]
         assert len(lines) == 1 and word in lines[0], (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_counters_sum_label_sets_of_the_named_totals():
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total x",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="local"} 64.0',
+        'vllm:prefix_cache_hits_total{engine="1",model_name="local"} 32.0',
+        'vllm:external_prefix_cache_hits_total{engine="0"} 1024.0',
+        "kvpool_load_error_chunks_total 2.0",
+        'vllm:prompt_tokens_total{engine="0"} 5000.0',
+        'vllm:prefix_cache_hits_created{engine="0"} 1.7e9'])
+    got = sb.counters(text)
+    assert got == {"vllm:prefix_cache_hits_total": 96.0,
+                   "vllm:external_prefix_cache_hits_total": 1024.0,
+                   "kvpool_load_error_chunks_total": 2.0}
+    assert sb.counter_delta({"vllm:prefix_cache_hits_total": 90.0}, got) == {
+        "vllm:prefix_cache_hits_total": 6.0, "vllm:external_prefix_cache_hits_total": 1024.0,
+        "kvpool_load_error_chunks_total": 2.0}

@@ -131,6 +131,34 @@ def client_args(dataset: str, w: Workload, base_url: str, model: str, seed: int,
     return args
 
 
+# server counters worth a look next to the figures: the engine's own prefix cache, the
+# connector's (external) hits, kvpool's loads, saves and load errors
+COUNTER_PREFIXES = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "kvpool_")
+
+
+def counters(text: str) -> dict[str, float]:
+    """Totals per counter name (summed over label sets) of the Prometheus text, for the
+    COUNTER_PREFIXES names ending in _total (pure)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else line.partition(" ")
+        name = name.strip()
+        if not name.endswith("_total") or not name.startswith(COUNTER_PREFIXES):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
 def pick(result: dict[str, Any]) -> dict[str, Any]:
     """The figures the table shows, from vLLM's result JSON (pure)."""
     out = {m: result.get(m) for m in METRICS}
@@ -197,7 +225,7 @@ def render(report: dict[str, Any]) -> str:
                  else " (one shared prefix)")
         out.append(f"{dataset}{extra}:")
         head = (f"  {'pass':<5}{'arm':<8}{'mean TTFT':>11}{'median':>10}{'p99 TTFT':>10}"
-                f"{'req/s':>8}   kvpool/native (x better: mean, median, p99, req/s)")
+                f"{'req/s':>8}{'hit tok (engine+conn)':>23}   kvpool/native (x better: mean, median, p99, req/s)")
         out.append(head)
         for row in s["passes"]:
             for arm, f in row["arms"].items():
@@ -207,7 +235,7 @@ def render(report: dict[str, Any]) -> str:
                     ratio = "   " + ", ".join(f"{r.get(m, float('nan')):.3f}" for m in METRICS)
                 out.append(f"  {row['pass']:<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
                            f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
-                           f"{_num(f['request_throughput']):>8}{ratio}")
+                           f"{_num(f['request_throughput']):>8}{_hits(f):>23}{ratio}")
         for arm, f in s["mean"].items():
             out.append(f"  {'mean':<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
                        f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
@@ -219,6 +247,13 @@ def render(report: dict[str, Any]) -> str:
     for arm, err in report.get("errors", {}).items():
         out.append(f"arm {arm} FAILED: {err.strip().splitlines()[-1] if err.strip() else ''}")
     return "\n".join(out).rstrip()
+
+
+def _hits(f: dict[str, Any]) -> str:
+    e, c = f.get("engine_hit_tokens"), f.get("connector_hit_tokens")
+    if e is None and c is None:
+        return "-"
+    return f"{int(e or 0)}+{int(c or 0)}"
 
 
 def _ms(v: float | None) -> str:
@@ -248,6 +283,13 @@ def cpu_line() -> str:
 
 def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _scrape(server) -> dict[str, float]:
+    try:
+        return counters(server.metrics())
+    except OSError:
+        return {}
 
 
 def warm_up(base_url: str, tokens: int) -> None:
@@ -361,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     if a in errors:
                         continue
                     label = f"p{p}-{dataset}-{a}"
+                    before = _scrape(servers[a])
                     try:
                         result = run_client(dataset, w, servers[a].base_url, model, seed,
                                             workdir, label)
@@ -369,8 +412,12 @@ def main(argv: list[str] | None = None) -> int:
                         _log(f"{label} failed: {str(exc)[-400:]}")
                         continue
                     figures = pick(result)
+                    delta = counter_delta(before, _scrape(servers[a]))
+                    figures["engine_hit_tokens"] = delta.get("vllm:prefix_cache_hits_total")
+                    figures["connector_hit_tokens"] = delta.get(
+                        "vllm:external_prefix_cache_hits_total")
                     runs.append({"pass": p, "dataset": dataset, "arm": a, "seed": seed,
-                                 "figures": figures})
+                                 "figures": figures, "counters": delta})
                     _log(f"{label}: mean TTFT {_ms(figures['mean_ttft_ms'])}, p99 "
                          f"{_ms(figures['p99_ttft_ms'])}, {_num(figures['request_throughput'])}"
                          f" req/s")
