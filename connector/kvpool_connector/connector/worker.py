@@ -109,6 +109,7 @@ class WorkerSide:
         self._store_stats_prev: dict = {}
         self._store_stats_at = 0.0
         self._sample_store = False
+        self._save_in_step = False  # set in register: a memory-only store saves in the step
         self._stop = False
         self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
                          threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
@@ -118,6 +119,8 @@ class WorkerSide:
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
+        memory_only = getattr(self.store, "memory_only", None)
+        self._save_in_step = not self.cuda and bool(memory_only and memory_only())
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
         chunk = layout.chunk_nbytes(self.blocks_per_chunk)
@@ -152,6 +155,9 @@ class WorkerSide:
             else:
                 for buf, ids in zip(bufs, job.block_ids):
                     layout.gather(torch.tensor(ids, dtype=torch.long), buf)
+                if self._save_in_step:
+                    self._save_now(job, bufs)
+                    continue
             pending = _PendingSave(job, bufs, event)
             # Loads find the chunk in its save buffer until the store holds it; registered
             # before the saver can see the job, so it can never outlive the saver's put.
@@ -168,6 +174,33 @@ class WorkerSide:
                 self._mark_copied(pending)
             else:
                 self._uncopied.append(pending)
+
+    def _save_now(self, job: SaveJob, bufs: list[torch.Tensor]) -> None:
+        """A store that is only this process's memory takes the chunks here, in the step:
+        a memcpy each. Handing them to the saver thread instead cost the forward far more
+        than the copies: the saver holds the GIL while the forward's OpenMP threads spin
+        on both cores, so each GIL handoff waited for the OS to preempt a spinning thread
+        (see docs/connector.md, Hot path)."""
+        try:
+            landed = self.store.put_many(job.keys, bufs)
+        except Exception:  # a failing store degrades service, never the engine
+            log.exception("kvpool: save of %d chunks failed", len(job.keys))
+            landed = [False] * len(job.keys)
+        stored = [k for k, ok in zip(job.keys, landed) if ok]
+        if self.audit is not None and stored:
+            self.audit.saved(self.layout, job.keys, bufs, self.blocks_per_chunk)
+        with self._lock:
+            self._copies_by_req[job.req_id] -= 1
+            if self._copies_by_req[job.req_id] <= 0:
+                del self._copies_by_req[job.req_id]
+            self._copied[job.req_id] += 1
+            self._stored.extend(stored)
+        if len(stored) < len(job.keys):
+            self._drop([k for k, ok in zip(job.keys, landed) if not ok])
+        if stored:
+            self._inc("kvpool_saved_chunks", len(stored))
+            self._inc("kvpool_saved_bytes", sum(b.numel() for b, ok in zip(bufs, landed) if ok))
+        self._save_pool.give(bufs)
 
     def _unregister(self, p: _PendingSave) -> None:
         """Forget p's save buffers as a source for loads (only entries that are still p's)."""

@@ -273,6 +273,12 @@ class TieredStore:
                     prefix += 1
         return prefix
 
+    def memory_only(self) -> bool:
+        """One tier, the process's own memory (cpu): a write is a memcpy under the tier's
+        lock, never a network or disk round trip."""
+        return (len(self.runners) == 1 and self.runners[0].tier.type == "cpu"
+                and not self.runners[0].tier.blocking and not self.runners[0].tier.shared)
+
     def in_memory(self, keys: Sequence[bytes]) -> bool:
         """True when the first tier is the process's own memory (cpu: never a network or disk
         round trip, never blocking) and holds every key now. A read may still miss (evicted

@@ -412,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
                         _log(f"{label} failed: {str(exc)[-400:]}")
                         continue
                     figures = pick(result)
+                    if figures["failed"] or not figures["completed"]:
+                        errors[a] = (f"{label}: {figures['failed']} of {w.num_prompts} requests "
+                                     f"failed\n{servers[a].log_tail(30)}")
+                        _log(f"{label}: {figures['failed']} requests failed; {a} is out")
+                        continue
                     delta = counter_delta(before, _scrape(servers[a]))
                     figures["engine_hit_tokens"] = delta.get("vllm:prefix_cache_hits_total")
                     figures["connector_hit_tokens"] = delta.get(

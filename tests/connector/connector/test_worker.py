@@ -17,9 +17,10 @@ import torch
 
 from kvpool_connector.connector import worker as worker_module
 from kvpool_connector.connector.layout import KVLayout
-from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob
+from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob, SaveJob
 from kvpool_connector.connector.worker import WorkerSide
 from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
 
 NUM_BLOCKS, BPC = 8, 2
 
@@ -121,3 +122,50 @@ def test_a_missing_chunk_goes_to_the_loader_thread_and_fails_there():
     assert store.readers[-1] is not threading.current_thread()
     assert side.get_finished(KVPoolMetadata(idle=False))[1] == {"req", "req2"}
     assert side.take_load_errors() == {3, 4}
+
+
+class PutRecordingStore(ThreadRecordingStore):
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.writers = []
+
+    def put_many(self, keys, payloads):
+        self.writers.append(threading.current_thread())
+        return self.store.put_many(keys, payloads)
+
+
+def test_a_memory_only_store_takes_a_save_within_the_step():
+    """A store that is only the worker's memory takes the chunk in wait_for_save, on the
+    step's thread: no saver-thread GIL handoffs while the forward's threads spin. The
+    chunk is reported stored and loads back exactly."""
+    side, store, caches = worker_with_one_stored_chunk(PutRecordingStore)
+    store.writers.clear()
+    save = SaveJob("req3", [b"s" * 16], [[2, 3]])
+    side.submit_saves(KVPoolMetadata(saves=[save]))
+    assert store.writers == [threading.current_thread()]
+    meta = side.worker_meta()
+    assert meta.stored_keys == [b"s" * 16] and meta.copied_saves == {"req3": 1}
+    load = LoadJob("req4", [ChunkLoad(b"s" * 16, rows=[0, 1], block_ids=[6, 7])],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    for cache in caches.values():
+        assert torch.equal(cache[6:8], cache[2:4])
+
+
+def test_a_store_with_lower_tiers_saves_on_the_saver_thread(tmp_path):
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = PutRecordingStore(open_store(
+        {"namespace": "worker-test", "tiers": [{"type": "cpu", "size": "16Mi"},
+                                               {"type": "disk", "path": str(tmp_path),
+                                                "size": "16Mi"}],
+         "security": SECURITY}, layout=b"l"))
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False)
+    side.register(layout)
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("r", [b"t" * 16], [[0, 1]])]))
+    side.store.flush(timeout=10)
+    deadline = time.monotonic() + 10
+    while not store.writers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.writers and store.writers[0].name == "kvpool-saver"
+    side.shutdown()
