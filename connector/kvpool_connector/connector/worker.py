@@ -4,7 +4,10 @@ Saves: after the forward pass (`wait_for_save`), each newly completed chunk is g
 layers) into one pooled chunk buffer (buffers.py): a memcpy on CPU, an async copy into
 pinned host memory on a dedicated CUDA stream. A saver thread then hands the buffers to
 `store.put_many` (cpu tier synchronously, lower tiers through the store's bounded queues),
-so the forward pass never waits on disk, Redis or S3. A full save queue or an exhausted
+so the forward pass never waits on disk, Redis or S3. A store that is only this
+process's memory (one cpu tier) takes the chunks in the step instead (`_save_now`), and
+async loads from this process's memory run in the step too (`submit_loads`): no second
+Python thread contends for the GIL with the forward. A full save queue or an exhausted
 save pool drops the save (a future miss, counted): host memory stays within
 `staging_bytes`.
 
