@@ -110,3 +110,10 @@ def test_counters_sum_label_sets_of_the_named_totals():
     assert sb.counter_delta({"vllm:prefix_cache_hits_total": 90.0}, got) == {
         "vllm:prefix_cache_hits_total": 6.0, "vllm:external_prefix_cache_hits_total": 1024.0,
         "kvpool_load_error_chunks_total": 2.0}
+
+
+def test_only_new_unmapped_native_regions_count_as_leaked():
+    before = {"vllm_offload_a.mmap"}
+    after = {"vllm_offload_a.mmap", "vllm_offload_b.mmap", "vllm_offload_c.mmap"}
+    # a: there before the run (someone else's); c: still mapped by a live process
+    assert sb.leaked_regions(before, after, {"vllm_offload_c.mmap"}) == {"vllm_offload_b.mmap"}

@@ -285,6 +285,39 @@ def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+SHM = Path("/dev/shm")
+NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native host region, one per server
+
+
+def leaked_regions(before: set[str], after: set[str], mapped: set[str]) -> set[str]:
+    """Native host-region files that appeared during the run and no process maps any more
+    (pure): stopping a native server leaves its region behind (2 GiB here)."""
+    return {name for name in after - before if name not in mapped}
+
+
+def _regions() -> set[str]:
+    return {p.name for p in SHM.glob(NATIVE_REGION_GLOB)} if SHM.is_dir() else set()
+
+
+def _mapped(names: set[str]) -> set[str]:
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        found |= {n for n in names if n in text}
+    return found
+
+
+def remove_leaked_regions(before: set[str]) -> list[str]:
+    after = _regions()
+    gone = sorted(leaked_regions(before, after, _mapped(after - before)))
+    for name in gone:
+        (SHM / name).unlink(missing_ok=True)
+    return gone
+
+
 def _scrape(server) -> dict[str, float]:
     try:
         return counters(server.metrics())
@@ -387,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     t0 = time.monotonic()
+    regions_before = _regions()
     try:
         _log(f"starting {len(servers)} servers ({', '.join(arms)}), dtype {dtype}, "
              f"{gpu_blocks(w)} engine blocks of {BLOCK_SIZE} tokens")
@@ -429,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if "native" in arms:
+            gone = remove_leaked_regions(regions_before)
+            if gone:
+                _log(f"removed {len(gone)} host region(s) the native server left in {SHM}")
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     report = {"cpu": cpu_line(), "dtype": dtype, "model": model.name, "arms": arms,
