@@ -4,6 +4,7 @@
   kvpool bench store [...]     tier throughput against raw baselines
   kvpool bench e2e [...]       TTFT: recompute vs hits from each tier vs ExampleConnector
   kvpool bench fleet [...]     routing policies (vllm-router) in front of engines sharing Redis
+  kvpool bench serve [...]     vLLM bench serve: plain vs kvpool cpu tier vs native offloading
   kvpool bench dtype [...]     prefill tokens/s in bfloat16 vs float32 (why engines pick a dtype)
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench store": ("kvpool_dev.bench.store_bench", "tier throughput vs raw baselines"),
     "bench e2e": ("kvpool_dev.bench.e2e_bench", "TTFT per tier vs recompute and ExampleConnector"),
     "bench fleet": ("kvpool_dev.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
+    "bench serve": ("kvpool_dev.bench.serve_bench", "vLLM bench serve: plain / kvpool / native offloading"),
     "bench dtype": ("kvpool_dev.bench.dtype_bench", "prefill tokens/s in bfloat16 vs float32"),
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),

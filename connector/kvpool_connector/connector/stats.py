@@ -45,6 +45,8 @@ METRICS: dict[str, tuple[str, str | None]] = {
     **{name: (doc, "tier") for name, doc in TIER_METRICS.items()},
     "kvpool_loaded_chunks": ("Chunks loaded into the paged KV cache", None),
     "kvpool_loaded_bytes": ("Bytes loaded into the paged KV cache", None),
+    "kvpool_inline_loads": ("Async loads served from the worker's own memory within the "
+                            "step that submitted them (no loader thread)", None),
     "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", None),
     "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", None),
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", None),

@@ -4,7 +4,10 @@ Saves: after the forward pass (`wait_for_save`), each newly completed chunk is g
 layers) into one pooled chunk buffer (buffers.py): a memcpy on CPU, an async copy into
 pinned host memory on a dedicated CUDA stream. A saver thread then hands the buffers to
 `store.put_many` (cpu tier synchronously, lower tiers through the store's bounded queues),
-so the forward pass never waits on disk, Redis or S3. A full save queue or an exhausted
+so the forward pass never waits on disk, Redis or S3. A store that is only this
+process's memory (one cpu tier) takes the chunks in the step instead (`_save_now`), and
+async loads from this process's memory run in the step too (`submit_loads`): no second
+Python thread contends for the GIL with the forward. A full save queue or an exhausted
 save pool drops the save (a future miss, counted): host memory stays within
 `staging_bytes`.
 
@@ -110,6 +113,7 @@ class WorkerSide:
         self._store_stats_prev: dict = {}
         self._store_stats_at = 0.0
         self._sample_store = False
+        self._save_in_step = False  # set in register: a memory-only store saves in the step
         self._stop = False
         self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
                          threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
@@ -119,13 +123,16 @@ class WorkerSide:
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
+        memory_only = getattr(self.store, "memory_only", None)
+        self._save_in_step = not self.cuda and bool(memory_only and memory_only())
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
         chunk = layout.chunk_nbytes(self.blocks_per_chunk)
-        # loads: one batch in flight (one loader thread); saves: the rest of the budget
-        self._load_pool = BufferPool(chunk, LOAD_BATCH_CHUNKS, self.cuda)
+        # loads: one batch in flight on the loader thread and one in the step (in-memory
+        # loads, submit_loads); saves: the rest of the budget
+        self._load_pool = BufferPool(chunk, 2 * LOAD_BATCH_CHUNKS, self.cuda)
         self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
-                                                - LOAD_BATCH_CHUNKS), self.cuda)
+                                                - 2 * LOAD_BATCH_CHUNKS), self.cuda)
 
     # -- saves -------------------------------------------------------------------------
     def submit_saves(self, meta: KVPoolMetadata) -> None:
@@ -152,6 +159,9 @@ class WorkerSide:
             else:
                 for buf, ids in zip(bufs, job.block_ids):
                     layout.gather(torch.tensor(ids, dtype=torch.long), buf)
+                if self._save_in_step:
+                    self._save_now(job, bufs)
+                    continue
             pending = _PendingSave(job, bufs, event)
             # Loads find the chunk in its save buffer until the store holds it; registered
             # before the saver can see the job, so it can never outlive the saver's put.
@@ -168,6 +178,33 @@ class WorkerSide:
                 self._mark_copied(pending)
             else:
                 self._uncopied.append(pending)
+
+    def _save_now(self, job: SaveJob, bufs: list[torch.Tensor]) -> None:
+        """A store that is only this process's memory takes the chunks here, in the step:
+        a memcpy each. Handing them to the saver thread instead cost the forward far more
+        than the copies: the saver holds the GIL while the forward's OpenMP threads spin
+        on both cores, so each GIL handoff waited for the OS to preempt a spinning thread
+        (see docs/connector.md, Hot path)."""
+        try:
+            landed = self.store.put_many(job.keys, bufs)
+        except Exception:  # a failing store degrades service, never the engine
+            log.exception("kvpool: save of %d chunks failed", len(job.keys))
+            landed = [False] * len(job.keys)
+        stored = [k for k, ok in zip(job.keys, landed) if ok]
+        if self.audit is not None and stored:
+            self.audit.saved(self.layout, job.keys, bufs, self.blocks_per_chunk)
+        with self._lock:
+            self._copies_by_req[job.req_id] -= 1
+            if self._copies_by_req[job.req_id] <= 0:
+                del self._copies_by_req[job.req_id]
+            self._copied[job.req_id] += 1
+            self._stored.extend(stored)
+        if len(stored) < len(job.keys):
+            self._drop([k for k, ok in zip(job.keys, landed) if not ok])
+        if stored:
+            self._inc("kvpool_saved_chunks", len(stored))
+            self._inc("kvpool_saved_bytes", sum(b.numel() for b, ok in zip(bufs, landed) if ok))
+        self._save_pool.give(bufs)
 
     def _unregister(self, p: _PendingSave) -> None:
         """Forget p's save buffers as a source for loads (only entries that are still p's)."""
@@ -236,29 +273,53 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------
     def submit_loads(self, meta: KVPoolMetadata) -> None:
+        """Async loads whose chunks are all in the process's own memory (the cpu tier, or
+        save buffers on their way there) run here, before the forward, as vLLM's native
+        offloading does: a few memcpys, done when this step's get_finished reports, so the
+        request always resumes next step; on the loader thread it competed with the
+        forward for the GIL and cores and missed that report whenever the forward was the
+        shorter. Everything else (lower tiers, layerwise loads) runs on the loader thread."""
         n_layers = len(self.layout.layers) if self.layout else 0
         for job in meta.loads:
             load = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
             if job.is_async:
                 self._async_loads[job.req_id] = load
+                if self._in_memory(job):
+                    self._inc("kvpool_inline_loads")
+                    self._load_now(load)
+                    continue
             else:
                 self._sync_loads.append(load)
             self._load_q.put(load)
+
+    def _in_memory(self, job: LoadJob) -> bool:
+        keys = [c.key for c in job.chunks]
+        if not keys:
+            return True
+        with self._lock:
+            rest = [k for k in keys if k not in self._pending]
+        try:
+            return not rest or bool(self.store.in_memory(rest))
+        except Exception:  # a hint only: the loader thread reads it the usual way
+            return False
+
+    def _load_now(self, load: _Load) -> None:
+        try:
+            self._run_load(load)
+        except Exception:
+            log.exception("kvpool: load for %s failed", load.job.req_id)
+            load.failed_blocks.update(b for c in load.job.chunks for b in c.block_ids)
+        finally:
+            for e in load.layer_done:
+                e.set()
+            load.done.set()
 
     def _loader(self) -> None:
         while not self._stop:
             load = self._load_q.get()
             if load is None:
                 return
-            try:
-                self._run_load(load)
-            except Exception:
-                log.exception("kvpool: load for %s failed", load.job.req_id)
-                load.failed_blocks.update(b for c in load.job.chunks for b in c.block_ids)
-            finally:
-                for e in load.layer_done:
-                    e.set()
-                load.done.set()
+            self._load_now(load)
 
     def _run_load(self, load: _Load) -> None:
         """Batches of LOAD_BATCH_CHUNKS chunks through the load buffers, each batch read
@@ -273,7 +334,7 @@ class WorkerSide:
             return
         expect = layout.chunk_nbytes(self.blocks_per_chunk)
         bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
-        assert bufs is not None, "one loader thread owns the load buffers"
+        assert bufs is not None, "the loader thread and the step own one batch each"
         try:
             for start in range(0, len(chunks), LOAD_BATCH_CHUNKS):
                 part = chunks[start:start + LOAD_BATCH_CHUNKS]

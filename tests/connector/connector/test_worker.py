@@ -17,9 +17,10 @@ import torch
 
 from kvpool_connector.connector import worker as worker_module
 from kvpool_connector.connector.layout import KVLayout
-from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob
+from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob, SaveJob
 from kvpool_connector.connector.worker import WorkerSide
 from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
 
 NUM_BLOCKS, BPC = 8, 2
 
@@ -34,14 +35,18 @@ class GatedStore:
         assert self.gate.wait(30), "the test never opened the gate"
         return self.store.get_many_into(keys, bufs)
 
+    def in_memory(self, keys):
+        return False  # a slow tier: its loads run on the loader thread
+
     def __getattr__(self, name):
         return getattr(self.store, name)
 
 
-def worker_with_one_stored_chunk():
+def worker_with_one_stored_chunk(store_class=None):
+    store_class = store_class or GatedStore
     caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
     layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
-    store = GatedStore(open_store({"namespace": "worker-test",
+    store = store_class(open_store({"namespace": "worker-test",
                                    "tiers": [{"type": "cpu", "size": "16Mi"}]}, layout=b"l"))
     payload = torch.empty(layout.chunk_nbytes(BPC), dtype=torch.uint8)
     layout.gather(torch.tensor([0, 1]), payload)
@@ -78,3 +83,89 @@ def test_an_idle_step_waits_a_bounded_time():
     assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), set())
     assert time.monotonic() - t0 >= worker_module.IDLE_WAIT_S * 0.9
     store.gate.set()
+
+
+class ThreadRecordingStore:
+    """A real store that records which thread read it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.readers = store, []
+
+    def get_many_into(self, keys, bufs):
+        self.readers.append(threading.current_thread())
+        return self.store.get_many_into(keys, bufs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_load_from_the_cpu_tier_is_done_before_the_forward_starts():
+    """Like vLLM's native offloading: chunks in the worker's own memory are copied in the
+    step that submits them, so that step's get_finished reports the request even when the
+    forward is shorter than the copy (on the loader thread it waited another step)."""
+    side, store, caches = worker_with_one_stored_chunk(ThreadRecordingStore)
+    assert store.readers == [threading.current_thread()]
+    for cache in caches.values():
+        assert torch.equal(cache[5:7], cache[0:2])
+    assert side.get_finished(KVPoolMetadata(idle=False)) == (set(), {"req"})
+    assert side.take_stats().data["kvpool_inline_loads"] == {"": 1}
+
+
+def test_a_missing_chunk_goes_to_the_loader_thread_and_fails_there():
+    """Not in memory: the loader thread reads it (a lower tier could have it); missing
+    everywhere it is a load error, as before."""
+    side, store, caches = worker_with_one_stored_chunk(ThreadRecordingStore)
+    load = LoadJob("req2", [ChunkLoad(b"m" * 16, rows=[0, 1], block_ids=[3, 4])],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side._async_loads["req2"].done.wait(5)
+    assert store.readers[-1] is not threading.current_thread()
+    assert side.get_finished(KVPoolMetadata(idle=False))[1] == {"req", "req2"}
+    assert side.take_load_errors() == {3, 4}
+
+
+class PutRecordingStore(ThreadRecordingStore):
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.writers = []
+
+    def put_many(self, keys, payloads):
+        self.writers.append(threading.current_thread())
+        return self.store.put_many(keys, payloads)
+
+
+def test_a_memory_only_store_takes_a_save_within_the_step():
+    """A store that is only the worker's memory takes the chunk in wait_for_save, on the
+    step's thread: no saver-thread GIL handoffs while the forward's threads spin. The
+    chunk is reported stored and loads back exactly."""
+    side, store, caches = worker_with_one_stored_chunk(PutRecordingStore)
+    store.writers.clear()
+    save = SaveJob("req3", [b"s" * 16], [[2, 3]])
+    side.submit_saves(KVPoolMetadata(saves=[save]))
+    assert store.writers == [threading.current_thread()]
+    meta = side.worker_meta()
+    assert meta.stored_keys == [b"s" * 16] and meta.copied_saves == {"req3": 1}
+    load = LoadJob("req4", [ChunkLoad(b"s" * 16, rows=[0, 1], block_ids=[6, 7])],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    for cache in caches.values():
+        assert torch.equal(cache[6:8], cache[2:4])
+
+
+def test_a_store_with_lower_tiers_saves_on_the_saver_thread(tmp_path):
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = PutRecordingStore(open_store(
+        {"namespace": "worker-test", "tiers": [{"type": "cpu", "size": "16Mi"},
+                                               {"type": "disk", "path": str(tmp_path),
+                                                "size": "16Mi"}],
+         "security": SECURITY}, layout=b"l"))
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False)
+    side.register(layout)
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("r", [b"t" * 16], [[0, 1]])]))
+    side.store.flush(timeout=10)
+    deadline = time.monotonic() + 10
+    while not store.writers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.writers and store.writers[0].name == "kvpool-saver"
+    side.shutdown()

@@ -1,0 +1,485 @@
+"""`kvpool bench serve`: kvpool's connector (cpu tier only) against vLLM's native offloading
+and plain vLLM, measured the way a user comparing them would: one OpenAI server per arm,
+driven by vLLM's own `bench serve` client and datasets.
+
+Arms (same model, dtype, engine environment, block size, engine KV cache and host memory):
+  plain    no connector: vLLM's own prefix cache only
+  kvpool   KVPoolConnector with one cpu tier of --host-bytes
+  native   vLLM's OffloadingConnector with kvpool's spec (HostCopyWorker), cpu_bytes_to_use
+           --host-bytes
+Every server runs with `--block-size 32 --max-num-seqs 4 --num-gpu-blocks-override N`, N
+such that about --fit-prefixes prompts fit in the engine's own cache: with more distinct
+prefixes than that, a returning prefix has been evicted there and only an offloading arm
+can serve it without recomputing.
+
+Datasets (vLLM's): prefix_repetition (--num-prefixes prefixes of --prefix-len tokens,
+--suffix-len-token suffixes) and random with one shared prefix of --prefix-len tokens (it
+fits the engine's cache: what a connector costs when it cannot help).
+
+All servers boot together and stay up; every pass runs each dataset on every arm, one arm
+at a time, in alternating order (pass 1 plain, kvpool, native; pass 2 native, kvpool,
+plain), with a seed of its own, so no pass finds another's prefixes and the machine's drift
+falls on every arm alike. Ratios are per pass: the shared machine's absolute figures move,
+an arm's standing within one pass is what the bench reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvpool_dev.bench import kv_configs
+
+ARMS = ("plain", "kvpool", "native")
+DATASETS = ("prefix_repetition", "random")
+BLOCK_SIZE = 32
+MAX_NUM_SEQS = 4
+METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "request_throughput")
+# for these lower is better; request_throughput: higher is better
+LOWER_IS_BETTER = {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int = 40
+    prefix_len: int = 1024
+    suffix_len: int = 32
+    num_prefixes: int = 8
+    output_len: int = 8
+    concurrency: int = 2
+    fit_prefixes: int = 3        # prompts that fit the engine's own KV cache
+    host_bytes: int = 2 << 30    # each offloading arm's host memory
+    chunk_tokens: int = 256      # kvpool chunk = native host block
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_len + self.suffix_len + self.output_len
+
+
+QUICK = Workload(num_prompts=12, prefix_len=512, suffix_len=32, num_prefixes=4, output_len=4,
+                 concurrency=2, fit_prefixes=2, host_bytes=256 << 20)
+
+
+def max_model_len(w: Workload) -> int:
+    """Room for a prompt (a detokenized, re-tokenized prompt may come out a little longer)."""
+    return -(-(w.prompt_tokens + 64) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def gpu_blocks(w: Workload) -> int:
+    """The engine's KV cache in blocks: about `fit_prefixes` prompts, and at least one
+    longest request plus vLLM's null block (pure)."""
+    per_prompt = -(-w.prompt_tokens // BLOCK_SIZE)
+    return max(w.fit_prefixes * per_prompt, max_model_len(w) // BLOCK_SIZE + 1)
+
+
+def pass_orders(arms: list[str], passes: int) -> list[list[str]]:
+    """Arm order per pass: as given, then reversed, alternating (pure)."""
+    return [list(arms) if p % 2 == 0 else list(reversed(arms)) for p in range(passes)]
+
+
+def transfer_config(arm: str, w: Workload, namespace: str) -> dict[str, Any] | None:
+    """The arm's --kv-transfer-config: the same host memory and chunk size for both
+    offloading arms (pure)."""
+    if arm == "kvpool":
+        return kv_configs.kvpool_config([{"type": "cpu", "size": w.host_bytes}], namespace,
+                                        chunk_tokens=w.chunk_tokens)
+    if arm == "native":
+        return kv_configs.native_config(w.host_bytes, chunk_tokens=w.chunk_tokens)
+    if arm == "plain":
+        return None
+    raise ValueError(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+
+
+def server_args(w: Workload) -> list[str]:
+    return ["--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--num-gpu-blocks-override", str(gpu_blocks(w))]
+
+
+def client_args(dataset: str, w: Workload, base_url: str, model: str, seed: int,
+                result_dir: Path, result_file: str) -> list[str]:
+    """vLLM `bench serve` arguments for one dataset against one server (pure)."""
+    args = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", model, "--served-model-name", "local", "--tokenizer", model,
+            "--dataset-name", dataset, "--num-prompts", str(w.num_prompts),
+            "--max-concurrency", str(w.concurrency), "--seed", str(seed), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            # the ready check sends the first prompt untimed: it would warm that prefix
+            "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--disable-tqdm",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file]
+    if dataset == "prefix_repetition":
+        args += ["--prefix-repetition-prefix-len", str(w.prefix_len),
+                 "--prefix-repetition-suffix-len", str(w.suffix_len),
+                 "--prefix-repetition-num-prefixes", str(w.num_prefixes),
+                 "--prefix-repetition-output-len", str(w.output_len)]
+    elif dataset == "random":
+        args += ["--random-prefix-len", str(w.prefix_len), "--random-input-len",
+                 str(w.suffix_len), "--random-output-len", str(w.output_len),
+                 "--random-range-ratio", "0"]
+    else:
+        raise ValueError(f"--datasets: unknown dataset {dataset!r}; choose from "
+                         f"{', '.join(DATASETS)}")
+    return args
+
+
+# server counters worth a look next to the figures: the engine's own prefix cache, the
+# connector's (external) hits, kvpool's loads, saves and load errors
+COUNTER_PREFIXES = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "kvpool_")
+
+
+def counters(text: str) -> dict[str, float]:
+    """Totals per counter name (summed over label sets) of the Prometheus text, for the
+    COUNTER_PREFIXES names ending in _total (pure)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ")[0] else line.partition(" ")
+        name = name.strip()
+        if not name.endswith("_total") or not name.startswith(COUNTER_PREFIXES):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def pick(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the table shows, from vLLM's result JSON (pure)."""
+    out = {m: result.get(m) for m in METRICS}
+    out["completed"] = result.get("completed")
+    out["failed"] = result.get("failed", 0)
+    out["duration_s"] = result.get("duration")
+    return out
+
+
+def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """Per dataset and pass: each arm's figures and its ratio to plain and to native; per
+    dataset the arms' means over passes and whether kvpool is at or ahead of native on every
+    figure in every pass (pure). A ratio > 1 is better for kvpool on every figure."""
+    out: dict[str, Any] = {}
+    for dataset in dict.fromkeys(r["dataset"] for r in runs):
+        passes = sorted({r["pass"] for r in runs if r["dataset"] == dataset})
+        rows = []
+        for p in passes:
+            by = {r["arm"]: r["figures"] for r in runs if r["dataset"] == dataset
+                  and r["pass"] == p}
+            rows.append({"pass": p, "arms": by,
+                         "kvpool_vs_native": _ratios(by.get("kvpool"), by.get("native")),
+                         "kvpool_vs_plain": _ratios(by.get("kvpool"), by.get("plain")),
+                         "native_vs_plain": _ratios(by.get("native"), by.get("plain"))})
+        means = {a: {m: _mean([row["arms"][a][m] for row in rows if a in row["arms"]])
+                     for m in METRICS} for a in arms}
+        verdicts = [row["kvpool_vs_native"] for row in rows if row["kvpool_vs_native"]]
+        out[dataset] = {"passes": rows, "mean": means,
+                        "kvpool_at_or_ahead_of_native": (
+                            all(v >= 1.0 for r in verdicts for v in r.values())
+                            if verdicts else None)}
+    return out
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _ratios(a: dict | None, b: dict | None) -> dict[str, float] | None:
+    """How many times better `a` is than `b` on each figure (>1: a is better)."""
+    if not a or not b:
+        return None
+    out = {}
+    for m in METRICS:
+        x, y = a.get(m), b.get(m)
+        if not x or not y:
+            continue
+        out[m] = y / x if m in LOWER_IS_BETTER else x / y
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human table (pure)."""
+    w = report["workload"]
+    out = [f"kvpool bench serve: {report['cpu']}, dtype {report['dtype']}, model "
+           f"{report['model']}; {w['num_prompts']} prompts, prefixes of {w['prefix_len']} "
+           f"tokens + {w['suffix_len']}, {w['output_len']} output tokens, concurrency "
+           f"{w['concurrency']}; --block-size {BLOCK_SIZE} --max-num-seqs {MAX_NUM_SEQS} "
+           f"--num-gpu-blocks-override {report['gpu_blocks']}; host memory "
+           f"{w['host_bytes'] / 2**30:.2f} GiB per offloading arm", ""]
+    for dataset, s in report["summary"].items():
+        extra = (f" ({w['num_prefixes']} prefixes)" if dataset == "prefix_repetition"
+                 else " (one shared prefix)")
+        out.append(f"{dataset}{extra}:")
+        head = (f"  {'pass':<5}{'arm':<8}{'mean TTFT':>11}{'median':>10}{'p99 TTFT':>10}"
+                f"{'req/s':>8}{'hit tok (engine+conn)':>23}   kvpool/native (x better: mean, median, p99, req/s)")
+        out.append(head)
+        for row in s["passes"]:
+            for arm, f in row["arms"].items():
+                ratio = ""
+                if arm == "kvpool" and row["kvpool_vs_native"]:
+                    r = row["kvpool_vs_native"]
+                    ratio = "   " + ", ".join(f"{r.get(m, float('nan')):.3f}" for m in METRICS)
+                out.append(f"  {row['pass']:<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
+                           f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
+                           f"{_num(f['request_throughput']):>8}{_hits(f):>23}{ratio}")
+        for arm, f in s["mean"].items():
+            out.append(f"  {'mean':<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
+                       f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
+                       f"{_num(f['request_throughput']):>8}")
+        verdict = s["kvpool_at_or_ahead_of_native"]
+        out.append("  kvpool at or ahead of native on every figure in every pass: "
+                   + {True: "yes", False: "no", None: "n/a"}[verdict])
+        out.append("")
+    for arm, err in report.get("errors", {}).items():
+        out.append(f"arm {arm} FAILED: {err.strip().splitlines()[-1] if err.strip() else ''}")
+    return "\n".join(out).rstrip()
+
+
+def _hits(f: dict[str, Any]) -> str:
+    e, c = f.get("engine_hit_tokens"), f.get("connector_hit_tokens")
+    if e is None and c is None:
+        return "-"
+    return f"{int(e or 0)}+{int(c or 0)}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.0f} ms"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+# -- I/O shell -------------------------------------------------------------------------------
+
+
+def cpu_line() -> str:
+    """lscpu's model name, family/model and whether avx512_bf16 is flagged."""
+    from kvpool_dev.testbed.dtype import cpu_flags, cpu_model, read_cpuinfo
+
+    info = read_cpuinfo()
+    fields = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    bf16 = "avx512_bf16" in cpu_flags(info)
+    return (f"{cpu_model(info)} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}, avx512_bf16 {'present' if bf16 else 'absent'})")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+SHM = Path("/dev/shm")
+NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native host region, one per server
+
+
+def leaked_regions(before: set[str], after: set[str], mapped: set[str]) -> set[str]:
+    """Native host-region files that appeared during the run and no process maps any more
+    (pure): stopping a native server leaves its region behind (2 GiB here)."""
+    return {name for name in after - before if name not in mapped}
+
+
+def _regions() -> set[str]:
+    return {p.name for p in SHM.glob(NATIVE_REGION_GLOB)} if SHM.is_dir() else set()
+
+
+def _mapped(names: set[str]) -> set[str]:
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        found |= {n for n in names if n in text}
+    return found
+
+
+def remove_leaked_regions(before: set[str]) -> list[str]:
+    after = _regions()
+    gone = sorted(leaked_regions(before, after, _mapped(after - before)))
+    for name in gone:
+        (SHM / name).unlink(missing_ok=True)
+    return gone
+
+
+def _scrape(server) -> dict[str, float]:
+    try:
+        return counters(server.metrics())
+    except OSError:
+        return {}
+
+
+def warm_up(base_url: str, tokens: int) -> None:
+    """One short completion nobody asks about again: first-call costs out of the timed
+    passes, the same for every arm."""
+    body = {"model": "local", "prompt": list(range(100, 100 + tokens)), "max_tokens": 2,
+            "temperature": 0}
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+def run_client(dataset: str, w: Workload, base_url: str, model: Path, seed: int,
+               workdir: Path, label: str) -> dict[str, Any]:
+    name = f"{label}.json"
+    args = client_args(dataset, w, base_url, str(model), seed, workdir, name)
+    log = workdir / f"{label}.client.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "kvpool_dev.bench.vllm_client", *args],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+    if proc.returncode != 0 or not (workdir / name).exists():
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"vllm bench serve ({label}) exited {proc.returncode}:\n{tail}")
+    return json.loads((workdir / name).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpool bench serve", description=(
+        "plain vLLM vs kvpool's connector (cpu tier) vs vLLM's OffloadingConnector, on "
+        "OpenAI servers driven by vLLM's own bench serve client"))
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, 12 prompts of 4 prefixes x 512 tokens, one pass of "
+                         "prefix_repetition (a smoke run)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {','.join(ARMS)}")
+    ap.add_argument("--datasets", default=None, help=f"comma list from {','.join(DATASETS)} "
+                    "(default: both; --quick: prefix_repetition)")
+    ap.add_argument("--passes", type=int, default=None, help="passes, alternating the arms' "
+                    "order (default 2; --quick: 1)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--prefix-len", type=int, default=None)
+    ap.add_argument("--num-prefixes", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--host-bytes", type=int, default=None, help="host memory of each "
+                    "offloading arm (default 2 GiB; --quick 256 MiB)")
+    ap.add_argument("--model", default=None, help="model path (default: the generated bench "
+                    "model; --quick: the tiny one)")
+    ap.add_argument("--dtype", default=None, help="engine dtype for every arm (default: the "
+                    "test bed's choice for this CPU, testbed/dtype.py)")
+    ap.add_argument("--json-out", default=None, help="write the report here as JSON")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    ap.add_argument("--workdir", default=None, help="server logs and client results "
+                    "(default: a temp dir, removed)")
+    args = ap.parse_args(argv)
+
+    from kvpool_dev.testbed.dtype import DtypeError, engine_dtype
+    from kvpool_dev.testbed.engine import VllmServer
+    from kvpool_dev.testbed.localmodel import ensure_model
+
+    w = QUICK if args.quick else Workload()
+    for field_, value in (("num_prompts", args.num_prompts), ("prefix_len", args.prefix_len),
+                          ("num_prefixes", args.num_prefixes),
+                          ("concurrency", args.concurrency), ("host_bytes", args.host_bytes)):
+        if value is not None:
+            if value <= 0:
+                print(f"kvpool bench serve: --{field_.replace('_', '-')} must be positive",
+                      file=sys.stderr)
+                return 2
+            w = replace(w, **{field_: value})
+    arms = [a for a in args.arms.split(",") if a]
+    datasets = (args.datasets.split(",") if args.datasets
+                else ["prefix_repetition"] if args.quick else list(DATASETS))
+    passes = args.passes or (1 if args.quick else 2)
+    try:
+        for a in arms:
+            transfer_config(a, w, "check")
+        for d in datasets:
+            client_args(d, w, "", "", 0, Path("."), "")
+        dtype = engine_dtype(args.dtype)
+    except (ValueError, DtypeError) as exc:
+        print(f"kvpool bench serve: {exc}", file=sys.stderr)
+        return 2
+    if "kvpool" in arms and not kv_configs.kvpool_connector_available():
+        print("kvpool bench serve: kvpool_connector.vllm.KVPoolConnector does not import",
+              file=sys.stderr)
+        return 2
+    model = Path(args.model) if args.model else ensure_model("tiny" if args.quick else "bench")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-serve-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    namespace = f"bench-serve-{int(time.time())}"
+    env = kv_configs.pool_key_env()
+    servers = {a: VllmServer(model, kv_transfer_config=transfer_config(a, w, namespace),
+                             extra_args=server_args(w), env=env, max_model_len=max_model_len(w),
+                             dtype=dtype, log_path=workdir / f"server-{a}.log") for a in arms}
+    runs: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    t0 = time.monotonic()
+    regions_before = _regions()
+    try:
+        _log(f"starting {len(servers)} servers ({', '.join(arms)}), dtype {dtype}, "
+             f"{gpu_blocks(w)} engine blocks of {BLOCK_SIZE} tokens")
+        for s in servers.values():
+            s.launch()
+        for a, s in servers.items():
+            s.wait_ready()
+            warm_up(s.base_url, min(w.prefix_len, 200))
+            _log(f"{a} up at {s.base_url} ({time.monotonic() - t0:.0f}s)")
+        for p, order in enumerate(pass_orders(arms, passes), start=1):
+            for di, dataset in enumerate(datasets):
+                seed = 1000 * p + di  # a pass's prompts are its own, the same for every arm
+                for a in order:
+                    if a in errors:
+                        continue
+                    label = f"p{p}-{dataset}-{a}"
+                    before = _scrape(servers[a])
+                    try:
+                        result = run_client(dataset, w, servers[a].base_url, model, seed,
+                                            workdir, label)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        errors[a] = f"{exc}\n{servers[a].log_tail(30)}"
+                        _log(f"{label} failed: {str(exc)[-400:]}")
+                        continue
+                    figures = pick(result)
+                    if figures["failed"] or not figures["completed"]:
+                        errors[a] = (f"{label}: {figures['failed']} of {w.num_prompts} requests "
+                                     f"failed\n{servers[a].log_tail(30)}")
+                        _log(f"{label}: {figures['failed']} requests failed; {a} is out")
+                        continue
+                    delta = counter_delta(before, _scrape(servers[a]))
+                    figures["engine_hit_tokens"] = delta.get("vllm:prefix_cache_hits_total")
+                    figures["connector_hit_tokens"] = delta.get(
+                        "vllm:external_prefix_cache_hits_total")
+                    runs.append({"pass": p, "dataset": dataset, "arm": a, "seed": seed,
+                                 "figures": figures, "counters": delta})
+                    _log(f"{label}: mean TTFT {_ms(figures['mean_ttft_ms'])}, p99 "
+                         f"{_ms(figures['p99_ttft_ms'])}, {_num(figures['request_throughput'])}"
+                         f" req/s")
+    finally:
+        for s in servers.values():
+            s.stop()
+        if "native" in arms:
+            gone = remove_leaked_regions(regions_before)
+            if gone:
+                _log(f"removed {len(gone)} host region(s) the native server left in {SHM}")
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report = {"cpu": cpu_line(), "dtype": dtype, "model": model.name, "arms": arms,
+              "datasets": datasets, "passes": passes, "workload": asdict(w),
+              "gpu_blocks": gpu_blocks(w), "server_args": server_args(w),
+              "max_model_len": max_model_len(w), "runs": runs,
+              "summary": summarize(runs, arms), "errors": errors,
+              "wall_s": time.monotonic() - t0}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

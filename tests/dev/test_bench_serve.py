@@ -1,0 +1,119 @@
+"""`kvpool bench serve`'s pure parts: the servers' sizing, the alternating order, vLLM's
+client arguments, the summary's ratios and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kvpool_dev.bench import serve_bench as sb
+
+
+def test_engine_cache_holds_about_fit_prefixes_prompts():
+    w = sb.Workload()  # 1024 + 32 + 8 tokens: 34 blocks of 32 per prompt
+    assert sb.gpu_blocks(w) == 3 * 34
+    assert sb.max_model_len(w) % sb.BLOCK_SIZE == 0 and sb.max_model_len(w) > w.prompt_tokens
+    # never fewer blocks than one longest request needs (plus vLLM's null block)
+    tiny = sb.Workload(fit_prefixes=1)
+    assert sb.gpu_blocks(tiny) == sb.max_model_len(tiny) // sb.BLOCK_SIZE + 1
+
+
+def test_passes_alternate_the_arms_order():
+    assert sb.pass_orders(["plain", "kvpool", "native"], 3) == [
+        ["plain", "kvpool", "native"], ["native", "kvpool", "plain"],
+        ["plain", "kvpool", "native"]]
+
+
+def test_offloading_arms_get_the_same_host_memory_and_chunk():
+    w = sb.Workload(host_bytes=3 << 30, chunk_tokens=512)
+    kv = sb.transfer_config("kvpool", w, "ns")
+    native = sb.transfer_config("native", w, "ns")
+    assert kv["kv_connector_extra_config"]["tiers"] == [{"type": "cpu", "size": 3 << 30}]
+    assert kv["kv_connector_extra_config"]["chunk_tokens"] == 512
+    assert native["kv_connector_extra_config"]["cpu_bytes_to_use"] == 3 << 30
+    assert native["kv_connector_extra_config"]["block_size"] == 512
+    assert sb.transfer_config("plain", w, "ns") is None
+
+
+def test_client_args_are_vllms_own_flags():
+    w = sb.Workload()
+    args = sb.client_args("prefix_repetition", w, "http://h:1", "/m", 7, Path("/r"), "f.json")
+    flags = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    assert flags["--dataset-name"] == "prefix_repetition"
+    assert flags["--prefix-repetition-prefix-len"] == "1024"
+    assert flags["--prefix-repetition-num-prefixes"] == "8"
+    assert flags["--max-concurrency"] == "2" and flags["--seed"] == "7"
+    assert "--ignore-eos" in args and flags.get("--ready-check-timeout-sec") == "0"
+    rnd = sb.client_args("random", w, "http://h:1", "/m", 7, Path("/r"), "f.json")
+    assert rnd[rnd.index("--random-prefix-len") + 1] == "1024"
+    # vLLM's parser takes them all
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    parsed = parser.parse_args(rnd)
+    assert parsed.random_prefix_len == 1024 and parsed.max_concurrency == 2
+
+
+def _run(p, arm, mean, p99, rps, dataset="prefix_repetition"):
+    return {"pass": p, "dataset": dataset, "arm": arm,
+            "figures": {"mean_ttft_ms": mean, "median_ttft_ms": mean, "p99_ttft_ms": p99,
+                        "request_throughput": rps}}
+
+
+def test_summary_ratios_are_per_pass_and_the_verdict_needs_every_pass():
+    runs = [_run(1, "plain", 1000, 2000, 0.5), _run(1, "kvpool", 100, 200, 2.0),
+            _run(1, "native", 110, 220, 1.8),
+            _run(2, "native", 100, 200, 2.0), _run(2, "kvpool", 105, 190, 1.9),
+            _run(2, "plain", 1000, 2000, 0.5)]
+    s = sb.summarize(runs, ["plain", "kvpool", "native"])["prefix_repetition"]
+    first, second = s["passes"]
+    assert first["kvpool_vs_native"]["mean_ttft_ms"] == 1.1
+    assert first["kvpool_vs_native"]["request_throughput"] == 2.0 / 1.8
+    assert first["kvpool_vs_plain"]["mean_ttft_ms"] == 10.0
+    assert second["kvpool_vs_native"]["mean_ttft_ms"] < 1  # behind in pass 2
+    assert s["kvpool_at_or_ahead_of_native"] is False
+    assert s["mean"]["kvpool"]["mean_ttft_ms"] == 102.5
+    text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
+                      "workload": vars(sb.Workload()) | {}, "summary": {"prefix_repetition": s}})
+    assert "kvpool at or ahead of native on every figure in every pass: no" in text
+
+
+def test_bad_input_is_one_line_naming_the_option(repo_root):
+    for args, word in ((["--arms", "plain,bogus"], "--arms"),
+                       (["--datasets", "sharegptx"], "--datasets"),
+                       (["--num-prompts", "0"], "--num-prompts"),
+                       (["--dtype", "int3"], "--dtype")):
+        proc = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "serve", *args],
+                              cwd=repo_root, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvpool bench serve")]
+        assert len(lines) == 1 and word in lines[0], (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_counters_sum_label_sets_of_the_named_totals():
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total x",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="local"} 64.0',
+        'vllm:prefix_cache_hits_total{engine="1",model_name="local"} 32.0',
+        'vllm:external_prefix_cache_hits_total{engine="0"} 1024.0',
+        "kvpool_load_error_chunks_total 2.0",
+        'vllm:prompt_tokens_total{engine="0"} 5000.0',
+        'vllm:prefix_cache_hits_created{engine="0"} 1.7e9'])
+    got = sb.counters(text)
+    assert got == {"vllm:prefix_cache_hits_total": 96.0,
+                   "vllm:external_prefix_cache_hits_total": 1024.0,
+                   "kvpool_load_error_chunks_total": 2.0}
+    assert sb.counter_delta({"vllm:prefix_cache_hits_total": 90.0}, got) == {
+        "vllm:prefix_cache_hits_total": 6.0, "vllm:external_prefix_cache_hits_total": 1024.0,
+        "kvpool_load_error_chunks_total": 2.0}
+
+
+def test_only_new_unmapped_native_regions_count_as_leaked():
+    before = {"vllm_offload_a.mmap"}
+    after = {"vllm_offload_a.mmap", "vllm_offload_b.mmap", "vllm_offload_c.mmap"}
+    # a: there before the run (someone else's); c: still mapped by a live process
+    assert sb.leaked_regions(before, after, {"vllm_offload_c.mmap"}) == {"vllm_offload_b.mmap"}
