@@ -6,6 +6,7 @@
   kvpool bench fleet [...]     routing policies (vllm-router) in front of engines sharing Redis
   kvpool bench serve [...]     vLLM bench serve: plain vs kvpool cpu tier vs native offloading
   kvpool bench dtype [...]     prefill tokens/s in bfloat16 vs float32 (why engines pick a dtype)
+  kvpool bench chat [...]      multi-turn chat, token-exact history: computed tokens and TTFT per turn
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
@@ -31,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench fleet": ("kvpool_dev.bench.fleet_bench", "cache-aware routing vs round robin on 2 engines"),
     "bench serve": ("kvpool_dev.bench.serve_bench", "vLLM bench serve: plain / kvpool / native offloading"),
     "bench dtype": ("kvpool_dev.bench.dtype_bench", "prefill tokens/s in bfloat16 vs float32"),
+    "bench chat": ("kvpool_dev.bench.chat_bench", "multi-turn chat per turn: plain, kvpool "
+                   "chunks, kvpool tails+decode, native"),
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),

@@ -825,6 +825,13 @@ class KVCachePoolSpec(_Model):
         "(its cpu tier; disk, Redis and S3 through the kvpool secondary tier, sealed with the pool key).",
     )
     chunk_tokens: int = Field(256, ge=16, le=65536, description="Tokens per stored KV chunk (multiple of 16).")
+    save_decode: bool = Field(
+        True,
+        description="tiered: also store the KV of generated tokens (a chat's next turn includes the answer; "
+        "requests may opt out with kv_transfer_params {\"kvpool\": {\"save_decode\": false}}). Turn off "
+        "for reasoning models whose chat template strips earlier <think> text: the next turn never "
+        "repeats those tokens, so their KV is never hit.",
+    )
     tiers: Tiers = Field(description="Offloading tiers, fastest first.")
     native: NativeOptions = Field(default_factory=NativeOptions, description="Options of native mode.")
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Engine pod placement.")

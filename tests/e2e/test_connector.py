@@ -59,6 +59,10 @@ def pool(tmp_path_factory, redis_server, s3_server, namespace):
 
 
 def _engine(tiny_model, pool, audit, tiers, env=None, **kwargs):
+    # prompt chunks only: these tests count objects per prompt (tails and decode KV:
+    # test_multiturn.py)
+    kwargs["extra"] = {"save_decode_tokens": False, "tail_objects": False,
+                       **kwargs.get("extra", {})}
     return connector_engine(tiny_model, tiers, pool["ns"], env={**pool["env"], **(env or {})},
                             audit_dir=audit.directory, **kwargs)
 

@@ -52,3 +52,17 @@ def test_native_kvpool_tier_class_is_importable_by_vllm():
 
     module = importlib.import_module("kvpool_connector.vllm_tiers")
     assert hasattr(module, "kvpool")
+
+
+def test_save_decode_switch_reaches_the_connector(settings, tmp_path):
+    """spec.saveDecode (default on) becomes the connector's save_decode_tokens."""
+    for flag in (None, False):
+        example = load_example("tiered-cpu-only")
+        if flag is not None:
+            example["spec"]["saveDecode"] = flag
+        manifests = render(example, settings, "kvpool")
+        data = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]
+        path = tmp_path / "connector.yaml"
+        path.write_text(data["connector.yaml"])
+        cfg = load_connector_config({"config_file": str(path)})
+        assert cfg.save_decode_tokens is (flag is None)

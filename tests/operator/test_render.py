@@ -98,6 +98,7 @@ def test_tiered_full_connector_contract(settings):
         "security": {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS", "encrypt": False},
         "staging_bytes": 1 << 30,
         "require_cache_salt": False,
+        "save_decode_tokens": True,
     }
     mounts = {v["mountPath"]: v["name"] for v in engine(m)["volumeMounts"]}
     assert mounts["/etc/kvpool"] == "kvpool-config" and mounts["/var/lib/kvpool/disk"] == "kv-disk"

@@ -57,11 +57,13 @@ class KVAudit:
             f.write(text)
 
     def saved(self, layout: KVLayout, keys: list[bytes], chunks: list[torch.Tensor],
-              blocks_per_chunk: int) -> None:
+              blocks: int | list[int]) -> None:
+        """`blocks`: blocks per object, one count for all or one per object (tails)."""
         t = time.time()
+        counts = blocks if isinstance(blocks, list) else [blocks] * len(keys)
         self._write([{"e": "save", "key": k.hex(), "t": t,
-                      "d": block_digests(layout, c, blocks_per_chunk)}
-                     for k, c in zip(keys, chunks)])
+                      "d": block_digests(layout, c, n)}
+                     for k, c, n in zip(keys, chunks, counts)])
 
     def loaded(self, layout: KVLayout, key: bytes, rows: list[int], paged: torch.Tensor) -> None:
         """`paged`: the destination blocks gathered back out of the paged cache after the load."""

@@ -18,7 +18,7 @@ from ..config import PositiveSize, StoreConfig, parse_size, read_documents
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
-                  "require_cache_salt", "staging_bytes")
+                  "tail_objects", "require_cache_salt", "staging_bytes")
 
 
 class ConnectorConfigError(ValueError):
@@ -35,8 +35,13 @@ class ConnectorConfig(StoreConfig):
                                                       "inline keys override it")
     layerwise: bool = Field(False, description="load layer by layer during the forward pass "
                                                "(layer i+1 copies while layer i computes)")
-    save_decode_tokens: bool = Field(False, description="also store chunks completed by "
-                                                        "generated tokens, not only the prompt")
+    save_decode_tokens: bool = Field(True, description="also store the KV of generated tokens "
+                                     "(chunks as they complete, the rest in the tail object): "
+                                     "a chat's next turn includes the answer; per request "
+                                     "kv_transfer_params {\"kvpool\": {\"save_decode\": false}}")
+    tail_objects: bool = Field(True, description="at prefill end and at request finish, store "
+                               "the blocks past the last full chunk as one tail object, so the "
+                               "next turn loads up to the last full vLLM block (tails.py)")
     require_cache_salt: bool = Field(False, description="requests without vLLM's cache_salt are "
                                      "neither looked up nor saved (tenant isolation)")
     staging_bytes: PositiveSize = Field(parse_size("1Gi"), description="host memory for chunks "

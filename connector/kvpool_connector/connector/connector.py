@@ -236,7 +236,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Split a hit between the local first tier (index) and the lower tiers."""
         if num_external_tokens <= 0 or self.sched is None:
             return {}
-        local, _ = self.sched.hit_sources(request)
+        local, lower_chunks = self.sched.hit_sources(request)
         tiers = [tier_class(t.type) for t in self.cfg.tiers]
         first = CacheHitSource(tiers[0].hit_source)
         # the tiers the scheduler's lookups reach: one source when they all name the same
@@ -244,6 +244,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         lower = (lower_sources.pop() if len(lower_sources) == 1
                  else CacheHitSource.EXTERNAL_UNSPECIFIED)
         n_first = min(num_external_tokens, local * self.cfg.chunk_tokens)
+        if not lower_chunks and self.sched.tail_hit_local(request):
+            n_first = num_external_tokens  # every chunk and the tail from the first tier
         out: dict[CacheHitSource, int] = {}
         if n_first:
             out[first] = n_first
@@ -269,7 +271,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
-        return self.sched.finished(request), None
+        return self.sched.finished(request, block_ids), None
 
     # ==== stats ========================================================================
     @classmethod

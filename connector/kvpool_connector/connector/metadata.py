@@ -23,6 +23,7 @@ class ChunkLoad:
     key: bytes
     rows: list[int]       # block positions within the stored chunk to copy
     block_ids: list[int]  # destination blocks, same length as rows
+    n_blocks: int = 0     # blocks the stored object holds; 0: a full chunk (a tail: fewer)
 
 
 @dataclass
@@ -36,7 +37,8 @@ class LoadJob:
 class SaveJob:
     req_id: str
     keys: list[bytes]
-    block_ids: list[list[int]]  # per chunk, all of its blocks in order
+    block_ids: list[list[int]]  # per chunk, all of its blocks in order (a tail: fewer)
+    kinds: list[str] = field(default_factory=list)  # per key: prompt, decode or tail (stats)
 
 
 @dataclass

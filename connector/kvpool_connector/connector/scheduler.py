@@ -31,6 +31,7 @@ from ..store.tiers import tier_class
 from .config import ConnectorConfig
 from .events import KVEvents
 from .keys import chunk_keys
+from .tails import find_tail, request_options, tail_candidates, tail_key
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 
@@ -56,6 +57,10 @@ class _RequestRecord:
     hit_local_index: int = 0        # of hit_chunks, how many came from the KeyIndex
     # a remote lookup in flight: (n block hashes, local hits, Future of the remote hit count)
     pending: tuple[int, int, Future] | None = None
+    tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
+    tail_key: bytes | None = None
+    tail_local: bool = False        # the tail was found in the KeyIndex
+    prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
 
 
 class KeyIndex:
@@ -125,6 +130,9 @@ class SchedulerSide:
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
+        self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
+        # decode chunks and tails saved here (bounded): a later hit of one counts as such
+        self.decode_keys = KeyIndex(self.index.capacity)
 
     def enable_events(self, chunk_bytes: int) -> None:
         """Publish the local tiers' contents as vLLM KV events (events.py); a pool whose
@@ -179,10 +187,9 @@ class SchedulerSide:
             if found is None:
                 return None, False  # a remote lookup is in flight: ask again next step
             hit = found
+            self._lookup_tail(record, hit)
         record.hit_chunks = hit
-        # Never claim the last prompt token: vLLM must compute it to sample.
-        limit = (request.num_tokens - 1) // self.block_size * self.block_size
-        hit_tokens = min(hit * self.chunk_tokens, limit)
+        hit_tokens = self._hit_tokens(record)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.is_async
@@ -237,8 +244,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        hit_tokens = min(record.hit_chunks * self.chunk_tokens,
-                         (request.num_tokens - 1) // self.block_size * self.block_size)
+        hit_tokens = self._hit_tokens(record)
         first_block = (hit_tokens - num_external_tokens) // self.block_size
         last_block = hit_tokens // self.block_size  # exclusive
         keys = chunk_keys(self.prefix, request.block_hashes, self.blocks_per_chunk,
@@ -251,6 +257,7 @@ class SchedulerSide:
                 continue
             chunks.append(ChunkLoad(key, [b - c * self.blocks_per_chunk for b in range(lo, hi)],
                                     [block_ids[b] for b in range(lo, hi)]))
+        self._load_tail(record, keys, chunks, first_block, last_block, block_ids)
         record.load = LoadJob(request.request_id, chunks, self.is_async)
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
@@ -273,6 +280,11 @@ class SchedulerSide:
             job = self._plan_save(record, n_sched)
             if job is not None:
                 meta.saves.append(job)
+            job = self._plan_prompt_tail(record, n_sched)
+            if job is not None:
+                meta.saves.append(job)
+        meta.saves.extend(self.finish_saves)
+        self.finish_saves = []
         meta.await_saves = set(self.await_saves)
         self.await_saves.clear()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -284,7 +296,7 @@ class SchedulerSide:
             return None
         req = record.request
         done_tokens = req.num_computed_tokens + n_sched
-        if not self.cfg.save_decode_tokens:
+        if not self._options(record)[0]:
             done_tokens = min(done_tokens, req.num_prompt_tokens)
         n_chunks = min(done_tokens // self.chunk_tokens,
                        len(req.block_hashes) // self.blocks_per_chunk)
@@ -298,7 +310,7 @@ class SchedulerSide:
         first = record.next_save
         record.next_save = n_chunks
         block_ids = self._block_ids(req.request_id)
-        out_keys, out_blocks = [], []
+        out_keys, out_blocks, kinds = [], [], []
         for i, key in enumerate(keys):
             if key in self.index or key in self.inflight:
                 continue  # another request already stores this chunk
@@ -308,13 +320,17 @@ class SchedulerSide:
                 break
             out_keys.append(key)
             out_blocks.append(list(ids))
+            decode = (c + 1) * self.chunk_tokens > req.num_prompt_tokens
+            kinds.append("decode" if decode else "prompt")
+            if decode:
+                self.decode_keys.add(key)
             self.inflight.add(key)
             if self.events is not None:
                 self.events.remember(req, c, key)
         if not out_keys:
             return None
         record.pending_copies += self.world_size
-        return SaveJob(req.request_id, out_keys, out_blocks)
+        return SaveJob(req.request_id, out_keys, out_blocks, kinds)
 
     # -- worker feedback ---------------------------------------------------------------
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
@@ -352,15 +368,20 @@ class SchedulerSide:
         all_keys = chunk_keys(self.prefix, record.request.block_hashes, self.blocks_per_chunk,
                               limit=record.hit_chunks)
         bad = set(keys)
+        if record.tail_key is not None and record.tail_key in bad:
+            record.tail_blocks, record.tail_key = 0, None
+            record.lookup = None
         first = next((i for i, k in enumerate(all_keys) if k in bad), None)
         if first is not None:
             record.hit_chunks = min(record.hit_chunks, first)
             record.next_save = min(record.next_save, first)
             record.lookup = None
 
-    def finished(self, request: "Request") -> bool:
+    def finished(self, request: "Request", block_ids: list[int] | None = None) -> bool:
         """True: keep the blocks until the workers report their save copies done."""
         record = self.reqs.pop(request.request_id, None)
+        if record is not None and block_ids is not None:
+            self._plan_finish_tail(record, block_ids)
         if record is None or record.pending_copies <= 0:
             return False
         self.delayed[request.request_id] = record.pending_copies
@@ -375,6 +396,11 @@ class SchedulerSide:
             return 0, 0
         return record.hit_local_index, record.hit_chunks - record.hit_local_index
 
+    def tail_hit_local(self, request: "Request") -> bool:
+        """Whether the last lookup's tail (if any) came from the workers' local first tier."""
+        record = self.reqs.get(request.request_id)
+        return record is not None and record.tail_local
+
     def take_stats(self) -> KVPoolConnectorStats | None:
         now = time.monotonic()
         if self._sampler is not None and now - self._sampled_at >= STORE_STATS_EVERY_S:
@@ -384,3 +410,121 @@ class SchedulerSide:
             return None
         out, self.stats = self.stats, KVPoolConnectorStats()
         return out
+
+    # -- tail objects and decode KV (tails.py) ---------------------------------------------
+    def _options(self, record: _RequestRecord) -> tuple[bool, bool]:
+        """(save decode KV, use tails) for this request (config + kv_transfer_params)."""
+        return request_options(record.request, self.cfg.save_decode_tokens,
+                               self.cfg.tail_objects)
+
+    def _claimable_blocks(self, request: "Request") -> int:
+        """Blocks a hit may cover: never the last prompt token (vLLM computes it to sample)."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def _hit_tokens(self, record: _RequestRecord) -> int:
+        """Tokens of the last lookup's match: the full chunks, then the tail."""
+        limit = self._claimable_blocks(record.request) * self.block_size
+        return min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
+                   limit)
+
+    def _tail_present(self, key: bytes) -> tuple[bool, bool]:
+        """(present, in the KeyIndex). Lower tiers are asked inline only when they are all
+        local (disk): a remote pool's lookups never block the scheduler, so there a tail is
+        found only in the workers' local first tier."""
+        if key in self.index:
+            return True, True
+        if self.lower is not None and self._lookup_pool is None:
+            return bool(self.lower.contains_prefix([key])), False
+        return False, False
+
+    def _lookup_tail(self, record: _RequestRecord, hit: int) -> None:
+        """The longest tail object right after the `hit` leading full chunks, if any."""
+        record.tail_blocks, record.tail_key, record.tail_local = 0, None, False
+        request = record.request
+        if not self._options(record)[1]:
+            return
+        # (also when the request has more full chunks than were found: the previous turn
+        # may have ended inside chunk `hit`, without the answer's KV)
+        cands = tail_candidates(self.prefix, request.block_hashes, hit, self.blocks_per_chunk,
+                                self._claimable_blocks(request))
+        local: list[bool] = []
+
+        def present(key: bytes) -> bool:
+            found, in_index = self._tail_present(key)
+            if found:
+                local.append(in_index)
+            return found
+
+        n, key = find_tail(cands, present)
+        if key is not None:
+            record.tail_blocks, record.tail_key, record.tail_local = n, key, local[-1]
+
+    def _load_tail(self, record: _RequestRecord, keys: list[bytes], chunks: list[ChunkLoad],
+                   first_block: int, last_block: int, block_ids: list[int]) -> None:
+        """Add the tail to a load plan (blocks [first_block, last_block) are to be loaded);
+        count the hit by kind."""
+        for key in keys:
+            self.stats.inc("kvpool_hit_objects", 1,
+                           "decode" if key in self.decode_keys else "prompt")
+        if record.tail_key is None:
+            return
+        start = record.hit_chunks * self.blocks_per_chunk
+        lo, hi = max(first_block, start), min(last_block, start + record.tail_blocks)
+        if lo >= hi:
+            return
+        chunks.append(ChunkLoad(record.tail_key, [b - start for b in range(lo, hi)],
+                                [block_ids[b] for b in range(lo, hi)],
+                                n_blocks=record.tail_blocks))
+        self.stats.inc("kvpool_hit_objects", 1, "tail")
+        self.stats.inc("kvpool_tail_hit_tokens", (hi - lo) * self.block_size)
+
+    def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int]
+                  ) -> SaveJob | None:
+        """A save of the blocks past the last full chunk among the first `n_blocks` blocks
+        (None when there are none, or the pool has or is saving that tail already)."""
+        req = record.request
+        n_blocks = min(n_blocks, len(req.block_hashes), len(block_ids))
+        start = n_blocks // self.blocks_per_chunk * self.blocks_per_chunk
+        count = n_blocks - start
+        if count <= 0:
+            return None
+        key = tail_key(self.prefix, req.block_hashes, start, count)
+        if key in self.index or key in self.inflight or key == record.tail_key:
+            return None
+        self.inflight.add(key)
+        self.decode_keys.add(key)
+        record.pending_copies += self.world_size
+        return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])], ["tail"])
+
+    def _tails_saved(self, record: _RequestRecord) -> bool:
+        return (self.save_enabled and not self._isolated(record.request)
+                and self._options(record)[1])
+
+    def _plan_prompt_tail(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
+        """At the step that ends the prompt's prefill: the prompt's tail (a concurrent or
+        aborted request, or one preempted later, finds the whole prompt)."""
+        req = record.request
+        if record.prompt_tail_done or req.num_computed_tokens + n_sched < req.num_prompt_tokens:
+            return None
+        record.prompt_tail_done = True
+        if not self._tails_saved(record):
+            return None
+        return self._tail_job(record, req.num_prompt_tokens // self.block_size,
+                              self._block_ids(req.request_id))
+
+    def _plan_finish_tail(self, record: _RequestRecord, block_ids: list[int]) -> None:
+        """A finished request: the tail of everything computed (the prompt and, with decode
+        KV on, the answer but its last token, never computed), saved in the next step while
+        its blocks stay allocated."""
+        req = record.request
+        status = getattr(getattr(req, "status", None), "name", "")
+        if status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
+            return  # aborted: what was computed is uncertain; preempted: nothing held
+        if not self._tails_saved(record):
+            return
+        done = req.num_computed_tokens
+        if not self._options(record)[0]:
+            done = min(done, req.num_prompt_tokens)
+        job = self._tail_job(record, done // self.block_size, block_ids)
+        if job is not None:
+            self.finish_saves.append(job)

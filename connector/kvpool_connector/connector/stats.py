@@ -52,6 +52,12 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", None),
     "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", None),
     "kvpool_lookup_hit_tokens": ("Prompt tokens the scheduler found in the pool", None),
+    "kvpool_saved_objects": ("Objects saved, by kind: prompt chunks, decode chunks (completed "
+                             "by generated tokens), tails (blocks past the last full chunk)",
+                             "kind"),
+    "kvpool_hit_objects": ("Objects a lookup matched and loads, by kind (decode: a chunk or "
+                           "tail this engine saved from generated tokens)", "kind"),
+    "kvpool_tail_hit_tokens": ("Prompt tokens served from tail objects", None),
     "kvpool_lookups": ("Scheduler lookups of prompt prefixes", None),
     "kvpool_lookup_seconds": ("Scheduler time spent in lookups", None),
 }

@@ -59,9 +59,12 @@ class _PendingSave:
     bufs: list[torch.Tensor]  # one pooled buffer per chunk
     event: object | None  # CUDA event of the gather, None on CPU (copy already done)
     queued: bool = True   # False: the save queue was full, the save is dropped
+    sizes: list[int] | None = None  # bytes per object when some are tails (shorter)
 
     def chunks(self) -> list[torch.Tensor]:
-        return self.bufs
+        if self.sizes is None:
+            return self.bufs
+        return [b[:n] for b, n in zip(self.bufs, self.sizes)]
 
 
 @dataclass
@@ -163,6 +166,8 @@ class WorkerSide:
                     self._save_now(job, bufs)
                     continue
             pending = _PendingSave(job, bufs, event)
+            if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
+                pending.sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
             # Loads find the chunk in its save buffer until the store holds it; registered
             # before the saver can see the job, so it can never outlive the saver's put.
             with self._lock:
@@ -223,7 +228,8 @@ class WorkerSide:
         """The chunk left the paged KV cache: its blocks may be reused, and (served from its
         save buffer until the store holds it) it counts as stored right away."""
         if self.audit is not None and p.queued:
-            self.audit.saved(self.layout, p.job.keys, p.chunks(), self.blocks_per_chunk)
+            self.audit.saved(self.layout, p.job.keys, p.chunks(),
+                             [len(ids) for ids in p.job.block_ids])
         with self._lock:
             self._copies_by_req[p.job.req_id] -= 1
             if self._copies_by_req[p.job.req_id] <= 0:
@@ -233,7 +239,9 @@ class WorkerSide:
                 self._stored.extend(p.job.keys)
         if p.queued:
             self._inc("kvpool_saved_chunks", len(p.job.keys))
-            self._inc("kvpool_saved_bytes", sum(b.numel() for b in p.bufs))
+            self._inc("kvpool_saved_bytes", sum(b.numel() for b in p.chunks()))
+            for kind in p.job.kinds:
+                self._inc("kvpool_saved_objects", 1, kind)
         elif p.bufs:  # copied, but not going anywhere
             self._save_pool.give(p.bufs)
 
@@ -332,15 +340,14 @@ class WorkerSide:
         chunks = load.job.chunks
         if not chunks:
             return
-        expect = layout.chunk_nbytes(self.blocks_per_chunk)
         bufs = self._load_pool.take(LOAD_BATCH_CHUNKS)
         assert bufs is not None, "the loader thread and the step own one batch each"
         try:
             for start in range(0, len(chunks), LOAD_BATCH_CHUNKS):
                 part = chunks[start:start + LOAD_BATCH_CHUNKS]
                 last = start + LOAD_BATCH_CHUNKS >= len(chunks)
-                good = self._read_batch(part, bufs, expect)
-                load.nbytes += expect * len(good)
+                good = self._read_batch(part, bufs)
+                load.nbytes += sum(self._nbytes(c) for c, _ in good)
                 load.chunks_ok += len(good)
                 layered = last and not load.job.is_async and self.layerwise
                 self._scatter(good, load if layered else None)
@@ -354,7 +361,11 @@ class WorkerSide:
         finally:
             self._load_pool.give(bufs)
 
-    def _read_batch(self, part: list, bufs: list[torch.Tensor], expect: int) -> list:
+    def _nbytes(self, c) -> int:
+        """Bytes of the stored object a ChunkLoad reads (a tail holds fewer blocks)."""
+        return self.layout.chunk_nbytes(c.n_blocks or self.blocks_per_chunk)
+
+    def _read_batch(self, part: list, bufs: list[torch.Tensor]) -> list:
         """(chunk, buffer) of the chunks of `part` that arrived whole and verified."""
         got: list[int | None] = [None] * len(part)
         with self._lock:  # chunks still on their way to the store: copy the save buffer
@@ -365,16 +376,17 @@ class WorkerSide:
                 p, j = entry
                 if p.event is not None:
                     p.event.synchronize()  # its gather may still be on the copy stream
-                if p.bufs[j].numel() == expect:
-                    bufs[i].copy_(p.bufs[j])
-                    got[i] = expect
+                src = p.chunks()[j]
+                if src.numel() == self._nbytes(c):
+                    bufs[i][:src.numel()].copy_(src)
+                    got[i] = src.numel()
         rest = [i for i, n in enumerate(got) if n is None]
         if rest:
             fetched = self.store.get_many_into([part[i].key for i in rest],
                                                [bufs[i] for i in rest])
             for i, n in zip(rest, fetched):
                 got[i] = n
-        return [(c, bufs[i]) for i, c in enumerate(part) if got[i] == expect]
+        return [(c, bufs[i]) for i, c in enumerate(part) if got[i] == self._nbytes(c)]
 
     def _scatter(self, good: list, layered: _Load | None) -> None:
         """Copy verified chunks into their blocks: all layers at once, or layer by layer
@@ -385,7 +397,8 @@ class WorkerSide:
         with ctx:
             for layer in layers:
                 for c, src in good:
-                    layout.scatter(src, self.blocks_per_chunk, c.rows, c.block_ids, layer=layer)
+                    layout.scatter(src, c.n_blocks or self.blocks_per_chunk, c.rows,
+                                   c.block_ids, layer=layer)
                 if self.cuda:
                     self.copy_stream.synchronize()  # loader thread only; frees the buffers
                 if layer is not None:

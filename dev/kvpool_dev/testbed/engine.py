@@ -205,7 +205,8 @@ class OfflineEngine(Service):
 
     def generate(self, prompts: list, max_tokens: int = 16, timeout: float = 900,
                  logprobs: int = TOP_LOGPROBS) -> list[dict]:
-        """Greedy-decode prompts (token ids, or {"prompt_token_ids", "cache_salt"} dicts);
+        """Greedy-decode prompts (token ids, or {"prompt_token_ids", "cache_salt",
+        "kv_transfer_params"} dicts);
         returns, per prompt, {"token_ids", "logprobs" (top `logprobs` [token, logprob] pairs
         per position; see testbed.oracle), "num_cached_tokens", "ttft_s"}."""
         assert self.proc is not None and self.proc.stdin is not None

@@ -60,11 +60,17 @@ def main() -> None:
             if req.get("metrics"):
                 _reply({"metrics": metrics_snapshot(llm)})
                 continue
-            params = SamplingParams(max_tokens=req.get("max_tokens", 16), temperature=0.0,
-                                    ignore_eos=True, logprobs=req.get("logprobs") or None)
-            # a prompt: token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
-            prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p}
+            # a prompt: token ids, or {"prompt_token_ids": [...], "cache_salt": "...",
+            # "kv_transfer_params": {...}} (the last one goes into its SamplingParams)
+            prompts = [dict(p) if isinstance(p, dict) else {"prompt_token_ids": p}
                        for p in req["prompts"]]
+            params = []
+            for p in prompts:
+                xfer = p.pop("kv_transfer_params", None)
+                params.append(SamplingParams(
+                    max_tokens=req.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
+                    logprobs=req.get("logprobs") or None,
+                    extra_args={"kv_transfer_params": xfer} if xfer else None))
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0

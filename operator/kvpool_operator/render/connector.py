@@ -178,7 +178,8 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
                                    encrypt=pool.spec.security.encryption)}
     if pool.spec.connector == "tiered":  # KVPoolConnector keys: the native tier saves no requests itself
         fields |= {"staging_bytes": _per_rank(pool, STAGING_BYTES),
-                   "require_cache_salt": pool.spec.security.require_cache_salt}
+                   "require_cache_salt": pool.spec.security.require_cache_salt,
+                   "save_decode_tokens": pool.spec.save_decode}
     return ConnectorConfig(**fields)
 
 

@@ -13,10 +13,12 @@ from tests.connector.connector.helpers import BPC, BS, PREFIX
 
 
 @pytest.fixture
-def side(tmp_path):
+def side(tmp_path, request):
     """A SchedulerSide of pool `t` (cpu + disk tiers); `side.test_blocks[request id]` holds
-    the block ids `allocate` gave the request."""
-    cfg = load_connector_config({"namespace": "t", "security": SECURITY, "tiers": [
+    the block ids `allocate` gave the request. Tail objects are off unless parametrized
+    (indirect, a dict of connector keys): these tests plan chunks; test_tails.py, tails."""
+    cfg = load_connector_config({"namespace": "t", "security": SECURITY,
+                                 **getattr(request, "param", {"tail_objects": False}), "tiers": [
         {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
     lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     blocks: dict[str, list[int]] = {}

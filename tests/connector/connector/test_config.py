@@ -17,7 +17,8 @@ TIERS = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": "/tmp/x", "si
 
 def test_defaults_and_connector_keys():
     cfg = load_connector_config({"tiers": TIERS})
-    assert (cfg.chunk_tokens, cfg.layerwise, cfg.save_decode_tokens) == (256, False, False)
+    assert (cfg.chunk_tokens, cfg.layerwise, cfg.save_decode_tokens, cfg.tail_objects) == (
+        256, False, True, True)
     cfg = load_connector_config({"tiers": TIERS, "chunk_tokens": 512, "layerwise": True})
     assert cfg.chunk_tokens == 512 and cfg.layerwise
 

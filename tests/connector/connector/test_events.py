@@ -65,8 +65,9 @@ def sched(side):
 def _saved_keys(sched, req) -> list[bytes]:
     sched.num_matched(req, 0)
     allocate(sched, req, 0)
-    (save,) = sched.build_meta(scheduler_output({req.request_id: req.num_tokens})).saves
-    return save.keys
+    saves = sched.build_meta(scheduler_output({req.request_id: req.num_tokens})).saves
+    # the chunks, not the prompt's tail object (not announced: no vLLM block maps to it)
+    return [k for s in saves for k, kind in zip(s.keys, s.kinds) if kind != "tail"]
 
 
 def test_a_saved_chunk_is_announced_like_vllms_own_blocks(sched):
