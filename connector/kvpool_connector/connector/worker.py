@@ -162,12 +162,12 @@ class WorkerSide:
             else:
                 for buf, ids in zip(bufs, job.block_ids):
                     layout.gather(torch.tensor(ids, dtype=torch.long), buf)
-                if self._save_in_step:
-                    self._save_now(job, bufs)
-                    continue
             pending = _PendingSave(job, bufs, event)
             if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
                 pending.sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
+            if event is None and self._save_in_step:
+                self._save_now(pending)
+                continue
             # Loads find the chunk in its save buffer until the store holds it; registered
             # before the saver can see the job, so it can never outlive the saver's put.
             with self._lock:
@@ -184,20 +184,25 @@ class WorkerSide:
             else:
                 self._uncopied.append(pending)
 
-    def _save_now(self, job: SaveJob, bufs: list[torch.Tensor]) -> None:
+    def _save_now(self, p: _PendingSave) -> None:
         """A store that is only this process's memory takes the chunks here, in the step:
         a memcpy each. Handing them to the saver thread instead cost the forward far more
         than the copies: the saver holds the GIL while the forward's OpenMP threads spin
         on both cores, so each GIL handoff waited for the OS to preempt a spinning thread
         (see docs/connector.md, Hot path)."""
+        job, objects = p.job, p.chunks()  # tails are shorter than a chunk
         try:
-            landed = self.store.put_many(job.keys, bufs)
+            landed = self.store.put_many(job.keys, objects)
         except Exception:  # a failing store degrades service, never the engine
             log.exception("kvpool: save of %d chunks failed", len(job.keys))
             landed = [False] * len(job.keys)
-        stored = [k for k, ok in zip(job.keys, landed) if ok]
+        ok = [bool(x) for x in landed]
+        stored = [k for k, good in zip(job.keys, ok, strict=True) if good]
         if self.audit is not None and stored:
-            self.audit.saved(self.layout, job.keys, bufs, self.blocks_per_chunk)
+            self.audit.saved(self.layout, stored,
+                             [o for o, good in zip(objects, ok, strict=True) if good],
+                             [len(ids) for ids, good in zip(job.block_ids, ok, strict=True)
+                              if good])
         with self._lock:
             self._copies_by_req[job.req_id] -= 1
             if self._copies_by_req[job.req_id] <= 0:
@@ -205,11 +210,15 @@ class WorkerSide:
             self._copied[job.req_id] += 1
             self._stored.extend(stored)
         if len(stored) < len(job.keys):
-            self._drop([k for k, ok in zip(job.keys, landed) if not ok])
+            self._drop([k for k, good in zip(job.keys, ok, strict=True) if not good])
         if stored:
             self._inc("kvpool_saved_chunks", len(stored))
-            self._inc("kvpool_saved_bytes", sum(b.numel() for b, ok in zip(bufs, landed) if ok))
-        self._save_pool.give(bufs)
+            self._inc("kvpool_saved_bytes",
+                      sum(o.numel() for o, good in zip(objects, ok, strict=True) if good))
+            for kind, good in zip(job.kinds, ok, strict=False):  # kinds may be unset
+                if good:
+                    self._inc("kvpool_saved_objects", 1, kind)
+        self._save_pool.give(p.bufs)
 
     def _unregister(self, p: _PendingSave) -> None:
         """Forget p's save buffers as a source for loads (only entries that are still p's)."""
