@@ -16,9 +16,15 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from kvpool_dev.testbed.kv_events import decode_batch
-from tests.connector.connector.helpers import (BPC, BS, PREFIX, allocate, make_request,
-                                               scheduler_output)
 from tests.conftest import SECURITY
+from tests.connector.connector.helpers import (
+    BPC,
+    BS,
+    PREFIX,
+    allocate,
+    make_request,
+    scheduler_output,
+)
 
 CHUNK = 64 * 1024
 
