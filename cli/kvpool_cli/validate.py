@@ -16,9 +16,8 @@ from typing import Any
 
 import yaml
 
-from kvpool_connector.config import read_documents
-
 from kvpool_cli.main import load
+from kvpool_connector.config import read_documents
 
 # Document kinds another package checks: kind -> "module:function" taking the document and
 # returning (what it is, error message or None), imported only when such a document is met (the
