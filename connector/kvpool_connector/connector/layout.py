@@ -15,6 +15,7 @@ the chunk (`index_select` output). All layers of a chunk are one object: one lar
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -151,10 +152,10 @@ class KVLayout:
                 continue
             if layer_kv.flat is not None:
                 words = segment.view(layer_kv.flat.dtype).view(n_in_src, -1)
-                for j, b in zip(rows, block_ids):
+                for j, b in zip(rows, block_ids, strict=True):
                     layer_kv.flat[b].copy_(words[j], non_blocking=True)
             else:
-                for j, b in zip(rows, block_ids):
+                for j, b in zip(rows, block_ids, strict=True):
                     layer_kv.tensor.select(layer_kv.block_dim, b).copy_(
                         segment.select(layer_kv.block_dim, j), non_blocking=True)
 
@@ -170,9 +171,7 @@ def spec_fingerprint(kv_cache_config, model: str) -> str:
         for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
                      "cache_dtype_str", "page_size_bytes"):
             if hasattr(s, attr):
-                try:
+                with contextlib.suppress(Exception):  # a property that does not apply to this spec
                     fields.append(f"{attr}={getattr(s, attr)}")
-                except Exception:  # a property that does not apply to this spec
-                    pass
         parts.append(",".join(fields) + f",layers={len(g.layer_names)}")
     return ";".join(parts)

@@ -9,7 +9,7 @@ the tier name for per-tier counters).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -34,7 +34,10 @@ METRICS: dict[str, tuple[str, str | None]] = {
 
 @dataclass
 class KVPoolConnectorStats(KVConnectorStats):
-    def __post_init__(self):
+    if TYPE_CHECKING:  # KVConnectorStats' field (vLLM is not type-checked): metric -> label -> n
+        data: dict[str, dict[str, float]]
+
+    def __post_init__(self) -> None:
         if not isinstance(self.data, dict):
             self.data = {}
 
@@ -43,7 +46,7 @@ class KVPoolConnectorStats(KVConnectorStats):
             d = self.data.setdefault(metric, {})
             d[label] = d.get(label, 0) + value
 
-    def reset(self):
+    def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
