@@ -22,6 +22,12 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not vllm" $(PYTEST_ARGS)
 
+# ruff (style, import order, likely bugs) over every Python file; mypy over the three shipped
+# packages, strict on the operator's render and models and the store's public API (pyproject.toml).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
 # Every Dockerfile target built with buildah (no Docker daemon, no registry); test-images also runs
 # each image as its manifest does (tests/images). IMAGES_ARGS: e.g. `--bases public` or targets.
 images: setup

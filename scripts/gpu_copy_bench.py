@@ -83,11 +83,11 @@ def run(args) -> dict:
     total = chunk_bytes * args.chunks
 
     def gather():
-        for ids, buf in zip(block_ids, host):
+        for ids, buf in zip(block_ids, host, strict=True):
             layout.gather(ids, buf)
 
     def scatter():
-        for ids, buf in zip(block_lists, host):
+        for ids, buf in zip(block_lists, host, strict=True):
             layout.scatter(buf, blocks_per_chunk, rows, ids)
 
     # The plain baseline: the same bytes, one contiguous device tensor <-> pinned host.
@@ -95,11 +95,11 @@ def run(args) -> dict:
     host_flat = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(args.chunks)]
 
     def plain_d2h():
-        for d, h in zip(dev_flat, host_flat):
+        for d, h in zip(dev_flat, host_flat, strict=True):
             h.copy_(d, non_blocking=pin)
 
     def plain_h2d():
-        for d, h in zip(dev_flat, host_flat):
+        for d, h in zip(dev_flat, host_flat, strict=True):
             d.copy_(h, non_blocking=pin)
 
     gather()
@@ -114,7 +114,7 @@ def run(args) -> dict:
     scatter()
     gather()
     sync(device)
-    exact = all(torch.equal(a, b) for a, b in zip(check, host))
+    exact = all(torch.equal(a, b) for a, b in zip(check, host, strict=True))
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "layout_source": source, "layout": args.layout,

@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpool_connector.config import MalformedFile, UsageError, load_documents
-
 from kvpool_cli.main import load
+from kvpool_connector.config import MalformedFile, UsageError, load_documents
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 

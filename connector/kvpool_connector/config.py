@@ -25,7 +25,7 @@ import re
 from fractions import Fraction
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args
+from typing import Annotated, Any, Literal, Self, TypeVar, Union, get_args
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
@@ -195,7 +195,7 @@ class RedisTierConfig(TierConfigBase):
         return []
 
     @model_validator(mode="after")
-    def _checked_url(self):
+    def _checked_url(self) -> Self:
         no_credentials(self.url, "url", REDIS_QUERY_KEYS)
         if self.cluster and not re.match(r"^rediss?://[^/?#]+(/0?)?$", self.url):
             raise ValueError("url: a cluster is reached over redis:// or rediss:// host:port, "
@@ -233,7 +233,7 @@ class S3TierConfig(TierConfigBase):
         return []
 
     @model_validator(mode="after")
-    def _no_endpoint_credentials(self):
+    def _no_endpoint_credentials(self) -> Self:
         if self.endpoint:
             no_credentials(self.endpoint, "endpoint")
         return self
@@ -265,7 +265,7 @@ class SecurityConfig(_Strict):
                                    "encrypts")
 
     @model_validator(mode="after")
-    def _one_source(self):
+    def _one_source(self) -> Self:
         if self.key_env and self.key_file:
             raise ValueError("key_env, key_file: set one of them, not both")
         if self.previous_key_env and self.previous_key_file:
@@ -282,7 +282,8 @@ class SecurityConfig(_Strict):
 
 TIER_PLUGINS = "kvpool_connector.tiers"  # entry point group: modules that register tiers
 _TIER_CONFIGS: dict[str, type[TierConfigBase]] = {}
-_tier_union: TypeAdapter | None = None  # the union of the registered models, built on use
+# the union of the registered models, built on use
+_tier_union: TypeAdapter[TierConfigBase] | None = None
 _plugins_loaded = False
 
 
@@ -326,11 +327,14 @@ def load_tier_plugins() -> None:
                              f"{type(exc).__name__}: {exc}") from exc
 
 
-def _tier_adapter() -> TypeAdapter:
+def _tier_adapter() -> TypeAdapter[TierConfigBase]:
     global _tier_union
     if _tier_union is None:
         models = tuple(_TIER_CONFIGS.values())
-        _tier_union = TypeAdapter(Annotated[Union[models], Field(discriminator="type")])
+        # Union[] over a runtime tuple (`A | B` needs the members written out), which is no
+        # static type: Any to mypy
+        union: Any = Annotated[Union[models], Field(discriminator="type")]  # noqa: UP007
+        _tier_union = TypeAdapter(union)
     return _tier_union
 
 
@@ -391,7 +395,7 @@ class StoreConfig(_Strict):
                                      description="pool key (object MACs, names) and encryption")
 
     @model_validator(mode="after")
-    def _unique_names(self):
+    def _unique_names(self) -> Self:
         names = tier_names(self.tiers)
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: names must be unique, got {names}")
@@ -400,11 +404,11 @@ class StoreConfig(_Strict):
 
 def transport_warnings(cfg: StoreConfig) -> list[str]:
     """One line per tier whose transport settings weaken it (see transport_warnings)."""
-    return [f"tier {name}: {w}" for name, t in zip(tier_names(cfg.tiers), cfg.tiers)
+    return [f"tier {name}: {w}" for name, t in zip(tier_names(cfg.tiers), cfg.tiers, strict=True)
             for w in t.transport_warnings()]
 
 
-def tier_names(tiers: list) -> list[str]:
+def tier_names(tiers: list[Any]) -> list[str]:
     """Label of each tier: its `name`, else its type (disk, disk2, ... when a type repeats)."""
     seen: dict[str, int] = {}
     out = []

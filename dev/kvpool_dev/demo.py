@@ -35,7 +35,7 @@ from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 REDIS_PASSWORD_ENV = "KVPOOL_DEMO_REDIS_PASSWORD"
 BLOCK_TOKENS = 128   # vLLM's block size on its CPU platform
 
-_WORDS = (
+_WORDS = (  # noqa: SIM905 -- one string reads as the word list it is
     "cache key value tensor layer token prefix chunk tier memory disk redis bucket object "
     "engine request latency throughput model attention head block page eviction shard node "
     "cluster replica operator volume network bandwidth queue batch stream kernel buffer host "
@@ -60,7 +60,7 @@ class Settings:
     cpu_tier_conversations: float = 3.5  # kvpool's cpu tier holds about this many; disk the rest
 
     @staticmethod
-    def quick() -> "Settings":
+    def quick() -> Settings:
         return Settings(preset="tiny", conversations=4, turns=3, doc_tokens=600,
                         question_tokens=24, max_tokens=8, concurrency=2,
                         kv_cache_tokens=1536, max_model_len=1536, cpu_tier_conversations=1.5)
@@ -272,7 +272,7 @@ def render(base: dict[str, Any], pool: dict[str, Any], s: Settings, tiers: list[
         ("TTFT p95", f"{base['ttft_p95_s']:.3f} s",
          f"{pool['ttft_p95_s']:.3f} s {_ratio(base['ttft_p95_s'], pool['ttft_p95_s'])}"),
     ]
-    for k, (b, p) in enumerate(zip(base["ttft_by_turn_s"], pool["ttft_by_turn_s"])):
+    for k, (b, p) in enumerate(zip(base["ttft_by_turn_s"], pool["ttft_by_turn_s"], strict=True)):
         note = "  nothing cached yet" if k == 0 else ""
         rows.append((f"  TTFT p50, turn {k + 1}", f"{b:.3f} s", f"{p:.3f} s {_ratio(b, p)}{note}"))
     rows += [
@@ -312,7 +312,7 @@ def chart(base: dict[str, Any], pool: dict[str, Any], tiers: list[str], path: Pa
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     ax = axes[0][0]
     xs = range(2)
-    for i, (run, color) in enumerate(zip((base, pool), colors)):
+    for i, (run, color) in enumerate(zip((base, pool), colors, strict=True)):
         ax.bar([x + i * 0.38 for x in xs], [run["ttft_p50_s"], run["ttft_p95_s"]], 0.38,
                color=color, label=("without kvpool", "with kvpool")[i])
     ax.set_xticks([x + 0.19 for x in xs], ["TTFT p50", "TTFT p95"])
@@ -320,7 +320,7 @@ def chart(base: dict[str, Any], pool: dict[str, Any], tiers: list[str], path: Pa
     ax.set_title("Time to first token")
     ax.legend()
     ax = axes[0][1]
-    for run, color, label in zip((base, pool), colors, ("without kvpool", "with kvpool")):
+    for run, color, label in zip((base, pool), colors, ("without kvpool", "with kvpool"), strict=True):
         turns = range(1, len(run["ttft_by_turn_s"]) + 1)
         ax.plot(list(turns), run["ttft_by_turn_s"], marker="o", color=color, label=label)
     ax.set_xticks(list(range(1, len(base["ttft_by_turn_s"]) + 1)))
@@ -448,7 +448,7 @@ def run_rounds(arms: list[Arm], workload: list[dict[str, Any]], s: Settings, bar
             bar.set_description(f"turn {k + 1}/{s.turns} {arm.label:<14}")
             t0 = time.perf_counter()
             with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
-                list(pool.map(lambda c: one(arm, c, k), visit_order(s.conversations, k)))
+                list(pool.map(lambda c, arm=arm, k=k: one(arm, c, k), visit_order(s.conversations, k)))
             arm.result.wall_s += time.perf_counter() - t0
 
 
@@ -476,16 +476,16 @@ def _serve_both(model: Path, s: Settings, kv_cfg: dict, env: dict[str, str],
 
     labels = ("without kvpool", "with kvpool")
     servers = [_server(model, s, cfg, env, label, log_dir, dtype)
-               for cfg, label in zip((None, kv_cfg), labels)]
+               for cfg, label in zip((None, kv_cfg), labels, strict=True)]
     t0 = time.monotonic()
     _say("starting two vLLM servers (without and with kvpool) ...")
     try:
         for server in servers:
             server.launch()
-        for server, label in zip(servers, labels):
+        for server, label in zip(servers, labels, strict=True):
             server.wait_ready()
             _say(f"vLLM ({label}) up in {time.monotonic() - t0:.0f}s at {server.base_url}")
-        arms = [Arm(server, label, []) for server, label in zip(servers, labels)]
+        arms = [Arm(server, label, []) for server, label in zip(servers, labels, strict=True)]
         rates = [probe(arm, s, count_tokens) for arm in arms]
         prefill_tps = statistics.mean(r[0] for r in rates)
         decode_s = statistics.mean(r[1] for r in rates)
@@ -502,7 +502,7 @@ def _serve_both(model: Path, s: Settings, kv_cfg: dict, env: dict[str, str],
                  f"~{sum(estimate_seconds(asked, prefill_tps, decode_s).values()) / 60:.1f} min, "
                  f"to finish within {BUDGET_S / 60:.0f} minutes; --no-fit runs it whole)")
         workload = workload_for(s)
-        arms = [Arm(server, label, workload) for server, label in zip(servers, labels)]
+        arms = [Arm(server, label, workload) for server, label in zip(servers, labels, strict=True)]
         bar = tqdm(total=2 * s.conversations * s.turns, unit="turn", file=sys.stderr)
         run_rounds(arms, workload, s, bar)
         bar.close()

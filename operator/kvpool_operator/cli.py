@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_connector.config import MalformedFile, UsageError, load_documents
-
 from kvpool_operator import crd, validation, yamlio
 from kvpool_operator.render import InvalidPool
 from kvpool_operator.settings import Settings, misspelled

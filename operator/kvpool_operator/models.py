@@ -9,12 +9,18 @@ message, so a spec rejected by the cluster is rejected offline too, and vice ver
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from kvpool_connector.config import (CREDENTIALS_IN_URL, REDIS_QUERY_KEYS, SIZE_MAX_CHARS,
-                                     parse_size, url_problem)
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
+
+from kvpool_connector.config import (
+    CREDENTIALS_IN_URL,
+    REDIS_QUERY_KEYS,
+    SIZE_MAX_CHARS,
+    parse_size,
+    url_problem,
+)
 
 GROUP = "kvpool.dev"
 VERSION = "v1alpha1"
@@ -55,8 +61,8 @@ def _whole_bytes_pattern() -> str:
         by_fractions.setdefault(tuple(fractions), []).append(suffix)
     every = sum(10**d for d in range(1, SIZE_DECIMALS + 1))
     alternatives = []
-    for fractions, suffixes in by_fractions.items():
-        fraction = f"[0-9]{{1,{SIZE_DECIMALS}}}" if len(fractions) == every else "|".join(fractions)
+    for accepted, suffixes in by_fractions.items():
+        fraction = f"[0-9]{{1,{SIZE_DECIMALS}}}" if len(accepted) == every else "|".join(accepted)
         named = "|".join(filter(None, suffixes))
         suffix = f"({named})" + ("" if all(suffixes) else "?") if named else ""
         alternatives.append(f"[0-9]+([.]({fraction}))?{suffix}")
@@ -121,12 +127,17 @@ def _backend_url(pattern: str, message: str, query_keys: frozenset[str]) -> Any:
             raise ValueError(f"{problem}: {message}" if problem else message)
         return value
 
-    rules = [{"rule": _USERINFO_RULE, "message": _CREDENTIALS_MESSAGE}, {"rule": _matches(pattern), "message": message}]
+    rules: list[JsonValue] = [{"rule": _USERINFO_RULE, "message": _CREDENTIALS_MESSAGE},
+                              {"rule": _matches(pattern), "message": message}]
     return Annotated[str, AfterValidator(check), Field(json_schema_extra={"x-kubernetes-validations": rules})]
 
 
-RedisUrl = _backend_url(REDIS_URL_PATTERN, REDIS_URL_MESSAGE, REDIS_QUERY_KEYS)
-S3Endpoint = _backend_url(S3_ENDPOINT_PATTERN, S3_ENDPOINT_MESSAGE, frozenset())
+if TYPE_CHECKING:  # to a type checker both are strings; the checks run in pydantic
+    RedisUrl = str
+    S3Endpoint = str
+else:
+    RedisUrl = _backend_url(REDIS_URL_PATTERN, REDIS_URL_MESSAGE, REDIS_QUERY_KEYS)
+    S3Endpoint = _backend_url(S3_ENDPOINT_PATTERN, S3_ENDPOINT_MESSAGE, frozenset())
 
 
 # Empty (the operator's default) or an image by tag or digest (`repo:tag@sha256:<64 hex>`).
@@ -227,7 +238,7 @@ class ModelImage(_Model):
         description="Image reference, by tag or pinned by digest (repo@sha256:...); subject to the operator's "
         "allowedImagePrefixes like every image a pool names.",
     )
-    pull_policy: PULL_POLICIES | None = Field(  # type: ignore[valid-type]
+    pull_policy: PULL_POLICIES | None = Field(
         None, description="Always, IfNotPresent or Never; empty: Kubernetes' default (Always for :latest).")
 
 
@@ -496,7 +507,8 @@ class _Backend(_Model):
 
     @model_validator(mode="after")
     def _one_of(self) -> _Backend:
-        if (getattr(self, "managed") is None) == (getattr(self, "external") is None):
+        # both fields are declared by each subclass (their types differ)
+        if (getattr(self, "managed") is None) == (getattr(self, "external") is None):  # noqa: B009
             raise ValueError(_ONE_OF_BACKEND_MESSAGE)
         return self
 
@@ -527,7 +539,10 @@ class S3CredentialsRef(_Model):
 
 class ExternalS3(_Model):
     endpoint: S3Endpoint = Field(
-        min_length=1, max_length=2048, pattern=r"^https?://", description="S3 endpoint URL: host, port and path only (no credentials, no query, no fragment)."
+        min_length=1,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="S3 endpoint URL: host, port and path only (no credentials, no query, no fragment).",
     )
     bucket: str = Field(min_length=3, max_length=63, description="Bucket for KV objects.")
     region: str = Field("us-east-1", description="S3 region.")
@@ -554,7 +569,11 @@ class Tiers(_Model):
 
     model_config = ConfigDict(
         json_schema_extra=_rules(
-            ("has(self.cpu) || has(self.disk) || has(self.redis) || has(self.s3)", "at least one tier is required", None)
+            (
+                "has(self.cpu) || has(self.disk) || has(self.redis) || has(self.s3)",
+                "at least one tier is required",
+                None,
+            )
         )
     )
 
@@ -866,7 +885,8 @@ class KVCachePoolSpec(_Model):
         ):
             raise ValueError(_SPEC_RULES[1][1])
         vllm_fs_disk = self.connector == "native" and not self.native.kvpool_secondary_tier and self.tiers.disk
-        if vllm_fs_disk and self.tiers.disk.volume.kind not in ("empty_dir", "ephemeral"):
+        disk = self.tiers.disk
+        if vllm_fs_disk and disk is not None and disk.volume.kind not in ("empty_dir", "ephemeral"):
             raise ValueError(_SPEC_RULES[2][1])
         if vllm_fs_disk and self.security.encryption:
             raise ValueError(_SPEC_RULES[3][1])
@@ -890,7 +910,9 @@ class Condition(_Model):
 
 class Endpoints(_Model):
     openai: str = Field("", description="In-cluster URL of the OpenAI-compatible API (the router when there is one).")
-    engines: str = Field("", description="In-cluster URL of the engines' Service (behind the router when there is one).")
+    engines: str = Field(
+        "", description="In-cluster URL of the engines' Service (behind the router when there is one)."
+    )
     redis: str = Field("", description="Redis URL used by the engines (no credentials, no query).")
     s3: str = Field("", description="S3 endpoint used by the engines (no credentials, no query).")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool_connector.config import parse_size
-
 from kvpool_operator import models
 from kvpool_operator.settings import Settings
 
@@ -141,7 +140,8 @@ def _asks_gpus(pod_spec: dict[str, Any]) -> bool:
 def _memory_fields(spec: models.KVCachePoolSpec, component: str) -> str:
     """The spec fields a component's memory request comes from, the largest first."""
     if component == "engine":
-        if "memory" in (spec.model.resources.get("requests") or {}) or "memory" in (spec.model.resources.get("limits") or {}):
+        resources = spec.model.resources
+        if any("memory" in (resources.get(part) or {}) for part in ("requests", "limits")):
             return "spec.model.resources"
         parts = [("spec.model.memoryOverhead", spec.model.memory_overhead), ("spec.model.shmSize", spec.model.shm_size)]
         if spec.tiers.cpu is not None:

@@ -49,7 +49,11 @@ RBAC_RULES: list[dict[str, Any]] = [
     # kopf: CRD observation, namespace observation (namespaced mode), peering between replicas.
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-    {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["list", "watch", "patch"]},
+    {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings", "kopfpeerings"],
+        "verbs": ["list", "watch", "patch"],
+    },
 ]
 
 # Granted only with the operator setting of that name (the chart's operator.settings.<camelCase name>

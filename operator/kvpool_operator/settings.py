@@ -10,7 +10,6 @@ from typing import Annotated, Literal, get_origin
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool_connector.config import UsageError
-
 from kvpool_operator import __version__
 
 ENV_PREFIX = "KVPOOL_"
@@ -64,7 +63,9 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     connector_image: Image = Field(
-        f"ghcr.io/kvpool/kvpool-vllm:{__version__}", description="Default engine image (vLLM + kvpool_connector, Dockerfile target `connector`). Not "
+        f"ghcr.io/kvpool/kvpool-vllm:{__version__}",
+        description="Default engine image (vLLM + kvpool_connector, Dockerfile target "
+        "`connector`). Not "
         "published: build it (`make images`), push it to your registry and set this."
     )
     redis_image: Image = Field("redis:7.4-alpine", description="Default image of managed Redis.")

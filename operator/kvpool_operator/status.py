@@ -101,7 +101,11 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         phase, reason, message = "Degraded", "ProgressDeadlineExceeded", "engine rollout exceeded its deadline"
         stalled = True
     elif obs.deployment is not None and observed and updated >= want and ready >= want and backends_ok and router_ok:
-        phase, reason, message = "Ready", "Ready", ", ".join(filter(None, [f"{ready}/{want} engines ready", router_msg]))
+        phase, reason, message = (
+            "Ready",
+            "Ready",
+            ", ".join(filter(None, [f"{ready}/{want} engines ready", router_msg])),
+        )
     elif prev_phase in ("Ready", "Degraded") and observed and updated >= want:
         detail = backends_msg if not backends_ok else router_msg if not router_ok else f"{ready}/{want} engines ready"
         phase, reason, message = "Degraded", "Unavailable", detail

@@ -44,7 +44,8 @@ for ((i = 0; i < ${#args[@]}; i++)); do
   esac
 done
 case "$verb" in
-  create) "$QS_BIN/kubectl" "$@" --dry-run=client -o yaml >> "$QS_OUT/created.yaml"; echo --- >> "$QS_OUT/created.yaml";;
+  create) "$QS_BIN/kubectl" "$@" --dry-run=client -o yaml >> "$QS_OUT/created.yaml"
+          echo --- >> "$QS_OUT/created.yaml";;
   apply) echo "$file" >> "$QS_OUT/applied.txt";;
   *) ;;  # get, wait: read a cluster there is none of
 esac

@@ -9,8 +9,12 @@ def engine_configs(model, kv_transfer: dict, hash_algo: str = "sha256", **model_
     tokens per block, 4 KiB per layer and block (bfloat16, one KV head of 64)."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, KVCacheTensor)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
 
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="bfloat16", **model_kwargs),

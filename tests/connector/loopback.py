@@ -25,7 +25,7 @@ class LoopbackServer:
         while not self.stop.is_set():
             try:
                 conn, _ = self.listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
 

@@ -9,8 +9,15 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from kvpool_connector.config import (CpuTierConfig, DiskTierConfig, RedisTierConfig,
-                                     S3TierConfig, StoreConfig, load_store_config, parse_size)
+from kvpool_connector.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisTierConfig,
+    S3TierConfig,
+    StoreConfig,
+    load_store_config,
+    parse_size,
+)
 
 FULL = {
     "namespace": "my-pool",

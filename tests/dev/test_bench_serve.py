@@ -39,7 +39,7 @@ def test_offloading_arms_get_the_same_host_memory_and_chunk():
 def test_client_args_are_vllms_own_flags():
     w = sb.Workload()
     args = sb.client_args("prefix_repetition", w, "http://h:1", "/m", 7, Path("/r"), "f.json")
-    flags = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    flags = {a: b for a, b in zip(args, args[1:], strict=False) if a.startswith("--")}
     assert flags["--dataset-name"] == "prefix_repetition"
     assert flags["--prefix-repetition-prefix-len"] == "1024"
     assert flags["--prefix-repetition-num-prefixes"] == "8"

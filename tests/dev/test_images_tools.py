@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def rendered_pod(name: str) -> dict:
     manifests = render(smoke_pool("registry.example/vllm-cpu:1", "/models/m", "float32"), Settings(), NS)
-    return next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == name)["spec"]["template"]["spec"]
+    return next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == name)["spec"][
+        "template"
+    ]["spec"]
 
 
 def test_documented_tags_name_every_target_once():
@@ -28,7 +30,9 @@ def test_documented_tags_name_every_target_once():
     tags = dockerfile.documented_tags(text)
     assert set(tags) <= set(stages)
     assert len(set(tags.values())) == len(tags)
-    assert dockerfile.documented_tags("#   docker build --target connector-cpu -t r/x:1 .") == {"connector-cpu": "r/x:1"}
+    assert dockerfile.documented_tags("#   docker build --target connector-cpu -t r/x:1 .") == {
+        "connector-cpu": "r/x:1"
+    }
 
 
 def test_unnamed_stage_is_an_error_naming_the_line():
@@ -58,14 +62,23 @@ def test_engine_pod_secrets_go_by_name_and_host_volumes_are_mounted(tmp_path):
     assert "--shm-size=256m" in spec.args
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda pod: pod["securityContext"].update(runAsUser=0), "runAsNonRoot"),
-    (lambda pod: pod["securityContext"].update(sysctls=[]), "securityContext.sysctls"),
-    (lambda pod: pod["containers"][0]["securityContext"].update(privileged=True), "securityContext.privileged"),
-    (lambda pod: pod["securityContext"].update(seccompProfile={"type": "Localhost"}), "Localhost"),
-    (lambda pod: pod["containers"][0].setdefault("env", []).append({"name": "X", "valueFrom": {"fieldRef": {}}}), "env X"),
-    (lambda pod: pod["volumes"].append({"name": "tmp", "hostPath": {"path": "/x"}}) or pod["volumes"].pop(0), "volume tmp"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda pod: pod["securityContext"].update(runAsUser=0), "runAsNonRoot"),
+        (lambda pod: pod["securityContext"].update(sysctls=[]), "securityContext.sysctls"),
+        (lambda pod: pod["containers"][0]["securityContext"].update(privileged=True), "securityContext.privileged"),
+        (lambda pod: pod["securityContext"].update(seccompProfile={"type": "Localhost"}), "Localhost"),
+        (
+            lambda pod: pod["containers"][0].setdefault("env", []).append({"name": "X", "valueFrom": {"fieldRef": {}}}),
+            "env X",
+        ),
+        (
+            lambda pod: pod["volumes"].append({"name": "tmp", "hostPath": {"path": "/x"}}) or pod["volumes"].pop(0),
+            "volume tmp",
+        ),
+    ],
+)
 def test_what_podman_cannot_reproduce_is_an_error_naming_the_field(change, message):
     pod = rendered_pod("smoke-router")
     change(pod)
@@ -93,8 +106,19 @@ def test_compilers_and_their_packages_are_found_and_lookalikes_are_not():
     assert found == ["opt/vllm/lib/python3.11/site-packages/triton/backends/nvidia/bin/ptxas-blackwell",
                      "usr/bin/as", "usr/bin/c++", "usr/bin/clang++-16", "usr/bin/gcc-12", "usr/bin/ld.bfd",
                      "usr/bin/x86_64-linux-gnu-gcc-12"]
-    assert contents.compiler_packages(["gcc-12", "cpp", "libc6-dev", "binutils-common", "libgcc-s1", "libstdc++6",
-                                       "libnuma1", "python3.11", "gcc-12-base"]) == ["binutils-common", "cpp", "gcc-12", "libc6-dev"]
+    assert contents.compiler_packages(
+        [
+            "gcc-12",
+            "cpp",
+            "libc6-dev",
+            "binutils-common",
+            "libgcc-s1",
+            "libstdc++6",
+            "libnuma1",
+            "python3.11",
+            "gcc-12-base",
+        ]
+    ) == ["binutils-common", "cpp", "gcc-12", "libc6-dev"]
 
 
 def test_dev_tooling_and_test_files_are_found():

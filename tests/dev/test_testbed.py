@@ -11,6 +11,7 @@ import pytest
 
 from kvpool_dev.testbed import process
 
+
 def test_an_unmarked_test_cannot_start_an_engine(tiny_model):
     from kvpool_dev.testbed.engine import OfflineEngine, VllmServer
 

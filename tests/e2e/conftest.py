@@ -108,7 +108,7 @@ def baseline(tiny_model) -> dict[str, dict]:
     names = list(PROMPTS)
     with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as eng:
         outs = eng.generate([PROMPTS[n] for n in names], max_tokens=MAX_TOKENS)
-    return dict(zip(names, outs))
+    return dict(zip(names, outs, strict=True))
 
 
 def assert_close_to_baseline(outs: list[dict], names: list[str], baseline: dict[str, dict],

@@ -1,5 +1,6 @@
 """Smoke test of `kvpool bench serve --quick`: real OpenAI servers driven by vLLM's own
-bench serve client; every arm completes every request (prefix_repetition sends num_prompts // num_prefixes per prefix: 8 of 4 prefixes) and the report has its figures.
+bench serve client; every arm completes every request (prefix_repetition sends
+num_prompts // num_prefixes per prefix: 8 of 4 prefixes) and the report has its figures.
 No timing thresholds: the bench prints ratios."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def _wait_stored(pool, n: int, tiers=("disk", "redis", "s3")) -> None:
              "redis": lambda: len(redis_keys(pool["redis_server"], pool["ns"])),
              "s3": lambda: len(s3_keys(pool["s3_server"], pool["ns"]))}
     for t in tiers:
-        wait_until(lambda: count[t]() >= n, what=f"{n} objects in {t}")
+        wait_until(lambda t=t: count[t]() >= n, what=f"{n} objects in {t}")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def remote(tiny_model, pool, audit, writer):
 
 
 def _expect_full_hits(outs, names, label):
-    for name, out in zip(names, outs):
+    for name, out in zip(names, outs, strict=True):
         assert out["num_cached_tokens"] == full_chunk_tokens(PROMPTS[name]), (label, name)
 
 

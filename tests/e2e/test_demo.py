@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_quick(repo_root, tiny_model, tmp_path):
@@ -122,7 +123,13 @@ def test_redis_url_password_moves_to_the_environment():
 
 
 def test_the_workload_shrinks_only_on_a_slow_machine():
-    from kvpool_dev.demo import MIN_CONVERSATIONS, MIN_TURNS, Settings, estimate_seconds, fit_workload
+    from kvpool_dev.demo import (
+        MIN_CONVERSATIONS,
+        MIN_TURNS,
+        Settings,
+        estimate_seconds,
+        fit_workload,
+    )
 
     s = Settings()
     fast = fit_workload(s, prefill_tps=5000, decode_s=0.005, budget_s=200)

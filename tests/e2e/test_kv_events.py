@@ -12,8 +12,8 @@ import pytest
 
 from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.engine import OfflineEngine
-from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 from kvpool_dev.testbed.kv_events import KVEventSubscriber
+from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 from tests.e2e.conftest import kv_config, token_prompt
 
 BPC = 2           # 256-token chunks of 128-token blocks (vLLM's block size on CPU)

@@ -110,8 +110,12 @@ def written(tiny_model, kv_config, pool_dir, pool_key) -> dict[str, list[Path]]:
             before = disk_objects(pool_dir)
             (COLD[name],) = eng.generate([prompt])
             assert COLD[name]["num_cached_tokens"] == 0
-            new = wait_until(lambda: len(disk_objects(pool_dir) - before) >= CHUNKS and disk_objects(pool_dir) - before,
-                             what=f"{name}'s chunks on the disk")
+            new = wait_until(
+                lambda before=before: (
+                    len(disk_objects(pool_dir) - before) >= CHUNKS and disk_objects(pool_dir) - before
+                ),
+                what=f"{name}'s chunks on the disk",
+            )
             assert len(new) == CHUNKS, (name, sorted(new))
             out[name] = sorted(new)
     return out
@@ -126,7 +130,7 @@ def attacked(written, pool_dir) -> dict[str, list[Path]]:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
-    for path, donor in zip(written["planted"], written["donor"]):
+    for path, donor in zip(written["planted"], written["donor"], strict=True):
         path.write_bytes(donor.read_bytes())
     for i, path in enumerate(written["symlinked"]):
         target = outside / f"chunk{i}"

@@ -81,7 +81,9 @@ def write_kubeconfig(path: Path, server: str, namespace: str) -> Path:
 def pytest_terminal_summary(terminalreporter) -> None:
     if not ROWS:
         return
-    head = "| target | image | size | layers | build | user | entrypoint | contents |\n|---|---|---|---|---|---|---|---|\n"
+    head = (
+        "| target | image | size | layers | build | user | entrypoint | contents |\n|---|---|---|---|---|---|---|---|\n"
+    )
     lines = [f"| {t} | `{r['ref']}` | {r['size_mb']} MB | {r['layers']} | {r['build']} | {r['user'] or 'root'} | "
              f"`{' '.join(r['entrypoint'])}` | {r['contents']} |" for t, r in ROWS.items()]
     REPORT.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import pytest
 
 from kvpool_dev.images import contents, podman
 from tests.images.conftest import REPO, ROWS, STAGES, VERSION
+
 # Uncompressed size budgets, about a quarter above what was measured (docs/helm.md: 248, 299 and
 # 2712 MB): a CUDA torch, a compiler or a second copy of vLLM sneaking in fails here. Layers: what
 # the Dockerfile makes today (the connector on top of its base: COPY and RUN); a new one is a

@@ -28,8 +28,8 @@ from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.servers import free_port
 from kvpool_operator.reconcile.secrets import generate_value
 from kvpool_operator.render import render
-from kvpool_operator.render.secrets import generate_keys
 from kvpool_operator.render.router import ROUTER_METRICS_PORT, ROUTER_PORT
+from kvpool_operator.render.secrets import generate_keys
 from kvpool_operator.settings import Settings
 from tests.images.conftest import STAGES, VERSION, write_kubeconfig
 from tests.images.smoke import NS, smoke_pool
@@ -39,7 +39,9 @@ pytestmark = pytest.mark.timeout(900)
 
 MODEL_DIR = "/models/tiny"
 # A prompt of several kvpool chunks (256 tokens each) in the generated model's tokenizer.
-PROMPT = " ".join(f"Tier {i} of the pool keeps key-value blocks of long prompts close to the engine." for i in range(60))
+PROMPT = " ".join(
+    f"Tier {i} of the pool keeps key-value blocks of long prompts close to the engine." for i in range(60)
+)
 
 
 def by_name(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

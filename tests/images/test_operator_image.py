@@ -18,8 +18,7 @@ from kvpool_operator.render import render
 from kvpool_operator.settings import Settings
 from tests.images.conftest import write_kubeconfig
 from tests.images.smoke import NS, smoke_pool
-from tests.operator.chartkit import one
-from tests.operator.chartkit import render as helm_template
+from tests.operator.chartkit import one, render as helm_template
 from tests.operator.emulator import apiserver_with_resources, eventually, http_server, live
 
 pytestmark = pytest.mark.timeout(300)

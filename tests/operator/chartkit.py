@@ -58,7 +58,9 @@ def _template(values_json: str, namespace: str, release: str) -> str:
     return helm("template", release, str(CHART), "--namespace", namespace, *set_args(values)).stdout
 
 
-def render(values: dict[str, Any] | None = None, namespace: str = "kvpool-system", release: str = "kvpool") -> list[dict]:
+def render(
+    values: dict[str, Any] | None = None, namespace: str = "kvpool-system", release: str = "kvpool"
+) -> list[dict]:
     """`helm template` output as a list of manifests (cached per distinct input)."""
     text = _template(json.dumps(values or {}, sort_keys=True), namespace, release)
     return [doc for doc in yaml.safe_load_all(text) if doc]

@@ -1,7 +1,8 @@
 """kmock's Kubernetes emulator, completed with the API-server behaviour the operator relies on.
 
 kmock stores plain JSON and merges patches. A real API server additionally:
-- fills metadata.namespace from the URL and name from generateName, assigns metadata.uid, creationTimestamp, resourceVersion and bumps generation on spec changes
+- fills metadata.namespace from the URL and name from generateName, assigns metadata.uid,
+  creationTimestamp, resourceVersion and bumps generation on spec changes
   (added here: kopf's consistency checks and the pool's observedGeneration need them);
 - fills apiVersion and kind of created objects and folds a Secret's write-only `stringData` into
   base64 `data` (added here: kubectl and the operator read `data`, as against a cluster);

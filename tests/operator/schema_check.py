@@ -5,7 +5,7 @@ operator renders against its schema (`validate_child`)."""
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import celpy
@@ -55,7 +55,7 @@ def openapi_to_jsonschema(schema: Any) -> Any:
     return schema
 
 
-@lru_cache(maxsize=None)
+@cache
 def _program(rule: str):
     env = celpy.Environment()
     return env.program(env.compile(rule))

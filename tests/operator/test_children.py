@@ -6,8 +6,8 @@ import base64
 
 from kvpool_operator.reconcile.children import is_subset, key_of, owner_reference, plan, with_owner
 from kvpool_operator.reconcile.secrets import SecretAction, generated_values, plan_secret
-from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from kvpool_operator.render import render
+from kvpool_operator.render.secrets import generate_keys, generated_secret_names
 from tests.operator.conftest import load_example
 
 

@@ -25,16 +25,17 @@ def _engine_args(manifests):
 def test_rendered_store_config_validates_with_the_connector(name, settings, tmp_path):
     manifests = render(load_example(name), settings, "kvpool")
     data = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]
-    ktc = _engine_args(manifests)
+    transfer_config = _engine_args(manifests)
     if "connector.yaml" not in data:
-        assert ktc["kv_connector"] == "OffloadingConnector" and "config_file" not in json.dumps(ktc)
+        assert transfer_config["kv_connector"] == "OffloadingConnector"
+        assert "config_file" not in json.dumps(transfer_config)
         return
     path = tmp_path / "connector.yaml"
     path.write_text(data["connector.yaml"])
-    if ktc["kv_connector"] == "KVPoolConnector":
-        extra = {**ktc["kv_connector_extra_config"], "config_file": str(path)}
+    if transfer_config["kv_connector"] == "KVPoolConnector":
+        extra = {**transfer_config["kv_connector_extra_config"], "config_file": str(path)}
     else:  # native: kvpool's secondary tier entry carries the same config_file
-        tier = next(t for t in ktc["kv_connector_extra_config"]["secondary_tiers"] if t["type"] == "kvpool")
+        tier = next(t for t in transfer_config["kv_connector_extra_config"]["secondary_tiers"] if t["type"] == "kvpool")
         extra = {"config_file": str(path)}
         assert tier["module_path"] == "kvpool_connector.vllm_tiers"
     cfg = load_connector_config(extra)

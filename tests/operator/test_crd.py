@@ -8,15 +8,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-
 import kubernetes_validate
 import pytest
 import yaml
 from hypothesis import example, given, settings as hsettings, strategies as st
-from kvpool_connector.config import parse_size
 
-from kvpool_operator import crd, models
+from kvpool_connector.config import parse_size
 from kvpool_dev.golden import GOLDEN_SETTINGS
+from kvpool_operator import crd, models
 from tests.operator.conftest import K8S_VERSION, example_ids, load_example
 from tests.operator.schema_check import api_server_errors, crd_accepts, field_schema, pool_schema
 
@@ -107,12 +106,20 @@ INVALID = [
     # fractions of a byte: parse_size refuses them, so the CRD and the models do too
     ("tiered-full", "spec.tiers.cpu.size", "1.5", "must be a whole number of bytes"),
     ("tiered-full", "spec.model.shmSize", "0.3Ki", "must be a whole number of bytes"),
-    ("tiered-full", "spec.tiers.disk.size", "1.0000001k", (f"does not match {models.SIZE_PATTERN!r}",
-                                                          models.SIZE_MESSAGE)),
+    (
+        "tiered-full",
+        "spec.tiers.disk.size",
+        "1.0000001k",
+        (f"does not match {models.SIZE_PATTERN!r}", models.SIZE_MESSAGE),
+    ),
     ("tiered-full", "spec.tiers", {}, "at least one tier"),
     ("tiered-full", "spec.chunkTokens", 100, "multiple of 16"),
-    ("tiered-full", "spec.connector", "lmcache", ("is not one of ['tiered', 'native']",
-                                                  "Input should be 'tiered' or 'native'")),
+    (
+        "tiered-full",
+        "spec.connector",
+        "lmcache",
+        ("is not one of ['tiered', 'native']", "Input should be 'tiered' or 'native'"),
+    ),
     ("tiered-full", "spec.model.tensorParallelSize", 2, "tensorParallelSize must not exceed gpus"),
     ("native-cpu", "spec.tiers.cpu", _DELETE, "at least one tier"),
     ("native-shared", "spec.tiers.cpu", _DELETE, "native mode needs tiers.cpu"),
@@ -123,8 +130,15 @@ INVALID = [
     ("native-shared", "spec.security", {"requireCacheSalt": True}, "requireCacheSalt needs connector: tiered"),
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt/nvme0/../../etc", "must be a normal absolute path"),
     ("tiered-full", "spec.tiers.disk.volume.hostPath.path", "/mnt//nvme0", "must be a normal absolute path"),
-    ("tiered-full", "spec.model.image", "vllm@latest", (f"does not match {models.OPTIONAL_IMAGE_PATTERN!r}",
-                                                         f"String should match pattern '{models.OPTIONAL_IMAGE_PATTERN}'")),
+    (
+        "tiered-full",
+        "spec.model.image",
+        "vllm@latest",
+        (
+            f"does not match {models.OPTIONAL_IMAGE_PATTERN!r}",
+            f"String should match pattern '{models.OPTIONAL_IMAGE_PATTERN}'",
+        ),
+    ),
     ("tiered-full", "spec.model.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
     ("tiered-full", "spec.model.extraArgs", ["--hf-token", "hf_x"], "must not pass --api-key or --hf-token"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
@@ -168,8 +182,8 @@ def test_valid_variations_pass_both():
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
         ("tiered-full", "spec.replicas", 0),
     ]
-    for example, path, value in variations:
-        pool = _mutate(load_example(example), path, value)
+    for name, path, value in variations:
+        pool = _mutate(load_example(name), path, value)
         assert api_server_errors(pool) == [], (path, value)
         load_pool(pool, GOLDEN_SETTINGS)
 

@@ -170,7 +170,9 @@ def test_flux_kustomizations_resolve_paths_sources_and_dependencies(kubectl):
     assert any(d["kind"] == "HelmRelease" for d in built["kvpool-operator"])
     assert any(d["kind"] == "KVCachePool" for d in built["kvpool-pools"])
     # the watched namespace is created with the operator (before its chart's Role there), not the pools
-    assert {"llm", "kvpool-system"} == {d["metadata"]["name"] for d in built["kvpool-operator"] if d["kind"] == "Namespace"}
+    assert {"llm", "kvpool-system"} == {
+        d["metadata"]["name"] for d in built["kvpool-operator"] if d["kind"] == "Namespace"
+    }
     assert not [d for d in built["kvpool-pools"] if d["kind"] == "Namespace"]
     pools = next(k for k in flux if k["metadata"]["name"] == "kvpool-pools")
     assert {"name": "kvpool-operator"} in pools["spec"]["dependsOn"] and pools["spec"]["wait"] is True

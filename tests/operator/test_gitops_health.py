@@ -139,7 +139,11 @@ def test_rolling_out_is_progressing_with_progress_message():
 
 
 def test_not_ready_without_progressing_condition_uses_ready_message():
-    status = {"observedGeneration": 3, "phase": "Pending", "conditions": [cond("Ready", "False", "Pending", "0/2 engines ready")]}
+    status = {
+        "observedGeneration": 3,
+        "phase": "Pending",
+        "conditions": [cond("Ready", "False", "Pending", "0/2 engines ready")],
+    }
     assert health(pool(status)) == ("Progressing", "0/2 engines ready")
 
 
@@ -178,7 +182,9 @@ def _deployment(ready: int, updated: int = 2, generation: int = 1, observed: int
 
 
 def test_operator_ready_status_is_healthy():
-    status = _operator_status(deployment=_deployment(ready=2), backends={"redis": {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}})
+    status = _operator_status(
+        deployment=_deployment(ready=2), backends={"redis": {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}}
+    )
     assert status["phase"] == "Ready"
     assert health(pool(status))[0] == "Healthy"
     # ...until the user edits the spec and the operator has not caught up.

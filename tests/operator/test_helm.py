@@ -20,7 +20,17 @@ import pytest
 import yaml
 
 from kvpool_operator.settings import Settings
-from tests.operator.chartkit import CHART, CRD_KINDS, by_kind, chart_values, helm, one, render, set_args, values_schema
+from tests.operator.chartkit import (
+    CHART,
+    CRD_KINDS,
+    by_kind,
+    chart_values,
+    helm,
+    one,
+    render,
+    set_args,
+    values_schema,
+)
 
 K8S_VERSION = kubernetes_validate.latest_version()
 NS = "kvpool-system"
@@ -83,7 +93,10 @@ _ENDPOINT = {
     "properties": {
         "port": {"type": "string"},
         "path": {"type": "string", "pattern": "^/"},
-        "interval": {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+        "interval": {
+            "type": "string",
+            "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+        },
     },
 }
 MONITOR_SCHEMA = {
@@ -101,7 +114,10 @@ MONITOR_SCHEMA = {
                 "namespaceSelector": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
                 },
                 "podTargetLabels": {"type": "array", "items": {"type": "string"}},
                 "selector": {
@@ -119,7 +135,11 @@ MONITOR_SCHEMA = {
 
 def _crd_schema(docs: list[dict], group: str, kind: str) -> dict:
     for doc in docs:
-        if doc["kind"] == "CustomResourceDefinition" and doc["spec"]["group"] == group and doc["spec"]["names"]["kind"] == kind:
+        if (
+            doc["kind"] == "CustomResourceDefinition"
+            and doc["spec"]["group"] == group
+            and doc["spec"]["names"]["kind"] == kind
+        ):
             return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     raise AssertionError(f"no CRD for {group}/{kind} in the rendered chart")
 
@@ -175,9 +195,16 @@ def _names(docs: list[dict]) -> set[tuple[str, str]]:
 @pytest.mark.parametrize(
     ("values", "added", "removed"),
     [
-        ({"metrics.serviceMonitor.enabled": True},
-         {("ServiceMonitor", "kvpool-engines"), ("ServiceMonitor", "kvpool-routers")}, set()),
-        ({"metrics.podMonitor.enabled": True}, {("PodMonitor", "kvpool-engines"), ("PodMonitor", "kvpool-routers")}, set()),
+        (
+            {"metrics.serviceMonitor.enabled": True},
+            {("ServiceMonitor", "kvpool-engines"), ("ServiceMonitor", "kvpool-routers")},
+            set(),
+        ),
+        (
+            {"metrics.podMonitor.enabled": True},
+            {("PodMonitor", "kvpool-engines"), ("PodMonitor", "kvpool-routers")},
+            set(),
+        ),
         ({"dashboards.grafana.enabled": True}, {("ConfigMap", "kvpool-dashboard")}, set()),
         ({"examplePool.enabled": True}, {("KVCachePool", "example")}, set()),
         (
@@ -350,7 +377,15 @@ def test_bad_values_fail_at_install_naming_the_field(values, field, why):
 
 
 def test_good_values_install_dry_run_and_print_notes():
-    proc = helm("install", "kvpool", str(CHART), "--dry-run=client", "--namespace", NS, *set_args({"watch.namespaces": ["team-a"]}))
+    proc = helm(
+        "install",
+        "kvpool",
+        str(CHART),
+        "--dry-run=client",
+        "--namespace",
+        NS,
+        *set_args({"watch.namespaces": ["team-a"]}),
+    )
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "rollout status deployment/kvpool" in notes
     assert "team-a" in notes and 'release namespace "kvpool-system" is not watched' in notes

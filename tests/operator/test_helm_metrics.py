@@ -7,6 +7,7 @@ a vLLM API server with the connector exports (the connector's and vLLM's own).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool_operator.render import render as render_pool
 from kvpool_dev.golden import GOLDEN_SETTINGS
+from kvpool_operator.render import render as render_pool
 from tests.operator.chartkit import CHART, REPO, by_kind, render
 
 EXAMPLE = REPO / "examples" / "tiered-full.yaml"
@@ -131,8 +132,7 @@ def _connector_series() -> set[str]:
     from kvpool_connector.connector.stats import KVPoolPromMetrics
 
     reg = CollectorRegistry()
-    types = {cls: (lambda cls: lambda **kw: cls(registry=reg, **kw))(cls)
-             for cls in (Counter, Gauge, Histogram)}
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
 
     class _Cfg:
         kv_transfer_config = None
@@ -192,7 +192,9 @@ def test_dashboard_shows_hits_bytes_latency_drops_and_corruption_per_tier_and_po
     assert events <= set(EVENTS), events - set(EVENTS)
     assert {"hits", "misses", "drops", "corrupt"} <= events
     pool_label = "kvpool_dev_pool"  # podTargetLabels kvpool.dev/pool, sanitised by Prometheus
-    assert monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]["podTargetLabels"] == ["kvpool.dev/pool"]
+    assert monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]["podTargetLabels"] == [
+        "kvpool.dev/pool"
+    ]
     assert all(pool_label in e for p in DASHBOARD["panels"] for e in (t["expr"] for t in p["targets"]))
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpool_dev.golden import GOLDEN_SETTINGS
 from kvpool_operator import rbac
 from kvpool_operator.render import render as render_pool
 from kvpool_operator.settings import Settings
-from kvpool_dev.golden import GOLDEN_SETTINGS
 from tests.operator.chartkit import CHART, REPO, by_kind, load_sync_module, one, render
 
 WATCHED = ["team-a", "team-b"]
@@ -53,7 +53,11 @@ def test_cluster_wide_mode_grants_exactly_the_operator_rules():
     assert role["rules"] == rbac.rules_for(CHART_SETTINGS)
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
     binding = one(docs, "ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
     sa = one(docs, "ServiceAccount")["metadata"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == sa["name"]
@@ -86,7 +90,9 @@ def test_the_routers_discovery_role_is_shipped_and_the_operator_may_bind_only_it
     docs = render(values, release="ml")
     (discovery,) = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "ml-kvpool-router-discovery"]
     assert discovery["rules"] == rbac.ROUTER_DISCOVERY_RULES
-    env = {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["KVPOOL_ROUTER_DISCOVERY_ROLE"] == "ml-kvpool-router-discovery"
     holders = by_kind(docs, "Role") or [operator_role(docs)]
     for role in holders:

@@ -57,8 +57,11 @@ SPECS = st.fixed_dictionaries(
     {
         "model": st.builds(
             lambda g, tp, args: {"name": "org/model", "gpus": g, "tensorParallelSize": tp, "extraArgs": args},
-            st.integers(0, 8), st.integers(1, 8),
-            st.lists(st.sampled_from(["--enforce-eager", "--seed=1", f"--api-key={SENTINEL}", "--hf-token"]), max_size=2),
+            st.integers(0, 8),
+            st.integers(1, 8),
+            st.lists(
+                st.sampled_from(["--enforce-eager", "--seed=1", f"--api-key={SENTINEL}", "--hf-token"]), max_size=2
+            ),
         ),
         "tiers": TIERS,
     },
@@ -68,31 +71,57 @@ SPECS = st.fixed_dictionaries(
         "chunkTokens": st.sampled_from([16, 256, 100, 4096]),
         "native": st.builds(lambda b: {"kvpoolSecondaryTier": b}, st.booleans()),
         "networkPolicy": st.builds(
-            lambda b, api: {"enabled": b, "apiIngress": api}, st.booleans(),
-            st.sampled_from([{}, {"enabled": True}, {"enabled": True, "from": [
-                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]}])),
-        "service": st.sampled_from([{}, {"type": "LoadBalancer", "port": 80},
-                                    {"apiKeySecretRef": {"name": "api", "key": "key"}}]),
-        "scheduling": st.just({"nodeSelector": {"gpu": "h100"},
-                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
-        "router": st.fixed_dictionaries({}, optional={
-            "policy": st.sampled_from(["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]),
-            "replicas": st.integers(-1, 17),
-            "cacheThreshold": st.sampled_from([0, 0.5, 1, 1.5]),
-            "balanceRelThreshold": st.sampled_from([0.5, 1, 2]),
-            "image": st.sampled_from(["", "reg/router:1", "reg/router@sha256:" + "c" * 64, "bad image"]),
-        }),
-        "inferencePool": st.fixed_dictionaries({"enabled": st.booleans()}, optional={
-            "endpointPickerRef": st.sampled_from([
-                {"name": "epp", "port": {"number": 9002}}, {"name": "epp"},
-                {"name": "epp", "kind": "Backend", "group": "example.io"},
-                {"name": "epp", "port": {"number": 0}}, {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
-                {"name": "", "port": {"number": 9002}}]),
-        }),
-        "kvEvents": st.fixed_dictionaries({"enabled": st.booleans()}, optional={
-            "port": st.sampled_from([5557, 8000, 80, 6000]),
-            "from": st.just([{"podSelector": {"matchLabels": {"app": "epp"}}}]),
-        }),
+            lambda b, api: {"enabled": b, "apiIngress": api},
+            st.booleans(),
+            st.sampled_from(
+                [
+                    {},
+                    {"enabled": True},
+                    {
+                        "enabled": True,
+                        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}],
+                    },
+                ]
+            ),
+        ),
+        "service": st.sampled_from(
+            [{}, {"type": "LoadBalancer", "port": 80}, {"apiKeySecretRef": {"name": "api", "key": "key"}}]
+        ),
+        "scheduling": st.just(
+            {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}
+        ),
+        "router": st.fixed_dictionaries(
+            {},
+            optional={
+                "policy": st.sampled_from(["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]),
+                "replicas": st.integers(-1, 17),
+                "cacheThreshold": st.sampled_from([0, 0.5, 1, 1.5]),
+                "balanceRelThreshold": st.sampled_from([0.5, 1, 2]),
+                "image": st.sampled_from(["", "reg/router:1", "reg/router@sha256:" + "c" * 64, "bad image"]),
+            },
+        ),
+        "inferencePool": st.fixed_dictionaries(
+            {"enabled": st.booleans()},
+            optional={
+                "endpointPickerRef": st.sampled_from(
+                    [
+                        {"name": "epp", "port": {"number": 9002}},
+                        {"name": "epp"},
+                        {"name": "epp", "kind": "Backend", "group": "example.io"},
+                        {"name": "epp", "port": {"number": 0}},
+                        {"name": "epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
+                        {"name": "", "port": {"number": 9002}},
+                    ]
+                ),
+            },
+        ),
+        "kvEvents": st.fixed_dictionaries(
+            {"enabled": st.booleans()},
+            optional={
+                "port": st.sampled_from([5557, 8000, 80, 6000]),
+                "from": st.just([{"podSelector": {"matchLabels": {"app": "epp"}}}]),
+            },
+        ),
     },
 )
 

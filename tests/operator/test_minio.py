@@ -56,8 +56,14 @@ def s3_tier(manifests) -> dict:
 def test_engines_use_the_bucket_scoped_user_never_root():
     m = rendered()
     env = engine_env(m)
-    assert env["KVPOOL_S3_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "tiered-full-minio", "key": "engineAccessKey"}
-    assert env["KVPOOL_S3_SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "tiered-full-minio", "key": "engineSecretKey"}
+    assert env["KVPOOL_S3_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tiered-full-minio",
+        "key": "engineAccessKey",
+    }
+    assert env["KVPOOL_S3_SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tiered-full-minio",
+        "key": "engineSecretKey",
+    }
     assert s3_tier(m)["create_bucket"] is False  # the bootstrap made it; engines may not create buckets
     secret = next(x for x in m if x["kind"] == "Secret" and x["metadata"]["name"] == "tiered-full-minio")
     assert secret["metadata"]["annotations"]["kvpool.dev/generate-keys"] == \
@@ -116,7 +122,8 @@ def _fake_mc(bindir: Path, log: Path) -> None:
     (bindir / "mc").write_text(f"""#!/bin/sh
 stdin=""
 case "$*" in *"ilm rule import"*|*"admin user add"*) stdin=$(cat);; esac
-python3 -c 'import json, sys; print(json.dumps({{"argv": sys.argv[1:-1], "stdin": sys.argv[-1]}}))' "$@" "$stdin" >> {log}
+python3 -c 'import json, sys; print(json.dumps({{"argv": sys.argv[1:-1], "stdin": sys.argv[-1]}}))' \
+    "$@" "$stdin" >> {log}
 """)
     (bindir / "sleep").write_text("#!/bin/sh\nexit 0\n")
     for tool in ("mc", "sleep"):

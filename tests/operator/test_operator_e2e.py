@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import kopf
 import kmock
+import kopf
 import pytest
 import yaml
 
@@ -29,7 +29,14 @@ from kvpool_operator.reconcile.handlers import build_registry
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION, MANAGER
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
-from tests.operator.emulator import APPLY, apiserver_with_resources, eventually, http_server, live, requests
+from tests.operator.emulator import (
+    APPLY,
+    apiserver_with_resources,
+    eventually,
+    http_server,
+    live,
+    requests,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,7 +208,9 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         await send(server, "post", POOLS_URL, pool)
         uid = (await eventually(lambda: pool_obj(server)["metadata"].get("uid")))
         for resource, name in ROUTER_CHILDREN:
-            obj = await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            obj = await eventually(
+                lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
+            )
             assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
             assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
         status = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1
@@ -221,8 +230,11 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         assert child(server, "v1/services", "tiered-full")["spec"]["type"] == "ClusterIP"
 
         # engines and backends ready, the router not yet: clients cannot get in, the pool is not Ready
-        for resource, name, replicas in (("statefulsets", "tiered-full-redis", 1), ("statefulsets", "tiered-full-minio", 1),
-                                         ("deployments", "tiered-full", 2)):
+        for resource, name, replicas in (
+            ("statefulsets", "tiered-full-redis", 1),
+            ("statefulsets", "tiered-full-minio", 1),
+            ("deployments", "tiered-full", 2),
+        ):
             await set_status(server, resource, name, replicas, replicas)
         await set_status(server, "deployments", "tiered-full-router", 2, 0)
         await eventually(lambda: "router 0/2 ready" in conditions(server)["Progressing"]["message"],
@@ -235,7 +247,10 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         # no router: its children are pruned, clients go to the engines' Service again
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"router": None}})
         for resource, name in ROUTER_CHILDREN:
-            await eventually(lambda: child(server, resource, name) is None, message=f"prune {resource} {name}")
+            await eventually(
+                lambda resource=resource, name=name: child(server, resource, name) is None,
+                message=f"prune {resource} {name}",
+            )
         await eventually(lambda: pool_obj(server)["status"]["endpoints"]["openai"] == f"http://tiered-full.{NS}.svc:8000",
                          message="endpoints back at the engines")
         await eventually(lambda: "--enable-scale-out" not in child(server, "apps/v1/deployments", "tiered-full")[
@@ -287,7 +302,9 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         assert conditions(server)["ConfigValid"]["status"] == "True"
         uid = pool_obj(server)["metadata"]["uid"]
         for resource, name in ALL_CHILDREN:
-            obj = await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            obj = await eventually(
+                lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
+            )
             refs = obj["metadata"]["ownerReferences"]
             assert refs == [{"apiVersion": models.API_VERSION, "kind": models.KIND, "name": "tiered-full",
                              "uid": uid, "controller": True, "blockOwnerDeletion": True}]
@@ -322,7 +339,10 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
         # --- remove tiers.redis: the Redis children are pruned, the rest stays
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"tiers": {"redis": None}}})
         for resource in ("apps/v1/statefulsets", "v1/services", "v1/secrets"):
-            await eventually(lambda: child(server, resource, "tiered-full-redis") is None, message=f"prune {resource}")
+            await eventually(
+                lambda resource=resource: child(server, resource, "tiered-full-redis") is None,
+                message=f"prune {resource}",
+            )
         assert child(server, "apps/v1/statefulsets", "tiered-full-minio") is not None
         assert "redis" not in child(server, "v1/configmaps", "tiered-full-kvpool")["data"]["connector.yaml"]
         deletes = [r for r in child_writes(server) if r.method == "DELETE"]
@@ -384,7 +404,9 @@ async def test_restart_converges_without_rewriting_unchanged_children(server, op
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         for resource, name in ALL_CHILDREN:
-            await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            await eventually(
+                lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
+            )
         await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
     secret_before = copy.deepcopy(child(server, "v1/secrets", "tiered-full-minio"))
     writes = len(child_writes(server))
@@ -394,8 +416,10 @@ async def test_restart_converges_without_rewriting_unchanged_children(server, op
     mark = len(operator_log.lines)
     async with running_operator(server, op_settings):  # the resume handler runs for the existing pool
         # the handler logs its summary after its last write: then nothing of that pass is pending
-        summary = await eventually(lambda: [line for line in operator_log.lines[mark:] if line.startswith("reconciled:")],
-                                   message="resume pass finished")
+        summary = await eventually(
+            lambda: [line for line in operator_log.lines[mark:] if line.startswith("reconciled:")],
+            message="resume pass finished",
+        )
         assert len(summary) == 1 and summary[0].startswith("reconciled: 0 applied, 0 pruned,"), summary
     assert len(child_writes(server)) == writes, [f"{r.method} {r.url}" for r in child_writes(server)[writes:]]
     assert {key: len(server.objects[key].history) for key in versions} == versions
@@ -403,7 +427,9 @@ async def test_restart_converges_without_rewriting_unchanged_children(server, op
 
 
 async def test_drift_is_corrected_by_the_timer(server):
-    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
+    settings = Settings(
+        connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5
+    )
     async with running_operator(server, settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"))
@@ -503,9 +529,9 @@ async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path)
     try:
         async def alive() -> bool:
             try:
-                async with aiohttp.ClientSession() as session:
-                    async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
-                        return resp.status == 200
+                async with aiohttp.ClientSession() as session, \
+                        session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                    return resp.status == 200
             except aiohttp.ClientError:
                 return False
 
@@ -607,7 +633,10 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference
     pool["spec"]["router"] = {"policy": "consistent_hash"}
     children = ALL_CHILDREN + ROUTER_CHILDREN
     if inference_pools:
-        pool["spec"]["inferencePool"] = {"enabled": True, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+        pool["spec"]["inferencePool"] = {
+            "enabled": True,
+            "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+        }
         children = children + [(INFERENCE_POOLS, "tiered-full")]
     # a labelled Secret without an ownerReference (restored from a backup): adopted by a patch
     await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {
@@ -623,7 +652,9 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, pool)
         for resource, name in children:
-            await eventually(lambda: child(server, resource, name), message=f"{resource} {name}")
+            await eventually(
+                lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
+            )
         await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
         minio = secret_data(child(server, "v1/secrets", "tiered-full-minio"))
         assert {k: minio[k] for k in old_minio} == old_minio  # completed, never rewritten
@@ -636,7 +667,9 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference
         pruned = [("policy/v1/poddisruptionbudgets", "tiered-full"), ("v1/secrets", "tiered-full-redis"),
                   ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"), *ROUTER_CHILDREN]
         for resource, name in pruned + ([(INFERENCE_POOLS, "tiered-full")] if inference_pools else []):
-            await eventually(lambda: child(server, resource, name) is None, message=f"prune {resource}")
+            await eventually(
+                lambda resource=resource, name=name: child(server, resource, name) is None, message=f"prune {resource}"
+            )
         async with server.request("delete", f"{POOLS_URL}/tiered-full") as resp:
             assert resp.status < 300
         await eventually(lambda: pool_obj(server) is None, message="pool deleted")
@@ -690,7 +723,9 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
     """The rotation steps of docs/operator.md, run with kubectl: the operator keeps what they set.
     Routine: the previous key is kept for reads, then dropped; compromise: a new key and hash seed,
     no previous key at all."""
-    settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5)
+    settings = Settings(
+        connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",), reconcile_interval=0.5
+    )
     kubeconfig = write_kubeconfig(server, tmp_path)
     rotate, drop, compromise = doc_bash_blocks("## Pool keys and their rotation")
     async with running_operator(server, settings):
@@ -728,7 +763,9 @@ async def test_pool_key_rotation_as_documented(server, tmp_path, operator_log):
         restarted_at = template["metadata"]["annotations"][restart]
         await eventually(lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
                          > restarted_at[:19], message="the restart's second is over")
-        await bash(drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys")
+        await bash(
+            drop, kubeconfig, tmp_path, server, POOL="tiered-full", NAMESPACE=NS, SECRET="tiered-full-kvpool-keys"
+        )
         done = secret_data(child(server, "v1/secrets", "tiered-full-kvpool-keys"))
         assert done == {"poolKey": rotated["poolKey"], "hashSeed": rotated["hashSeed"]}
 
@@ -831,12 +868,16 @@ async def test_no_secret_value_leaves_its_secret(server, caplog):
             "s3-creds": {"accessKey": "AKIAUSERACCESSKEY", "secretKey": "user-s3-secret-key-0123456789"}}
     async with running_operator(server, settings):
         for name, values in user.items():
-            await send(server, "post", f"/api/v1/namespaces/{NS}/secrets", {"metadata": {"name": name}, "stringData": values})
+            await send(
+                server, "post", f"/api/v1/namespaces/{NS}/secrets", {"metadata": {"name": name}, "stringData": values}
+            )
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         await send(server, "post", POOLS_URL, load_example("tiered-external"))
         for name in ("tiered-full", "tiered-external"):
-            await eventually(lambda: (live(server, POOLS, NS, name) or {}).get("status", {}).get("observedGeneration"),
-                             message=f"{name} reconciled")
+            await eventually(
+                lambda name=name: (live(server, POOLS, NS, name) or {}).get("status", {}).get("observedGeneration"),
+                message=f"{name} reconciled",
+            )
     values = [v for (res, _, _), obj in server.objects.items() if res.plural == "secrets" and not obj.deleted
               for v in secret_data(obj.raw).values()]
     # the user's (tiered-full's Hugging Face token among them), both pools' keys, Redis, MinIO credentials

@@ -93,7 +93,9 @@ def test_every_pod_is_restricted_except_where_a_hostpath_tier_needs_privileged(n
             assert level(pod) == "restricted", (pod_name, baseline_violations(pod), restricted_violations(pod))
 
 
-@pytest.mark.parametrize("volume", [{"emptyDir": {}}, {"ephemeral": {}}, {"persistentVolumeClaim": {"claimName": "kv"}}])
+@pytest.mark.parametrize(
+    "volume", [{"emptyDir": {}}, {"ephemeral": {}}, {"persistentVolumeClaim": {"claimName": "kv"}}]
+)
 def test_per_pod_and_claimed_volumes_keep_the_engines_restricted(volume):
     pool = load_example("tiered-full")
     pool["spec"]["tiers"]["disk"]["volume"] = volume
@@ -116,7 +118,6 @@ def test_the_checker_sees_what_it_must():
 
 
 def test_the_operator_pod_of_the_chart_is_restricted():
-    from tests.operator.chartkit import one
-    from tests.operator.chartkit import render as helm_render
+    from tests.operator.chartkit import one, render as helm_render
 
     assert level(one(helm_render(), "Deployment")["spec"]["template"]["spec"]) == "restricted"

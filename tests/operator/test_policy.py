@@ -73,8 +73,14 @@ def test_load_pool_applies_the_policy():
 
 
 def test_settings_read_lists_and_booleans_from_the_environment():
-    s = Settings.from_env({"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt/nvme0, /data/", "KVPOOL_ALLOW_EXTERNAL_BACKENDS":
-                           "false", "KVPOOL_ALLOWED_IMAGE_PREFIXES": "registry.example/", "KVPOOL_ENGINE_RUN_AS_USER": "5"})
+    s = Settings.from_env(
+        {
+            "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt/nvme0, /data/",
+            "KVPOOL_ALLOW_EXTERNAL_BACKENDS": "false",
+            "KVPOOL_ALLOWED_IMAGE_PREFIXES": "registry.example/",
+            "KVPOOL_ENGINE_RUN_AS_USER": "5",
+        }
+    )
     assert s.allowed_host_path_prefixes == ("/mnt/nvme0", "/data") and s.allow_external_backends is False
     assert s.allowed_image_prefixes == ("registry.example/",) and s.engine_run_as_user == 5
     with pytest.raises(ValueError, match="connector_image"):

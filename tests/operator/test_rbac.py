@@ -4,6 +4,7 @@ test_operator_e2e.py checks them against the requests the real operator sends)."
 from __future__ import annotations
 
 from kvpool_operator import models
+from kvpool_operator.kinds import CHILD_KINDS, enabled
 from kvpool_operator.kube import PLURALS
 from kvpool_operator.rbac import (
     OPTIONAL_RULES,
@@ -13,7 +14,6 @@ from kvpool_operator.rbac import (
     router_binding_rule,
     rules_for,
 )
-from kvpool_operator.kinds import CHILD_KINDS, enabled
 from kvpool_operator.render import render
 from kvpool_operator.settings import Settings
 from tests.operator.conftest import load_example
@@ -114,7 +114,9 @@ def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
         assert not allows("rbac.authorization.k8s.io", resource, "escalate", rules_for(Settings()))
         assert not any(allows("rbac.authorization.k8s.io", resource, verb, rules_for(Settings()), name="x")
                        for verb in ("create", "patch", "bind"))
-    assert not any(r in rule["resources"] for rule in RBAC_RULES for r in ("roles", "clusterroles", "clusterrolebindings"))
+    assert not any(
+        r in rule["resources"] for rule in RBAC_RULES for r in ("roles", "clusterroles", "clusterrolebindings")
+    )
 
 
 def test_every_child_kind_can_be_applied_and_pruned():

@@ -23,8 +23,8 @@ import redis
 import yaml
 
 from kvpool_connector.store import open_store
-from kvpool_dev.testbed.servers import free_port, wait_port
 from kvpool_dev.golden import GOLDEN_SETTINGS
+from kvpool_dev.testbed.servers import free_port, wait_port
 from kvpool_operator.render import render
 from tests.conftest import skip_or_fail
 from tests.operator.conftest import load_example

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator import models
 from kvpool_dev.golden import examples, golden_text
+from kvpool_operator import models
 from kvpool_operator.render import InvalidPool, load_pool, render, render_pool
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION
 from kvpool_operator.settings import Settings
@@ -106,13 +106,22 @@ def test_tiered_full_connector_contract(settings):
     assert volumes["kv-disk"]["hostPath"] == {"path": "/mnt/nvme0", "type": "Directory"}
     assert volumes["kvpool-config"]["configMap"]["name"] == "tiered-full-kvpool"
     kinds = sorted((x["kind"], x["metadata"]["name"]) for x in m)
-    assert kinds == sorted([
-        ("Secret", "tiered-full-kvpool-keys"), ("Secret", "tiered-full-redis"), ("Secret", "tiered-full-minio"), ("ConfigMap", "tiered-full-kvpool"),
-        ("StatefulSet", "tiered-full-redis"), ("Service", "tiered-full-redis"),
-        ("StatefulSet", "tiered-full-minio"), ("Service", "tiered-full-minio"),
-        ("NetworkPolicy", "tiered-full-backends"), ("Deployment", "tiered-full"), ("Service", "tiered-full"),
-        ("PodDisruptionBudget", "tiered-full"),
-    ])
+    assert kinds == sorted(
+        [
+            ("Secret", "tiered-full-kvpool-keys"),
+            ("Secret", "tiered-full-redis"),
+            ("Secret", "tiered-full-minio"),
+            ("ConfigMap", "tiered-full-kvpool"),
+            ("StatefulSet", "tiered-full-redis"),
+            ("Service", "tiered-full-redis"),
+            ("StatefulSet", "tiered-full-minio"),
+            ("Service", "tiered-full-minio"),
+            ("NetworkPolicy", "tiered-full-backends"),
+            ("Deployment", "tiered-full"),
+            ("Service", "tiered-full"),
+            ("PodDisruptionBudget", "tiered-full"),
+        ]
+    )
 
 
 @pytest.mark.parametrize("name", example_ids())
@@ -209,7 +218,11 @@ def test_kvpool_offloading_spec_is_what_vllm_loads():
     assert set(values) == set(native_spec.WORKER_CHOICES) and native_spec.WORKER_KEY == "offload_worker"
 
 
-KVPOOL_TIER = {"type": "kvpool", "module_path": "kvpool_connector.vllm_tiers", "config_file": "/etc/kvpool/connector.yaml"}
+KVPOOL_TIER = {
+    "type": "kvpool",
+    "module_path": "kvpool_connector.vllm_tiers",
+    "config_file": "/etc/kvpool/connector.yaml",
+}
 
 
 def test_native_disk_is_kvpools_sealed_tier_keyed_by_the_pool_key(settings):
@@ -302,7 +315,9 @@ def test_common_engine_properties(settings):
 
 
 def test_engines_run_as_the_configured_non_root_user(settings):
-    custom = settings.model_copy(update={"engine_run_as_user": 4242, "engine_run_as_group": 4343, "engine_fs_group": 4444})
+    custom = settings.model_copy(
+        update={"engine_run_as_user": 4242, "engine_run_as_group": 4343, "engine_fs_group": 4444}
+    )
     pod = engines(rendered("tiered-emptydir", custom))["spec"]["template"]["spec"]
     sc = pod["securityContext"]
     assert (sc["runAsNonRoot"], sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (True, 4242, 4343, 4444)
@@ -366,13 +381,21 @@ def test_managed_redis_settings(settings):
     assert "--requirepass" not in args
     assert not [a for a in redis["command"] + args for e in redis["env"] if f"$({e['name']})" in a]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in redis["env"]}
-    assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == {"secretKeyRef": {"name": "tiered-full-redis", "key": "password"}}
+    assert (
+        env["REDIS_PASSWORD"]
+        == env["REDISCLI_AUTH"]
+        == {"secretKeyRef": {"name": "tiered-full-redis", "key": "password"}}
+    )
     assert env["REDIS_ENGINE_PASSWORD"] == {"secretKeyRef": {"name": "tiered-full-redis", "key": "enginePassword"}}
     assert env["ENGINE_USER"] == "kvpool-engine"
-    assert env["ENGINE_ACL"] == ("resetkeys ~kvpool:kvpool.tiered-full:* resetchannels -@all +set +getrange +exists +unlink "
-                                 "+auth +hello +client|setinfo +ping +select")
+    assert env["ENGINE_ACL"] == (
+        "resetkeys ~kvpool:kvpool.tiered-full:* resetchannels -@all +set +getrange +exists +unlink "
+        "+auth +hello +client|setinfo +ping +select"
+    )
     assert redis["readinessProbe"]["exec"]["command"] == ["sh", "-c", "redis-cli -p 6379 ping | grep -q PONG"]
-    volumes = {v["name"]: v for v in by_kind(m, "StatefulSet", "tiered-full-redis")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {
+        v["name"]: v for v in by_kind(m, "StatefulSet", "tiered-full-redis")["spec"]["template"]["spec"]["volumes"]
+    }
     assert volumes["acl"]["emptyDir"]["medium"] == "Memory"  # password hashes never touch the node's disk
     engine_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in engine(m)["env"] if "valueFrom" in e}
     assert engine_env["KVPOOL_REDIS_PASSWORD"] == {"name": "tiered-full-redis", "key": "enginePassword"}
@@ -410,7 +433,9 @@ def test_a_renderer_that_fails_raises_invalid_pool_naming_it(settings):
     pool = load_pool(load_example("tiered-full"), settings)
     tiers = pool.spec.tiers.model_copy(update={"cpu": pool.spec.tiers.cpu.model_copy(update={"size": "0.3Ki"})})
     broken = dataclasses.replace(pool, spec=pool.spec.model_copy(update={"tiers": tiers}))
-    with pytest.raises(InvalidPool, match=r"^configmap: cannot render: size: .*0.3Ki.* is not a whole number of bytes$"):
+    with pytest.raises(
+        InvalidPool, match=r"^configmap: cannot render: size: .*0.3Ki.* is not a whole number of bytes$"
+    ):
         render_pool(broken)
 
 
@@ -423,8 +448,11 @@ def test_every_shared_store_is_keyed_by_the_pool_key(name, settings):
     if "connector.yaml" not in data:
         assert "KVPOOL_POOL_KEY" not in env
         return
-    assert mounted_store_config(m)["security"] == {"key_env": "KVPOOL_POOL_KEY", "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS",
-                                           "encrypt": False}
+    assert mounted_store_config(m)["security"] == {
+        "key_env": "KVPOOL_POOL_KEY",
+        "previous_key_env": "KVPOOL_POOL_KEY_PREVIOUS",
+        "encrypt": False,
+    }
     assert env["KVPOOL_POOL_KEY"]["valueFrom"] == {"secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "poolKey"}}
     assert env["KVPOOL_POOL_KEY_PREVIOUS"]["valueFrom"] == {
         "secretKeyRef": {"name": f"{name}-kvpool-keys", "key": "previousPoolKey", "optional": True}}
@@ -535,9 +563,17 @@ def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):
     from kvpool_operator.render.connector import STORE_NAMESPACE_MAX, store_namespace
 
     namespace = "n" * 40
-    names = [store_namespace(load_pool({**load_example("tiered-emptydir"), "metadata": {"name": "pool-" + "x" * 30 + tail}},
-                                       settings, namespace)) for tail in ("a", "b")]
-    for name, tail in zip(names, ("a", "b")):
+    names = [
+        store_namespace(
+            load_pool(
+                {**load_example("tiered-emptydir"), "metadata": {"name": "pool-" + "x" * 30 + tail}},
+                settings,
+                namespace,
+            )
+        )
+        for tail in ("a", "b")
+    ]
+    for name, tail in zip(names, ("a", "b"), strict=True):
         assert len(name) == STORE_NAMESPACE_MAX
         full = f"{namespace}.pool-{'x' * 30}{tail}"
         assert name == f"{full[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"

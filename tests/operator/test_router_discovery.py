@@ -102,13 +102,12 @@ def pod(name: str, labels: dict[str, str], ip: str, ready: bool) -> dict[str, An
 
 
 async def get_json(url: str) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as resp:
-            text = await resp.text()
-            try:
-                return resp.status, json.loads(text)
-            except ValueError:
-                return resp.status, text
+    async with aiohttp.ClientSession() as session, session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as resp:
+        text = await resp.text()
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text
 
 
 @contextlib.asynccontextmanager
@@ -179,10 +178,10 @@ async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clie
             assert body == {"status": "ready", "healthy_workers": 1, "total_workers": 1}, body
             assert (await get_json(f"{base}/liveness"))[0] == 200
 
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                                        json={"model": "m", "messages": [{"role": "user", "content": "hello"}]}) as resp:
-                    assert resp.status == 200, await resp.text()
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hello"}]}) as resp:
+                assert resp.status == 200, await resp.text()
             calls = [(path, auth) for path, auth in engine.seen if path != "/health"]
             assert ("/v1/chat/completions/render", f"Bearer {API_KEY}") in calls  # cache_aware tokenizes first
             assert ("/v1/chat/completions", f"Bearer {API_KEY}") in calls

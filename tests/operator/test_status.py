@@ -192,5 +192,6 @@ def test_a_reconcile_pass_reports_sizes_fit_and_still_applies(settings):
     kube = _RacedKube()
     outcome = reconcile(kube, pool, settings, T0)
     sizes = conds(outcome.status)["SizesFit"]
-    assert sizes["status"] == "False" and sizes["message"].startswith("spec.tiers.cpu.size: Deployment/p requests 5.0Ti")
+    assert sizes["status"] == "False"
+    assert sizes["message"].startswith("spec.tiers.cpu.size: Deployment/p requests 5.0Ti")
     assert "Deployment" in kube.applied and outcome.invalid is None

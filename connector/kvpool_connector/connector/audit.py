@@ -7,8 +7,9 @@ to its own file there:
     {"e": "save", "key": <hex>, "d": [<digest of block 0>, ...]}    one per saved chunk
     {"e": "load", "key": <hex>, "rows": [...], "d": [...]}           one per loaded chunk
 A save line is written when the chunk has been copied out, before it can be served to any
-load (from the save buffer or the store), so no load line ever precedes its save line. `check_audit` (used by the tests) compares them. The cost
-is one hash pass over every saved and loaded block, plus a gather after each load.
+load (from the save buffer or the store), so no load line ever precedes its save line.
+`check_audit` (used by the tests) compares them. The cost is one hash pass over every saved
+and loaded block, plus a gather after each load.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class KVAudit:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> "KVAudit | None":
+    def from_env(cls) -> KVAudit | None:
         directory = os.environ.get(AUDIT_ENV)
         return cls(directory) if directory else None
 
@@ -63,7 +64,7 @@ class KVAudit:
         counts = blocks if isinstance(blocks, list) else [blocks] * len(keys)
         self._write([{"e": "save", "key": k.hex(), "t": t,
                       "d": block_digests(layout, c, n)}
-                     for k, c, n in zip(keys, chunks, counts)])
+                     for k, c, n in zip(keys, chunks, counts, strict=True)])
 
     def loaded(self, layout: KVLayout, key: bytes, rows: list[int], paged: torch.Tensor) -> None:
         """`paged`: the destination blocks gathered back out of the paged cache after the load."""
@@ -88,7 +89,7 @@ def check_audit(directory: str | Path) -> tuple[int, list[str]]:
                 loads.append(rec)
     problems, n = [], 0
     for rec in loads:
-        for row, d in zip(rec["rows"], rec["d"]):
+        for row, d in zip(rec["rows"], rec["d"], strict=True):
             n += 1
             known = saves.get((rec["key"], row))
             if not known:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connector")
 
 
-def _tensor_parallel_rank_and_size(vllm_config: "VllmConfig",
+def _tensor_parallel_rank_and_size(vllm_config: VllmConfig,
                                    role: KVConnectorRole) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     if role != KVConnectorRole.WORKER or size == 1:
@@ -63,7 +63,7 @@ def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
     return cfg.model_copy(update={"metrics": False}) if cfg is not None else None
 
 
-def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
+def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
     try:
         layer = vllm_config.compilation_config.static_forward_context[layer_name]
         return layer.attn_backend.get_name()
@@ -76,8 +76,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = self._kv_transfer_config
         self.cfg: ConnectorConfig = load_connector_config(transfer_config.kv_connector_extra_config)
@@ -157,7 +157,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         m = self._connector_metadata
         return m if isinstance(m, KVPoolMetadata) else None
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self.worker is not None and meta is not None and meta.loads:
             self.worker.submit_loads(meta)
@@ -214,11 +214,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert self._kv_cache_manager is not None
         return list(self._kv_cache_manager.get_block_ids(req_id)[0])
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         if self.sched is not None:
             self.sched.request_record(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.sched is not None
         try:
@@ -227,11 +227,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.exception("kvpool: lookup failed for %s", request.request_id)
             return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
         assert self.sched is not None
         self.sched.after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
         """Split a hit between the local first tier (index) and the lower tiers."""
         if num_external_tokens <= 0 or self.sched is None:
@@ -268,7 +268,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         events = self.sched.events if self.sched is not None else None
         return events.take() if events is not None else ()
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
         return self.sched.finished(request, block_ids), None

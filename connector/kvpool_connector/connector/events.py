@@ -81,7 +81,7 @@ class KVEvents:
         self.pending: list[KVCacheEvent] = []
 
     # -- snapshots (while the request is alive) -----------------------------------------------
-    def remember(self, request: "Request", chunk: int, key: bytes) -> None:
+    def remember(self, request: Request, chunk: int, key: bytes) -> None:
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return
@@ -135,7 +135,7 @@ class KVEvents:
         for tier_type, is_stored, k in tier_events:
             (self.stored if is_stored else self.removed)(k, self.media.get(tier_type))
 
-    def take(self) -> list["KVCacheEvent"]:
+    def take(self) -> list[KVCacheEvent]:
         out, self.pending = self.pending, []
         return out
 

@@ -15,11 +15,10 @@ from these keys with the pool key, so they never appear in a shared tier.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import hashlib
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 

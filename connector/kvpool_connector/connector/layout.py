@@ -15,6 +15,7 @@ the chunk (`index_select` output). All layers of a chunk are one object: one lar
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class LayerView:
     # [num_blocks, words] view when each block is one contiguous run (fast path), else None
     flat: torch.Tensor | None = None
     # the same memory as a numpy array, for caches in host memory (see KVLayout.gather)
-    flat_np: "np.ndarray | None" = None
+    flat_np: np.ndarray | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -139,6 +140,7 @@ class KVLayout:
         off = 0
         for layer_kv in self.layers:
             nbytes = layer_kv.block_bytes * n
+            assert layer_kv.flat_np is not None  # callers check every layer has one
             yield layer_kv, raw[off:off + nbytes].view(layer_kv.flat_np.dtype).reshape(n, -1)
             off += nbytes
 
@@ -191,10 +193,10 @@ class KVLayout:
                 continue
             if layer_kv.flat is not None:
                 words = segment.view(layer_kv.flat.dtype).view(n_in_src, -1)
-                for j, b in zip(rows, block_ids):
+                for j, b in zip(rows, block_ids, strict=True):
                     layer_kv.flat[b].copy_(words[j], non_blocking=True)
             else:
-                for j, b in zip(rows, block_ids):
+                for j, b in zip(rows, block_ids, strict=True):
                     layer_kv.tensor.select(layer_kv.block_dim, b).copy_(
                         segment.select(layer_kv.block_dim, j), non_blocking=True)
 
@@ -210,9 +212,7 @@ def spec_fingerprint(kv_cache_config, model: str) -> str:
         for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
                      "cache_dtype_str", "page_size_bytes"):
             if hasattr(s, attr):
-                try:
+                with contextlib.suppress(Exception):  # a property that does not apply to this spec
                     fields.append(f"{attr}={getattr(s, attr)}")
-                except Exception:  # a property that does not apply to this spec
-                    pass
         parts.append(",".join(fields) + f",layers={len(g.layer_names)}")
     return ";".join(parts)

@@ -23,17 +23,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
 from .config import ConnectorConfig
 from .events import KVEvents
 from .keys import chunk_keys
-from .tails import find_tail, request_options, tail_candidates, tail_key
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
+from .tails import find_tail, request_options, tail_candidates, tail_key
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -111,7 +112,8 @@ class SchedulerSide:
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
         first_local = tier_class(cfg.tiers[0].type).local
-        local_bytes = cfg.tiers[0].size if first_local else 0
+        # a local tier's config has a size (Tier.local), which TierConfigBase cannot declare
+        local_bytes = cfg.tiers[0].size if first_local else 0  # type: ignore[attr-defined]
         self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
         # The index holds what the workers copied out and hand to a local first tier (cpu or
         # disk; a lower tier's own index may lag behind). With a remote first tier the
@@ -140,7 +142,8 @@ class SchedulerSide:
         types = [t.type for t in self.cfg.tiers]
         if not tier_class(types[0]).local:
             return
-        local = sum(t.size for t in self.cfg.tiers if tier_class(t.type).local)
+        local = sum(t.size for t in self.cfg.tiers  # type: ignore[attr-defined]  # as above
+                    if tier_class(t.type).local)
         self.events = KVEvents(types, self.block_size, self.blocks_per_chunk,
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
 
@@ -149,7 +152,7 @@ class SchedulerSide:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookups -----------------------------------------------------------------------
-    def request_record(self, request: "Request") -> _RequestRecord:
+    def request_record(self, request: Request) -> _RequestRecord:
         record = self.reqs.get(request.request_id)
         if record is None:
             record = self.reqs[request.request_id] = _RequestRecord(request)
@@ -169,11 +172,11 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def _isolated(self, request: "Request") -> bool:
+    def _isolated(self, request: Request) -> bool:
         """require_cache_salt: a request without a tenant salt neither reads nor writes."""
         return self.cfg.require_cache_salt and not getattr(request, "cache_salt", None)
 
-    def num_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def num_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.request_record(request)
         if not self.load_enabled or self._isolated(request):
             return 0, False
@@ -181,7 +184,7 @@ class SchedulerSide:
         now = time.monotonic()
         last = record.lookup
         if last and last[0] == len(hashes) and now - last[2] < LOOKUP_TTL_S:
-            hit = record.lookup[1]
+            hit = last[1]
         else:
             found = self._lookup(record, hashes, now)
             if found is None:
@@ -239,7 +242,7 @@ class SchedulerSide:
                 break
         return n
 
-    def after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         record = self.request_record(request)
         if num_external_tokens <= 0:
             return
@@ -269,10 +272,10 @@ class SchedulerSide:
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        for record in self.reqs.values():
-            if record.load is not None:
-                meta.loads.append(record.load)
-                record.load = None
+        for waiting in self.reqs.values():
+            if waiting.load is not None:
+                meta.loads.append(waiting.load)
+                waiting.load = None
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             record = self.reqs.get(req_id)
             if record is None:
@@ -377,7 +380,7 @@ class SchedulerSide:
             record.next_save = min(record.next_save, first)
             record.lookup = None
 
-    def finished(self, request: "Request", block_ids: list[int] | None = None) -> bool:
+    def finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """True: keep the blocks until the workers report their save copies done."""
         record = self.reqs.pop(request.request_id, None)
         if record is not None and block_ids is not None:
@@ -388,7 +391,7 @@ class SchedulerSide:
         self.await_saves.add(request.request_id)
         return True
 
-    def hit_sources(self, request: "Request") -> tuple[int, int]:
+    def hit_sources(self, request: Request) -> tuple[int, int]:
         """(chunks from the workers' local first tier, chunks from lower tiers) of the last
         lookup."""
         record = self.reqs.get(request.request_id)
@@ -396,7 +399,7 @@ class SchedulerSide:
             return 0, 0
         return record.hit_local_index, record.hit_chunks - record.hit_local_index
 
-    def tail_hit_local(self, request: "Request") -> bool:
+    def tail_hit_local(self, request: Request) -> bool:
         """Whether the last lookup's tail (if any) came from the workers' local first tier."""
         record = self.reqs.get(request.request_id)
         return record is not None and record.tail_local
@@ -417,7 +420,7 @@ class SchedulerSide:
         return request_options(record.request, self.cfg.save_decode_tokens,
                                self.cfg.tail_objects)
 
-    def _claimable_blocks(self, request: "Request") -> int:
+    def _claimable_blocks(self, request: Request) -> int:
         """Blocks a hit may cover: never the last prompt token (vLLM computes it to sample)."""
         return (request.num_tokens - 1) // self.block_size
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -84,7 +84,7 @@ def _add(into: dict, other: dict) -> None:
             _add(sub, v)
         elif isinstance(v, (list, tuple)):
             cur = into.get(k)
-            into[k] = ([a + b for a, b in zip(cur, v)] if isinstance(cur, list)
+            into[k] = ([a + b for a, b in zip(cur, v, strict=True)] if isinstance(cur, list)
                        and len(cur) == len(v) else list(v))
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             into[k] = into.get(k, 0) + v
@@ -137,7 +137,7 @@ def store_delta(prev: dict | None, now: dict) -> dict:
         for op, buckets in t.get("latency", {}).items():
             before = p.get("latency", {}).get(op) or [[0, 0.0]] * len(buckets)
             d = {str(i): [c - bc, s - bs] for i, ((c, s), (bc, bs))
-                 in enumerate(zip(buckets, before)) if c - bc > 0}
+                 in enumerate(zip(buckets, before, strict=True)) if c - bc > 0}
             if d:
                 latency.setdefault(tier, {})[op] = d
     out: dict = {}
@@ -182,7 +182,10 @@ class StoreSampler:
 
 @dataclass
 class KVPoolConnectorStats(KVConnectorStats):
-    def __post_init__(self):
+    if TYPE_CHECKING:  # KVConnectorStats' field (vLLM is not type-checked): metric -> label -> n,
+        data: dict[str, dict[str, Any]]  # the store's series nest store -> tier -> label
+
+    def __post_init__(self) -> None:
         if not isinstance(self.data, dict):
             self.data = {}
 
@@ -191,7 +194,7 @@ class KVPoolConnectorStats(KVConnectorStats):
             d = self.data.setdefault(metric, {})
             d[label] = d.get(label, 0) + value
 
-    def reset(self):
+    def reset(self) -> None:
         self.data = {}
 
     def merge(self, data: dict) -> None:

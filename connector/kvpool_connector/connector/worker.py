@@ -29,7 +29,9 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,14 +59,14 @@ IDLE_WAIT_S = 0.02
 class _PendingSave:
     job: SaveJob
     bufs: list[torch.Tensor]  # one pooled buffer per chunk
-    event: object | None  # CUDA event of the gather, None on CPU (copy already done)
+    event: Any  # torch.cuda.Event of the gather, None on CPU (copy already done)
     queued: bool = True   # False: the save queue was full, the save is dropped
     sizes: list[int] | None = None  # bytes per object when some are tails (shorter)
 
     def chunks(self) -> list[torch.Tensor]:
         if self.sizes is None:
             return self.bufs
-        return [b[:n] for b, n in zip(self.bufs, self.sizes)]
+        return [b[:n] for b, n in zip(self.bufs, self.sizes, strict=True)]
 
 
 @dataclass
@@ -95,7 +97,7 @@ class WorkerSide:
         self.layerwise = layerwise
         self.layout: KVLayout | None = None
         self.cuda = False
-        self.copy_stream = None
+        self.copy_stream: Any = None  # torch.cuda.Stream once registered on CUDA
         self._lock = threading.Lock()
         self._save_q: queue.Queue = queue.Queue(SAVE_QUEUE)
         self._load_q: queue.Queue = queue.Queue()
@@ -155,12 +157,12 @@ class WorkerSide:
                 # Order after this step's forward, copy on our own stream, never sync here.
                 self.copy_stream.wait_stream(torch.cuda.current_stream(layout.device))
                 with torch.cuda.stream(self.copy_stream):
-                    for buf, ids in zip(bufs, job.block_ids):
+                    for buf, ids in zip(bufs, job.block_ids, strict=True):
                         layout.gather(torch.tensor(ids, dtype=torch.long), buf)
                     event = torch.cuda.Event()
                     event.record(self.copy_stream)
             else:
-                for buf, ids in zip(bufs, job.block_ids):
+                for buf, ids in zip(bufs, job.block_ids, strict=True):
                     layout.gather(torch.tensor(ids, dtype=torch.long), buf)
             pending = _PendingSave(job, bufs, event)
             if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
@@ -191,6 +193,7 @@ class WorkerSide:
         on both cores, so each GIL handoff waited for the OS to preempt a spinning thread
         (see docs/connector.md, Hot path)."""
         job, objects = p.job, p.chunks()  # tails are shorter than a chunk
+        assert self.layout is not None and self._save_pool is not None  # set by register()
         try:
             landed = self.store.put_many(job.keys, objects)
         except Exception:  # a failing store degrades service, never the engine
@@ -236,6 +239,7 @@ class WorkerSide:
     def _mark_copied(self, p: _PendingSave) -> None:
         """The chunk left the paged KV cache: its blocks may be reused, and (served from its
         save buffer until the store holds it) it counts as stored right away."""
+        assert self.layout is not None and self._save_pool is not None  # saves follow register()
         if self.audit is not None and p.queued:
             self.audit.saved(self.layout, p.job.keys, p.chunks(),
                              [len(ids) for ids in p.job.block_ids])
@@ -281,6 +285,7 @@ class WorkerSide:
                 self._inc("kvpool_save_dropped_chunks", len(p.job.keys))
             finally:
                 self._unregister(p)  # loads copy from _pending under the lock: safe to reuse
+                assert self._save_pool is not None  # saves follow register()
                 self._save_pool.give(p.bufs)
 
     def preempted(self, req_ids: set[str]) -> None:
@@ -372,6 +377,7 @@ class WorkerSide:
 
     def _nbytes(self, c) -> int:
         """Bytes of the stored object a ChunkLoad reads (a tail holds fewer blocks)."""
+        assert self.layout is not None
         return self.layout.chunk_nbytes(c.n_blocks or self.blocks_per_chunk)
 
     def _read_batch(self, part: list, bufs: list[torch.Tensor]) -> list:
@@ -393,7 +399,7 @@ class WorkerSide:
         if rest:
             fetched = self.store.get_many_into([part[i].key for i in rest],
                                                [bufs[i] for i in rest])
-            for i, n in zip(rest, fetched):
+            for i, n in zip(rest, fetched, strict=True):
                 got[i] = n
         return [(c, bufs[i]) for i, c in enumerate(part) if got[i] == self._nbytes(c)]
 
@@ -401,7 +407,8 @@ class WorkerSide:
         """Copy verified chunks into their blocks: all layers at once, or layer by layer
         setting `layered`'s per-layer events (layerwise loads inside the forward)."""
         layout = self.layout
-        layers = range(len(layout.layers)) if layered is not None else [None]
+        assert layout is not None  # loads follow register()
+        layers: Sequence[int | None] = range(len(layout.layers)) if layered is not None else [None]
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         with ctx:
             for layer in layers:
@@ -410,19 +417,20 @@ class WorkerSide:
                                    c.block_ids, layer=layer)
                 if self.cuda:
                     self.copy_stream.synchronize()  # loader thread only; frees the buffers
-                if layer is not None:
+                if layer is not None and layered is not None:  # one implies the other
                     layered.layer_done[layer].set()
 
     def _audit_loads(self, good: list) -> None:
         """Read the loaded blocks back out of the paged cache for the KV audit."""
-        layout = self.layout
+        layout, audit = self.layout, self.audit
+        assert layout is not None and audit is not None  # called with an audit, after register()
         for c, _ in good:
             back = torch.empty(layout.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
                                pin_memory=self.cuda)
             layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
             if self.cuda:
                 self.copy_stream.synchronize()
-            self.audit.loaded(layout, c.key, c.rows, back)
+            audit.loaded(layout, c.key, c.rows, back)
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._sync_loads or self.layout is None:
@@ -525,10 +533,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._stop = True
         for q in (self._save_q, self._load_q):
-            try:
+            with contextlib.suppress(queue.Full):
                 q.put(None, timeout=1)
-            except queue.Full:
-                pass
         for t in self._threads:
             t.join(timeout=5)
         try:

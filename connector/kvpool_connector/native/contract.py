@@ -22,6 +22,7 @@ import importlib
 import inspect
 import logging
 import sys
+from types import FrameType
 
 import vllm
 from vllm.config import VllmConfig
@@ -93,7 +94,7 @@ def engine_vllm_config() -> VllmConfig | None:
     contract_problems and its source is watched. None: built some other way (a test of a
     tier alone)."""
     code = OffloadingConnector.__init__.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             cfg = frame.f_locals.get("vllm_config")

@@ -51,7 +51,7 @@ def plan_copies(paged_block_ids: np.ndarray, chunk_ids: np.ndarray, group_sizes,
     assert sum(group_sizes) == len(paged_block_ids), (group_sizes, len(paged_block_ids))
     out: list[GroupCopy] = []
     paged_at = chunk_at = 0
-    for group, (size, first_index) in enumerate(zip(group_sizes, block_indices)):
+    for group, (size, first_index) in enumerate(zip(group_sizes, block_indices, strict=True)):
         if size == 0:
             continue
         skip = int(first_index) % blocks_per_chunk
@@ -83,7 +83,7 @@ def runs(copy: GroupCopy, blocks_per_chunk: int) -> list[Run]:
     to consecutive sub-blocks of one chunk (a chunk's KV tensors are not adjacent in a host
     row, so a run never crosses chunks)."""
     out: list[Run] = []
-    for paged, host in zip(copy.paged.tolist(), copy.host.tolist()):
+    for paged, host in zip(copy.paged.tolist(), copy.host.tolist(), strict=True):
         chunk, sub = divmod(host, blocks_per_chunk)
         last = out[-1] if out else None
         if last is not None and last.chunk == chunk and paged == last.paged_start + \
@@ -99,14 +99,14 @@ class HostCopyWorker(OffloadingWorker):
     primary tier's per-tensor host views (`host_views[t]`: `(num_chunks, page_t *
     blocks_per_chunk)` int8), synchronously (see the module docstring)."""
 
-    def __init__(self, kv_caches: "CanonicalKVCaches", host_views: list[torch.Tensor],
+    def __init__(self, kv_caches: CanonicalKVCaches, host_views: list[torch.Tensor],
                  blocks_per_chunk: int, on_shutdown=None) -> None:
         assert len(host_views) == len(kv_caches.tensors)
         self.blocks_per_chunk = blocks_per_chunk
         self.group_refs = kv_caches.group_data_refs
         self._paged: list[np.ndarray] = []  # (num_blocks, page) int8
         self._host: list[np.ndarray] = []   # (num_chunks, blocks_per_chunk, page) int8
-        for canonical, host in zip(kv_caches.tensors, host_views):
+        for canonical, host in zip(kv_caches.tensors, host_views, strict=True):
             page = canonical.page_size_bytes
             paged = canonical.tensor  # vLLM registers (num_blocks, page) int8 block views
             assert paged.dtype == torch.int8 and paged.dim() == 2 and paged.shape[1] == page, \
@@ -125,7 +125,7 @@ class HostCopyWorker(OffloadingWorker):
         self._finished: list[TransferResult] = []
         self._on_shutdown = on_shutdown
 
-    def _copy(self, job_id: int, paged_spec: GPULoadStoreSpec, host_spec: "LoadStoreSpec",
+    def _copy(self, job_id: int, paged_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
               to_host: bool) -> bool:
         """One memcpy per run and KV tensor (torch's index_select/index_put_ over the same
         blocks is an order of magnitude slower)."""
@@ -152,10 +152,10 @@ class HostCopyWorker(OffloadingWorker):
     # -- vLLM's OffloadingWorker -----------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: "LoadStoreSpec") -> bool:
+                     dst_spec: LoadStoreSpec) -> bool:
         return self._copy(job_id, src_spec, dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: "LoadStoreSpec",
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
         return self._copy(job_id, dst_spec, src_spec, to_host=False)
 

@@ -60,13 +60,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     Locality,
+    LookupResult,
+    Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -94,7 +94,7 @@ LOAD_BATCH = 8              # chunks per store read of a load job
 SCRATCH_BYTES = 32 << 20    # receive buffers per load thread (at least one row)
 
 
-def engine_identity(vllm_config: "VllmConfig | None") -> dict[str, Any]:
+def engine_identity(vllm_config: VllmConfig | None) -> dict[str, Any]:
     """What of the engine's VllmConfig changes the KV of the same tokens, as the tiered
     connector's keys have it (connector/keys.py): vLLM's model config hash with hf_overrides
     (model, revision, quantization, dtype, ...), the prefix-hash algorithm and the vLLM
@@ -109,7 +109,7 @@ def engine_identity(vllm_config: "VllmConfig | None") -> dict[str, Any]:
             "vllm_version": vllm.__version__}
 
 
-def layout_identity(offloading_spec: "OffloadingSpec", chunk_bytes: int,
+def layout_identity(offloading_spec: OffloadingSpec, chunk_bytes: int,
                     engine: dict[str, Any]) -> dict[str, Any]:
     """What must match for two engines to exchange a chunk: vLLM's own `FileMapper` fields
     (model, dtype, tokens per hash, blocks per chunk, KV groups, parallelism), the byte size
@@ -162,7 +162,7 @@ def secondary_tier_store_config(options: dict[str, Any]):
 class _KVPoolLookup(AsyncLookupManager):
     """Existence checks off the scheduler thread, one batched store call per request."""
 
-    def __init__(self, tier: "KVPoolTier", tier_type: str) -> None:
+    def __init__(self, tier: KVPoolTier, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
 
@@ -185,14 +185,14 @@ class KVPoolTier(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         n_read_threads: int = 4,
         n_write_threads: int = 4,
         enable_kv_events: bool = False,
         locality: str | None = None,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -298,7 +298,7 @@ class KVPoolTier(SecondaryTierManager):
             # tiers), so the primary slots may be unpinned as soon as this job is reported
             landed = self.store.put_many([self.store_key(k) for k in keys],
                                          [self._row(c) for c in chunk_ids])
-            self._done[job_id] = [k for k, ok in zip(keys, landed) if ok]
+            self._done[job_id] = [k for k, ok in zip(keys, landed, strict=True) if ok]
             if not all(landed):
                 raise _JobFailed(f"{landed.count(False)} of {len(keys)} chunks not stored")
 

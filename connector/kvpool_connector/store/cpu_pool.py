@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 PARALLEL_MIN_BYTES = 1 << 20  # below this, a thread hand-off costs more than it saves
 

@@ -1,4 +1,4 @@
-"""Eviction policies of the capped tiers, in units (cpu: slots, disk: bytes).
+"""Eviction policies of the cpu tier, in slots (the disk tier keeps its own LRU index).
 
 A policy only orders keys; the tier owns the space. Protocol:
   admit(key)           before making room for a new key (ARC adapts to ghost hits here)
@@ -11,6 +11,18 @@ A policy only orders keys; the tier owns the space. Protocol:
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
+
+
+class Policy(Protocol):
+    """The protocol of the module docstring (LRU and ARC implement it)."""
+
+    def admit(self, key: bytes) -> None: ...
+    def insert(self, key: bytes, units: int) -> None: ...
+    def touch(self, key: bytes) -> None: ...
+    def victim(self) -> bytes | None: ...
+    def remove(self, key: bytes, evicted: bool = False) -> None: ...
+    def __len__(self) -> int: ...
 
 
 class LRU:
@@ -108,5 +120,5 @@ class ARC:
         return len(self.t1) + len(self.t2)
 
 
-def make_policy(name: str, capacity: int):
+def make_policy(name: str, capacity: int) -> Policy:
     return {"lru": LRU, "arc": ARC}[name](capacity)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class CallGuard:

@@ -10,13 +10,14 @@ blocking tier (disk, Redis, S3) run on a small pool with the store's deadline, e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Any
 
 from ..config import StoreConfig
 from .format import Record
@@ -181,6 +182,7 @@ class TierRunner:
         """Queue frozen records; a full queue (count or bytes) or a backing-off tier drops
         (counted), never blocks."""
         q = self.queue
+        assert q is not None, "enqueue on a tier without a write queue"
         if self.write_health.backing_off():
             self.stats.inc("drops", len(records))
             return
@@ -201,6 +203,7 @@ class TierRunner:
 
     def _work(self) -> None:
         q = self.queue
+        assert q is not None  # workers start only with a queue
         while True:
             item = q.get()
             batch = [item]
@@ -281,8 +284,6 @@ class TierRunner:
         d["reads_healthy"] = self.read_health.healthy
         d["queue_depth"] = self.queue.qsize() if self.queue is not None else 0
         d["queue_bytes"] = self._queued
-        try:
+        with contextlib.suppress(Exception):
             d.update(self.tier.usage())
-        except Exception:
-            pass
         return d

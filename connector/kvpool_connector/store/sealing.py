@@ -60,7 +60,7 @@ class PoolKey:
         self._names: dict[bytes, bytes] = {}
 
     @classmethod
-    def ephemeral(cls) -> "PoolKey":
+    def ephemeral(cls) -> PoolKey:
         """A random key for a store without shared tiers (its cpu tier lives in-process)."""
         return cls(os.urandom(32))
 
@@ -131,7 +131,7 @@ class Keyring:
     refuse_plaintext: bool = False  # MAC-only objects of a shared tier are misses
 
     @classmethod
-    def from_config(cls, security, needs_key: bool) -> "Keyring":
+    def from_config(cls, security, needs_key: bool) -> Keyring:
         """The keys a store config names; `needs_key`: the store has shared tiers."""
         cur = secret(security.key_env, security.key_file, "security.key")
         if cur is None:

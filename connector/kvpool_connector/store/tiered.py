@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ..config import StoreConfig, tier_names, transport_warnings
 from . import cpu_pool
@@ -58,7 +59,8 @@ class TieredStore:
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
         self.runners: list[TierRunner] = []
         try:
-            for i, (name, tier_cfg) in enumerate(zip(tier_names(cfg.tiers), cfg.tiers)):
+            names = tier_names(cfg.tiers)
+            for i, (name, tier_cfg) in enumerate(zip(names, cfg.tiers, strict=True)):
                 stats = TierStats(cfg.namespace, name, cfg.metrics)
                 tier = tier_class(tier_cfg.type)(
                     tier_cfg, cfg.namespace, stats,
@@ -71,7 +73,7 @@ class TieredStore:
         if cfg.metrics:
             USAGE.stores.add(self)
 
-    def usage_samples(self):
+    def usage_samples(self) -> Iterator[tuple[str, str, int | None, int]]:
         """(namespace, tier, used bytes or None, queue depth) per tier, for the usage gauges."""
         for r in self.runners:
             try:
@@ -81,7 +83,7 @@ class TieredStore:
             yield self.namespace, r.name, used, r.queue.qsize() if r.queue is not None else 0
 
     # -- helpers --------------------------------------------------------------------------
-    def _layout(self, layout) -> bytes:
+    def _layout(self, layout: Any) -> bytes:
         return self.layout if layout is None else layout_digest(layout)
 
     @staticmethod
@@ -96,7 +98,8 @@ class TieredStore:
     def _remaining(self, deadline: float) -> float:
         return deadline - time.monotonic()
 
-    def _record(self, key: bytes, layout_id: bytes, payload, pool_key: PoolKey) -> Record:
+    def _record(self, key: bytes, layout_id: bytes, payload: memoryview,
+                pool_key: PoolKey) -> Record:
         return Record(pool_key.object_name(key), layout_id, payload, key=pool_key,
                       encrypt=self.keyring.encrypt)
 
@@ -112,7 +115,8 @@ class TieredStore:
             return [False] * len(keys)
         layout_id = self._layout(layout)
         cur = self.keyring.current
-        records = [self._record(k, layout_id, to_view(p), cur) for k, p in zip(keys, payloads)]
+        records = [self._record(k, layout_id, to_view(p), cur)
+                   for k, p in zip(keys, payloads, strict=True)]
         self._remember_names(keys, records)
         return self._write(records)
 
@@ -149,8 +153,9 @@ class TieredStore:
                     break
                 if generation and not runner.tier.shared:
                     continue  # an in-process tier only ever held current-key objects
-                args: tuple = ([names[i] for i in pending], layout_id, pool_key)
+                args: tuple[Any, ...] = ([names[i] for i in pending], layout_id, pool_key)
                 wipe = None
+                fn: Callable[..., list[Record | None]]
                 if outs is None:
                     fn = runner.tier.get_many
                 else:
@@ -162,7 +167,7 @@ class TieredStore:
                 if res is None:  # the tier failed or is backing off: try the next one
                     continue
                 still = []
-                for i, rec in zip(pending, res):
+                for i, rec in zip(pending, res, strict=True):
                     if rec is not None and self._refused(runner, rec, outs, i):
                         rec = None
                     if rec is None:
@@ -271,7 +276,7 @@ class TieredStore:
                                       self._remaining(deadline))
                 if res is None:
                     continue
-                for i, ok in zip(idx, res):
+                for i, ok in zip(idx, res, strict=True):
                     if ok:
                         present[i] = True
                 while prefix < len(keys) and present[prefix]:
@@ -330,7 +335,7 @@ class TieredStore:
         if names is None:
             return
         with self._event_lock:
-            for k, rec in zip(keys, records):
+            for k, rec in zip(keys, records, strict=True):
                 names[rec.name] = k
                 names.move_to_end(rec.name)
             while len(names) > EVENT_NAMES_MAX:
@@ -359,11 +364,11 @@ class TieredStore:
         """The names the tiers store these keys under (current pool key)."""
         return [self.keyring.current.object_name(k) for k in self._check_keys(keys)]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "layout": self.layout.hex(),
                 "tiers": {r.name: r.snapshot() for r in self.runners}}
 
-    def telemetry(self) -> dict:
+    def telemetry(self) -> dict[str, Any]:
         """Everything the store's Prometheus series show, as plain data (totals since open
         and current gauges): `{"store", "tiers": {name: {"events", "bytes", "latency",
         "healthy", "queue_depth", "used_bytes", "shared"}}}`. The connector ships differences of it
@@ -395,8 +400,8 @@ class TieredStore:
         for r in self.runners:
             r.close()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

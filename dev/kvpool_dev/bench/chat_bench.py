@@ -19,6 +19,7 @@ benchmark, not a timed test: the numbers of one run, side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import shutil
@@ -54,7 +55,7 @@ class Settings:
     chunk_tokens: int = 256
 
     @staticmethod
-    def quick() -> "Settings":
+    def quick() -> Settings:
         return Settings(preset="tiny", conversations=3, turns=3, first_tokens=(300, 500),
                         new_tokens=(24, 40), answer_tokens=(8, 16), kv_cache_tokens=1536,
                         max_model_len=1536, cpu_tier="256Mi")
@@ -247,7 +248,7 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
 
         with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
             for k in range(s.turns):
-                list(pool.map(lambda c: one(c, k), range(len(work))))
+                list(pool.map(functools.partial(one, k=k), range(len(work))))
         d = delta(counters(server.metrics()), before)
         sources = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("cached:") and v}
         return summarize(arm, results, sources)

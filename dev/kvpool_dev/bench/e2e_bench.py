@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_dev.bench import kv_configs
-from kvpool_dev.testbed.oracle import logprobs_mismatch
 from kvpool_dev.bench.timed_connector import TIMING_ENV, read_timings
+from kvpool_dev.testbed.oracle import logprobs_mismatch
 
 FULL_SIZES = (2048, 8192, 16384)
 QUICK_SIZES = (512, 2048)

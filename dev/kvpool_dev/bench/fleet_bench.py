@@ -66,7 +66,7 @@ class Settings(DemoSettings):
     cpu_tier: str = "1Gi"
 
     @staticmethod
-    def quick() -> "Settings":
+    def quick() -> Settings:
         # one request at a time: the arrival order, and so round robin's choices, are fixed
         return Settings(preset="tiny", conversations=4, turns=2, doc_tokens=300,
                         question_tokens=24, max_tokens=8, kv_cache_tokens=1024,
@@ -262,7 +262,7 @@ class Fleet:
                                    log_path=workdir / f"engine-{i}.log")
                         for i in range(s.engines)]
 
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         errors: list[BaseException] = []
 
         def up(e):
@@ -319,12 +319,12 @@ def run_policy(fleet: Fleet, policy: str, workload: list[dict[str, Any]], s: Set
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
             for k in range(s.turns):
-                list(pool.map(lambda c: one(c, k), turn_order(len(workload), k, seed)))
+                list(pool.map(lambda c, k=k: one(c, k), turn_order(len(workload), k, seed)))
         wall = time.perf_counter() - t0
         routed = {k: v for k, v in counters(router.metrics()).items()
                   if k.startswith(("routed:", "decision:"))}
     engines: dict[str, float] = {}
-    for u, b in zip(urls, before):
+    for u, b in zip(urls, before, strict=True):
         for k, v in delta(_scrape(u), b).items():
             engines[k] = engines.get(k, 0.0) + v
     return turns, wall, engines, routed
@@ -335,7 +335,7 @@ def merge(passes: list[tuple[list[dict], float, dict, dict]]) -> tuple[list[dict
     turns = [t for p in passes for t in p[0]]
     totals: tuple[dict, dict] = ({}, {})
     for p in passes:
-        for total, part in zip(totals, p[2:]):
+        for total, part in zip(totals, p[2:], strict=True):
             for k, v in part.items():
                 total[k] = total.get(k, 0.0) + v
     return turns, sum(p[1] for p in passes), totals[0], totals[1]

@@ -327,7 +327,7 @@ class Bench:
                         fns[op][who](sp)
                         samples[(who, op)].append(len(sp) * self.size /
                                                   (time.perf_counter() - t0))
-        assert all(o == v for o, v in zip(outs, vals)), "read back wrong bytes"
+        assert all(o == v for o, v in zip(outs, vals, strict=True)), "read back wrong bytes"
         for v, store in stores.items():
             tier_stats = store.stats()["tiers"][tier["type"]]
             if any(tier_stats[k] for k in ("errors", "drops", "timeouts", "corrupt")):
@@ -369,7 +369,7 @@ class Bench:
         return (time.perf_counter() - t0) / reps * 1e6
 
     # -- baselines (same bytes, the plain way) --------------------------------------------
-    def baseline(self, kind: str, vals: list[memoryview]) -> tuple["Raw", dict]:
+    def baseline(self, kind: str, vals: list[memoryview]) -> tuple[Raw, dict]:
         n, size = len(vals), self.size
         if kind == "cpu":
             return RawMemory(vals, size), {"type": "cpu", "size": n * size, "slot_size": size}

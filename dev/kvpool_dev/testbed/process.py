@@ -5,14 +5,15 @@ leads one). One copy of what every service class needs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 
 def free_port() -> int:
@@ -27,16 +28,13 @@ def start(cmd: Sequence[str], log: Path | None = None, new_session: bool = False
     among the Popen arguments leaves only stderr to the log). With `new_session` the child
     leads its own process group, which `stop` ends whole (a vLLM server's engine-core and
     worker processes with it)."""
-    sink = open(log, "wb") if log is not None else None
-    out = sink if sink is not None else subprocess.DEVNULL
-    try:
+    # closed on return: the child holds its own copy of the descriptor
+    with open(log, "wb") if log is not None else contextlib.nullcontext() as sink:
+        out = sink if sink is not None else subprocess.DEVNULL
         stdout = popen.pop("stdout", out)
         return subprocess.Popen(cmd, stdout=stdout,
                                 stderr=subprocess.STDOUT if stdout is out else out,
                                 start_new_session=new_session, **popen)
-    finally:
-        if sink is not None:
-            sink.close()  # the child holds its own copy of the descriptor
 
 
 def _leads_group(proc: subprocess.Popen) -> bool:
@@ -117,7 +115,7 @@ class Service:
     proc: subprocess.Popen | None = None
     stop_timeout = 10.0  # seconds between SIGTERM and SIGKILL
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         raise NotImplementedError
 
     def stop(self) -> None:
@@ -137,7 +135,7 @@ class ServerProcess(Service):
     def __init__(self, cmd: Sequence[str], port: int, log: Path | None = None) -> None:
         self.cmd, self.port, self.log = list(cmd), port, log
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         self.proc = start(self.cmd, self.log)
         try:
             wait_port(self.port, proc=self.proc)

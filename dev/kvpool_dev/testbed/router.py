@@ -62,7 +62,7 @@ class VllmRouter(Service):
         return [router_binary(), *router_args(self.worker_urls, self.policy, self.port,
                                               self.prometheus_port), *self.extra_args]
 
-    def start(self, timeout: float = 120.0) -> "VllmRouter":
+    def start(self, timeout: float = 120.0) -> VllmRouter:
         self.proc = process.start(self.command(), self.log_path)
         try:
             if wait_healthy(self.base_url + "/health", self.proc, timeout, "vllm-router",

@@ -37,7 +37,7 @@ class RedisServer(Service):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found: run `make setup` (installs it with apt)")
@@ -99,7 +99,7 @@ class RedisCluster(Service):
             raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {out.stdout[-500:]} {out.stderr[-500:]}")
         return out.stdout
 
-    def start(self) -> "RedisCluster":
+    def start(self) -> RedisCluster:
         exe = shutil.which("redis-server")
         if exe is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server/redis-cli not found: run `make setup` (apt)")
@@ -108,7 +108,7 @@ class RedisCluster(Service):
         conf = self.workdir / "password.conf"  # requirepass from a file, not an argv
         conf.write_text(f"requirepass {self.password}\nmasterauth {self.password}\n")
         conf.chmod(0o600)
-        for port, bus_port in zip(self.ports, bus):
+        for port, bus_port in zip(self.ports, bus, strict=True):
             self.procs.append(process.start(
                 [exe, str(conf), "--port", str(port), "--bind", "127.0.0.1",
                  "--cluster-enabled", "yes", "--cluster-port", str(bus_port),
@@ -117,7 +117,7 @@ class RedisCluster(Service):
                  "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
                  "--proto-max-bulk-len", "512mb"]))
         try:
-            for port, proc in zip(self.ports, self.procs):
+            for port, proc in zip(self.ports, self.procs, strict=True):
                 wait_port(port, proc=proc)
             self._cli("--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                       "--cluster-replicas", "0", "--cluster-yes")
@@ -183,7 +183,7 @@ class S3Server(Service):
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}),
         )
 
-    def start(self, create_bucket: bool = True) -> "S3Server":
+    def start(self, create_bucket: bool = True) -> S3Server:
         env = dict(os.environ, **self.env())
         self.proc = process.start(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
@@ -218,7 +218,7 @@ class PrometheusServer(Service):
                                     "static_configs": [{"targets": self.targets,
                                                         "labels": self.labels}]}]}
 
-    def start(self) -> "PrometheusServer":
+    def start(self) -> PrometheusServer:
         exe = shutil.which("prometheus")
         if exe is None:
             raise RuntimeError("prometheus not found: run `make setup` (installs it with apt)")

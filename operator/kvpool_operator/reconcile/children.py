@@ -20,15 +20,15 @@ from kubernetes.client import ApiException
 from kubernetes.utils.quantity import parse_quantity
 
 from kvpool_operator import models, policy, validation
-from kvpool_operator.kube import Kube
 from kvpool_operator.kinds import SECRET, WATCHED, ChildKind, enabled
-from kvpool_operator.render import InvalidPool, Pool
+from kvpool_operator.kube import Kube
 from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, is_ours, plan_secret
+from kvpool_operator.render import InvalidPool, Pool
 from kvpool_operator.render.router import router_name
-from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.render.secretrefs import referenced_secrets
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
+from kvpool_operator.render.service import pool_endpoints
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import Observation, compute_status
 

@@ -19,8 +19,8 @@ from urllib3.exceptions import HTTPError
 from kvpool_operator import models
 from kvpool_operator.kinds import WATCHED
 from kvpool_operator.kube import Kube
-from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, refresh_status
 from kvpool_operator.naming import MANAGER, POOL_LABEL
+from kvpool_operator.reconcile.children import Outcome, is_subset, reconcile, refresh_status
 from kvpool_operator.settings import Settings
 
 FINALIZER = "kvpool.dev/finalizer"
@@ -42,11 +42,14 @@ def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions", []) if c.get("type") == ctype), {})
 
 
-def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous: dict[str, Any]) -> None:
+def _report(outcome: Outcome, body: kopf.Body, logger: kopf.Logger, previous: dict[str, Any]) -> None:
     """Kubernetes Events for what changed; warnings for invalid specs, insecure backends and
     sizes no node holds (once per message) and errors."""
     insecure = _condition(outcome.status, "BackendsSecure")
-    if insecure.get("status") == "False" and _condition(previous, "BackendsSecure").get("message") != insecure["message"]:
+    if (
+        insecure.get("status") == "False"
+        and _condition(previous, "BackendsSecure").get("message") != insecure["message"]
+    ):
         kopf.event(body, type="Warning", reason="InsecureBackend", message=insecure["message"])
     sizes = _condition(outcome.status, "SizesFit")
     if sizes.get("status") == "False" and _condition(previous, "SizesFit").get("message") != sizes["message"]:
@@ -57,7 +60,12 @@ def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous:
         kopf.event(body, type="Normal", reason="Pruned", message=f"deleted {pruned} (no longer rendered)")
     if outcome.invalid is not None:
         if _condition(previous, "ConfigValid").get("message") != outcome.invalid:
-            kopf.event(body, type="Warning", reason="InvalidSpec", message=f"{outcome.invalid}; existing children left untouched")
+            kopf.event(
+                body,
+                type="Warning",
+                reason="InvalidSpec",
+                message=f"{outcome.invalid}; existing children left untouched",
+            )
         logger.warning("invalid spec, children untouched: %s", outcome.invalid)
     for error in outcome.errors:
         kopf.event(body, type="Warning", reason="ApplyFailed", message=error)
@@ -66,7 +74,7 @@ def _report(outcome: Outcome, body: kopf.Body, logger: logging.Logger, previous:
 
 
 def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
-               logger: logging.Logger) -> None:
+               logger: kopf.Logger) -> None:
     try:
         outcome = reconcile(_kube(memo), dict(body), settings, now())
     except ApiException as exc:  # listing/reading failed: the API is unwell, retry with backoff
@@ -90,7 +98,7 @@ def _reconcile(settings: Settings, body: kopf.Body, patch: kopf.Patch, memo: kop
 def build_registry(settings: Settings, login: Callable[..., Any] | None = None) -> kopf.OperatorRegistry:
     """A fresh registry with every handler; `login` overrides how kopf reaches the API (tests)."""
     registry = kopf.OperatorRegistry()
-    resource = dict(group=models.GROUP, version=models.VERSION, plural=models.PLURAL)
+    resource = (models.GROUP, models.VERSION, models.PLURAL)
 
     @kopf.on.login(registry=registry)
     def login_fn(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -106,16 +114,16 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
         if memo.get("kube") is None:
             memo["kube"] = Kube.from_environment()
 
-    @kopf.on.create(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
-    @kopf.on.update(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
-    @kopf.on.resume(**resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
-    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+    @kopf.on.create(*resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
+    @kopf.on.update(*resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
+    @kopf.on.resume(*resource, registry=registry, backoff=settings.retry_delay, id="reconcile")
+    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
                      **_: Any) -> None:
         _reconcile(settings, body, patch, memo, logger)  # returns nothing: kopf would store it in status
 
-    @kopf.timer(**resource, registry=registry, interval=settings.reconcile_interval,
+    @kopf.timer(*resource, registry=registry, interval=settings.reconcile_interval,
                 initial_delay=settings.reconcile_interval, idle=None, id="drift")
-    def drift_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+    def drift_fn(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
                  **_: Any) -> None:
         if body.get("metadata", {}).get("deletionTimestamp"):
             return
@@ -124,9 +132,9 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
         except kopf.TemporaryError as exc:  # a timer retries on its own next tick
             logger.warning("drift correction incomplete: %s", exc)
 
-    child_labels = {"app.kubernetes.io/managed-by": MANAGER, POOL_LABEL: kopf.PRESENT}
+    child_labels: dict[str, Any] = {"app.kubernetes.io/managed-by": MANAGER, POOL_LABEL: kopf.PRESENT}
 
-    def child_status(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    def child_status(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
         """A child workload changed (pods became ready, a rollout finished): refresh the owner's status."""
         owner_name = body["metadata"]["labels"][POOL_LABEL]
         namespace = body["metadata"]["namespace"]
@@ -148,8 +156,8 @@ def build_registry(settings: Settings, login: Callable[..., Any] | None = None) 
         kopf.on.event(group, version, kind.plural, labels=child_labels, registry=registry,
                       id=f"status-{kind.plural}")(child_status)
 
-    @kopf.on.delete(**resource, registry=registry, optional=True, id="goodbye")
-    def goodbye(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    @kopf.on.delete(*resource, registry=registry, optional=True, id="goodbye")
+    def goodbye(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         logger.info("pool deleted; Kubernetes garbage-collects its children through ownerReferences")
 
     return registry

@@ -10,15 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_operator import models, policy
-from kvpool_operator.settings import Settings
-
-from kvpool_operator.naming import (  # noqa: F401  (re-exported for the renderers)
-    CHECKSUM_ANNOTATION,
-    GENERATE_ANNOTATION,
-    MANAGER,
-    MAX_POOL_NAME,
-    POOL_LABEL,
+from kvpool_operator.naming import (  # re-exported for the renderers (`X as X`)
+    CHECKSUM_ANNOTATION as CHECKSUM_ANNOTATION,
+    GENERATE_ANNOTATION as GENERATE_ANNOTATION,
+    MANAGER as MANAGER,
+    MAX_POOL_NAME as MAX_POOL_NAME,
+    POOL_LABEL as POOL_LABEL,
 )
+from kvpool_operator.settings import Settings
 
 CONFIG_DIR = "/etc/kvpool"
 CONFIG_FILE = f"{CONFIG_DIR}/connector.yaml"
@@ -106,7 +105,11 @@ class Pool:
         }
 
     def selector(self, component: str) -> dict[str, str]:
-        return {"app.kubernetes.io/instance": self.name, "app.kubernetes.io/component": component, POOL_LABEL: self.name}
+        return {
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/component": component,
+            POOL_LABEL: self.name,
+        }
 
     def meta(self, name: str, component: str, **extra: Any) -> dict[str, Any]:
         return {"name": name, "namespace": self.namespace, "labels": self.labels(component), **extra}

@@ -16,10 +16,15 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvpool_connector.config import (CpuTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig, SecurityConfig,
-                                     parse_size)
+from kvpool_connector.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisTierConfig,
+    S3TierConfig,
+    SecurityConfig,
+    parse_size,
+)
 from kvpool_connector.connector.config import ConnectorConfig
-
 from kvpool_operator.render.common import (
     CONFIG_FILE,
     DISK_PATH,
@@ -243,7 +248,7 @@ def secret_envs(pool: Pool) -> list[dict[str, Any]]:
         env.append(secret_env(S3_ACCESS_KEY_ENV, pool.minio, "engineAccessKey"))
         env.append(secret_env(S3_SECRET_KEY_ENV, pool.minio, "engineSecretKey"))
     elif tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
-        ref = tiers.s3.external.credentials_secret_ref
-        env.append(secret_env(S3_ACCESS_KEY_ENV, ref.name, ref.access_key_key))
-        env.append(secret_env(S3_SECRET_KEY_ENV, ref.name, ref.secret_key_key))
+        creds = tiers.s3.external.credentials_secret_ref
+        env.append(secret_env(S3_ACCESS_KEY_ENV, creds.name, creds.access_key_key))
+        env.append(secret_env(S3_SECRET_KEY_ENV, creds.name, creds.secret_key_key))
     return env

@@ -14,7 +14,6 @@ import json
 from typing import Any
 
 from kvpool_connector.config import parse_size
-
 from kvpool_operator import models
 from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
@@ -253,7 +252,7 @@ def engine_env(pool: Pool) -> list[dict[str, Any]]:
 def engine_volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, the container's mounts): the connector config, /dev/shm, HOME, the model's
     volume and Hugging Face cache, the disk tier and the backends' CAs."""
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "kvpool-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "home", "mountPath": HOME},

@@ -21,7 +21,6 @@ import json
 from typing import Any
 
 from kvpool_connector.config import parse_size
-
 from kvpool_operator import models
 from kvpool_operator.render.backends import (
     RESTRICTED_CONTAINER,
@@ -116,7 +115,7 @@ def render_minio(pool: Pool) -> list[dict[str, Any]]:
     if managed.storage_class_name:
         claim_spec["storageClassName"] = managed.storage_class_name
     scheme = "HTTPS" if managed.tls else "HTTP"
-    mounts = [{"name": "data", "mountPath": "/data"}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": "/data"}, {"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "mc", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},

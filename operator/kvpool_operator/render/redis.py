@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool_connector.config import parse_size
-
 from kvpool_operator import models
 from kvpool_operator.render.backends import (
     RESTRICTED_CONTAINER,
@@ -23,7 +22,13 @@ from kvpool_operator.render.backends import (
     backend_statefulset,
     pod_security,
 )
-from kvpool_operator.render.common import REDIS_ENGINE_USER, REDIS_KEY_PREFIX, REDIS_PORT, Pool, secret_env
+from kvpool_operator.render.common import (
+    REDIS_ENGINE_USER,
+    REDIS_KEY_PREFIX,
+    REDIS_PORT,
+    Pool,
+    secret_env,
+)
 from kvpool_operator.render.connector import store_namespace
 
 MAXMEMORY_FRACTION = 0.85
@@ -70,7 +75,8 @@ def render_redis(pool: Pool) -> list[dict[str, Any]]:
     maxmemory = int(parse_size(managed.memory) * MAXMEMORY_FRACTION)
     tls_cli = f"--tls --cacert {TLS_DIR}/ca.crt " if managed.tls else ""
     ping = f"redis-cli {tls_cli}-p {REDIS_PORT} ping | grep -q PONG"  # password from REDISCLI_AUTH
-    mounts = [{"name": "data", "mountPath": "/data"}, {"name": "acl", "mountPath": ACL_FILE.rpartition("/")[0]}]
+    mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": "/data"},
+                                    {"name": "acl", "mountPath": ACL_FILE.rpartition("/")[0]}]
     volumes: list[dict[str, Any]] = [
         {"name": "data", "emptyDir": {}},
         {"name": "acl", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},

@@ -61,7 +61,7 @@ def referenced_secrets(pool: Pool) -> list[SecretRef]:
         ref = tiers.redis.external.password_secret_ref
         refs.append(SecretRef("spec.tiers.redis.external.passwordSecretRef", ref.name, ref.key))
     if tiers.s3 and tiers.s3.external and tiers.s3.external.credentials_secret_ref:
-        ref = tiers.s3.external.credentials_secret_ref
+        creds = tiers.s3.external.credentials_secret_ref
         field = "spec.tiers.s3.external.credentialsSecretRef"
-        refs += [SecretRef(field, ref.name, ref.access_key_key), SecretRef(field, ref.name, ref.secret_key_key)]
+        refs += [SecretRef(field, creds.name, creds.access_key_key), SecretRef(field, creds.name, creds.secret_key_key)]
     return refs

@@ -16,9 +16,15 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from kvpool_dev.testbed.kv_events import decode_batch
-from tests.connector.connector.helpers import (BPC, BS, PREFIX, allocate, make_request,
-                                               scheduler_output)
 from tests.conftest import SECURITY
+from tests.connector.connector.helpers import (
+    BPC,
+    BS,
+    PREFIX,
+    allocate,
+    make_request,
+    scheduler_output,
+)
 
 CHUNK = 64 * 1024
 
@@ -67,7 +73,7 @@ def _saved_keys(sched, req) -> list[bytes]:
     allocate(sched, req, 0)
     saves = sched.build_meta(scheduler_output({req.request_id: req.num_tokens})).saves
     # the chunks, not the prompt's tail object (not announced: no vLLM block maps to it)
-    return [k for s in saves for k, kind in zip(s.keys, s.kinds) if kind != "tail"]
+    return [k for s in saves for k, kind in zip(s.keys, s.kinds, strict=True) if kind != "tail"]
 
 
 def test_a_saved_chunk_is_announced_like_vllms_own_blocks(sched):

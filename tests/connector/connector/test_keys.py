@@ -43,7 +43,7 @@ def test_a_changed_token_changes_its_chunk_and_every_later_one():
     b[300] += 1  # inside chunk 1 (tokens 256..511)
     ka = chunk_keys(SPACE.prefix(), _block_hashes(a), 2)
     kb = chunk_keys(SPACE.prefix(), _block_hashes(b), 2)
-    assert ka[0] == kb[0] and all(x != y for x, y in zip(ka[1:], kb[1:]))
+    assert ka[0] == kb[0] and all(x != y for x, y in zip(ka[1:], kb[1:], strict=True))
 
 
 def test_key_space_separates_models_layouts_dtypes_and_ranks():

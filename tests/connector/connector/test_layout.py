@@ -49,19 +49,19 @@ def _caches(make, n_layers=3):
 @pytest.mark.parametrize("make", LAYOUTS, ids=lambda f: f.__name__.strip("_"))
 def test_gather_then_scatter_restores_exactly_those_blocks(make):
     src = _caches(make)
-    lay = KVLayout(src, list(src), NUM_BLOCKS, "TEST")
+    src_layout = KVLayout(src, list(src), NUM_BLOCKS, "TEST")
     ids = torch.tensor([7, 2, 9])
-    buf = torch.empty(lay.chunk_nbytes(3), dtype=torch.uint8)
-    lay.gather(ids, buf)
+    buf = torch.empty(src_layout.chunk_nbytes(3), dtype=torch.uint8)
+    src_layout.gather(ids, buf)
 
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    lay2 = KVLayout(dst, list(dst), NUM_BLOCKS, "TEST")
-    assert lay2.fingerprint() == lay.fingerprint()
+    dst_layout = KVLayout(dst, list(dst), NUM_BLOCKS, "TEST")
+    assert dst_layout.fingerprint() == src_layout.fingerprint()
     new_ids = torch.tensor([0, 5, 11])
-    lay2.scatter(buf, 3, [0, 1, 2], new_ids.tolist())
+    dst_layout.scatter(buf, 3, [0, 1, 2], new_ids.tolist())
     for name in src:
-        v2 = lay2.layers[lay2.layer_index(name)]
-        v1 = lay.layers[lay.layer_index(name)]
+        v2 = dst_layout.layers[dst_layout.layer_index(name)]
+        v1 = src_layout.layers[src_layout.layer_index(name)]
         got = v2.tensor.index_select(v2.block_dim, new_ids)
         want = v1.tensor.index_select(v1.block_dim, ids)
         assert torch.equal(got, want)
@@ -71,12 +71,12 @@ def test_gather_then_scatter_restores_exactly_those_blocks(make):
 
 def test_partial_rows_and_single_layer_scatter():
     src = _caches(_cpu_attn)
-    lay = KVLayout(src, list(src), NUM_BLOCKS)
-    buf = torch.empty(lay.chunk_nbytes(2), dtype=torch.uint8)
-    lay.gather(torch.tensor([3, 4]), buf)
+    src_layout = KVLayout(src, list(src), NUM_BLOCKS)
+    buf = torch.empty(src_layout.chunk_nbytes(2), dtype=torch.uint8)
+    src_layout.gather(torch.tensor([3, 4]), buf)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    lay2 = KVLayout(dst, list(dst), NUM_BLOCKS)
-    lay2.scatter(buf, 2, [1], [8], layer=1)  # 2nd block, layer 1
+    dst_layout = KVLayout(dst, list(dst), NUM_BLOCKS)
+    dst_layout.scatter(buf, 2, [1], [8], layer=1)  # 2nd block, layer 1
     name1 = list(src)[1]
     assert torch.equal(dst[name1][8], src[name1][4])
     assert not dst[list(src)[0]].any() and not dst[list(src)[2]].any()
@@ -85,9 +85,9 @@ def test_partial_rows_and_single_layer_scatter():
 
 def test_payload_is_layer_major_one_contiguous_object():
     src = _caches(_cpu_attn, n_layers=2)
-    lay = KVLayout(src, list(src), NUM_BLOCKS)
-    buf = torch.empty(lay.chunk_nbytes(2), dtype=torch.uint8)
-    lay.gather(torch.tensor([1, 6]), buf)
+    layout = KVLayout(src, list(src), NUM_BLOCKS)
+    buf = torch.empty(layout.chunk_nbytes(2), dtype=torch.uint8)
+    layout.gather(torch.tensor([1, 6]), buf)
     per_layer = src["model.layers.0.attn"][0].numel() * 4 * 2
     first = buf[:per_layer].view(torch.float32).view(2, *src["model.layers.0.attn"].shape[1:])
     assert torch.equal(first[1], src["model.layers.0.attn"][6])
@@ -113,8 +113,8 @@ def test_block_dim_discovery():
 
 def test_layers_sharing_one_tensor_are_stored_once():
     t = _cpu_attn()
-    lay = KVLayout({"a": t, "b": t}, ["a", "b"], NUM_BLOCKS)
-    assert len(lay.layers) == 1 and lay.layer_index("a") == 0
+    layout = KVLayout({"a": t, "b": t}, ["a", "b"], NUM_BLOCKS)
+    assert len(layout.layers) == 1 and layout.layer_index("a") == 0
 
 
 def test_payload_bytes_do_not_depend_on_physical_strides():

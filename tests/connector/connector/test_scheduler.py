@@ -9,8 +9,15 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from tests.conftest import SECURITY
-from tests.connector.connector.helpers import (BPC, BS, PREFIX, allocate, make_request,
-                                               scheduler_output)
+from tests.connector.connector.helpers import (
+    BPC,
+    BS,
+    PREFIX,
+    allocate,
+    make_request,
+    scheduler_output,
+)
+
 
 def test_cold_request_plans_saves_of_complete_prompt_chunks_only(side):
     req = make_request("r1", 1000)  # 7 full blocks: 3 complete chunks + a tail

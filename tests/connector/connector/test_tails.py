@@ -10,7 +10,13 @@ from vllm.v1.request import RequestStatus
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.tails import is_tail_key, request_options, tail_key
-from tests.connector.connector.helpers import BPC, BS, PREFIX, allocate, make_request, scheduler_output
+from tests.connector.connector.helpers import (
+    BPC,
+    PREFIX,
+    allocate,
+    make_request,
+    scheduler_output,
+)
 
 TAILS = {"tail_objects": True}
 

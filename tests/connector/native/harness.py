@@ -10,8 +10,9 @@ import hashlib
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -199,10 +200,10 @@ class RowEngine(SchedulerHalf):
         return self.rows[int(chunk_id) * self.row_bytes:(int(chunk_id) + 1) * self.row_bytes]
 
     def offload(self, keys: list[bytes], data: list[bytes]) -> None:
-        super().offload(keys, dict(zip(keys, data)))
+        super().offload(keys, dict(zip(keys, data, strict=True)))
 
     def copy_in(self, prepared, by_key: dict) -> None:
-        for key, chunk_id in zip(prepared.keys_to_store, prepared.store_spec.block_ids):
+        for key, chunk_id in zip(prepared.keys_to_store, prepared.store_spec.block_ids, strict=True):
             self.row(chunk_id)[:] = by_key[key]
 
     def load(self, keys: list[bytes], timeout: float = 20.0) -> list[bytes]:
@@ -217,7 +218,7 @@ class RowEngine(SchedulerHalf):
         self.rows.release()
         (self.connector or self.manager).shutdown()
 
-    def __enter__(self) -> "RowEngine":
+    def __enter__(self) -> RowEngine:
         return self
 
     def __exit__(self, *exc) -> None:

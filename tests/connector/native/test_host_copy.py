@@ -89,9 +89,9 @@ def test_store_then_load_is_byte_exact_and_touches_nothing_else():
         return views[t][chunk, j * pages[t]:(j + 1) * pages[t]]
 
     for t in (0, 1):  # chunk 6 sub-block 1 <- block 3, chunk 2 <- blocks 5, 9
-        for (chunk, j), block in zip([(6, 1), (2, 0), (2, 1)], [3, 5, 9]):
+        for (chunk, j), block in zip([(6, 1), (2, 0), (2, 1)], [3, 5, 9], strict=True):
             assert torch.equal(sub_block(t, chunk, j), src.tensors[t][block])
-    for (chunk, j), block in zip([(0, 0), (0, 1)], [4, 8]):
+    for (chunk, j), block in zip([(0, 0), (0, 1)], [4, 8], strict=True):
         assert torch.equal(sub_block(2, chunk, j)[:160], src.tensors[2][block][:160])
         assert (sub_block(2, chunk, j)[160:] == 7).all()  # padding is not KV: not copied
     written = (region != before).nonzero().numel()
@@ -103,9 +103,9 @@ def test_store_then_load_is_byte_exact_and_touches_nothing_else():
     assert loader.submit_load(12, host, GPULoadStoreSpec([0, 1, 2, 7, 15], [3, 2], [1, 0]))
     assert [r.job_id for r in loader.get_finished()] == [12]
     for t, blocks in ((0, [3, 5, 9]), (1, [3, 5, 9])):
-        for new, old in zip([0, 1, 2], blocks):
+        for new, old in zip([0, 1, 2], blocks, strict=True):
             assert torch.equal(dst.tensors[t][new], src.tensors[t][old])
-    for new, old in zip([7, 15], [4, 8]):
+    for new, old in zip([7, 15], [4, 8], strict=True):
         assert torch.equal(dst.tensors[2][new][:160], src.tensors[2][old][:160])
         assert torch.equal(dst.tensors[2][new][160:], untouched[2][new][160:])
     for t in range(3):  # blocks the load did not name are untouched

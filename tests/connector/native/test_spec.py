@@ -144,7 +144,7 @@ def test_a_second_engine_loads_the_paged_kv_the_first_offloaded_through_redis(
     try:
         into = list(range(12, 24))
         assert second.load(keys, into) == 3
-        for t, expect in zip(second.paged.tensors, saved):
+        for t, expect in zip(second.paged.tensors, saved, strict=True):
             assert torch.equal(t[into], expect)
         assert second.load(chunk_keys("never-stored", 2), into) == 0
     finally:

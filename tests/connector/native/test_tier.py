@@ -10,6 +10,8 @@ worker would move. Everything else runs as in an engine.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -181,8 +183,7 @@ def test_store_series_reach_vllms_offloading_prometheus_metrics(redis_options, n
         assert b.load(keys) == data
         stats = b.manager.get_stats()
     reg = CollectorRegistry()
-    types = {cls: (lambda cls: lambda **kw: cls(registry=reg, **kw))(cls)
-             for cls in (Counter, Gauge, Histogram)}
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
 
     class _Cfg:
         kv_transfer_config = KVTransferConfig(

@@ -104,14 +104,14 @@ class Tier:
 
     def fill(self, chunk_ids) -> list[bytes]:
         data = [os.urandom(ROW) for _ in chunk_ids]
-        for c, d in zip(chunk_ids, data):
+        for c, d in zip(chunk_ids, data, strict=True):
             self.rows[c] = np.frombuffer(d, dtype=np.uint8)
         return data
 
     def close(self) -> None:
         self.tier.shutdown()
 
-    def __enter__(self) -> "Tier":
+    def __enter__(self) -> Tier:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from kvpool_connector.store import open_store
-from tests.conftest import SECURITY
 from kvpool_connector.store.eviction import ARC, LRU
+from tests.conftest import SECURITY
 
 SLOT = 64 * 1024
 

@@ -29,7 +29,7 @@ def bounded(fn, *args):
     t0 = time.monotonic()
     res = fn(*args)
     elapsed = time.monotonic() - t0
-    assert elapsed < BOUND, f"{fn.__name__} took {elapsed:.2f}s"
+    assert elapsed < BOUND, f"{getattr(fn, 'func', fn).__name__} took {elapsed:.2f}s"
     return res
 
 

@@ -8,25 +8,30 @@ import struct
 
 import pytest
 import xxhash
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from kvpool_connector.store.format import (FIXED_SIZE, Record, Status, layout_digest, open_blob,
-                                           to_view)
+from kvpool_connector.store.format import (
+    FIXED_SIZE,
+    Record,
+    Status,
+    layout_digest,
+    open_blob,
+    to_view,
+)
 from kvpool_connector.store.sealing import PoolKey
 
 NAME = bytes(range(32))
-LAY = layout_digest(b"model|bf16|layout-A")
+LAYOUT_ID = layout_digest(b"model|bf16|layout-A")
 KEY = PoolKey(b"k" * 43)
 MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes-gcm"])
 
 
-def blob(payload: bytes, name: bytes = NAME, layout: bytes = LAY, key: PoolKey = KEY,
+def blob(payload: bytes, name: bytes = NAME, layout: bytes = LAYOUT_ID, key: PoolKey = KEY,
          encrypt: bool = False) -> bytes:
     return bytes(Record(name, layout, memoryview(payload), key=key, encrypt=encrypt).freeze().blob)
 
 
-def status(b, name=NAME, layout=LAY, key=KEY, out=None) -> Status:
+def status(b, name=NAME, layout=LAYOUT_ID, key=KEY, out=None) -> Status:
     return open_blob(b, name, layout, key, out)[0]
 
 
@@ -35,18 +40,18 @@ def test_round_trip_and_sizes(encrypt):
     payload = os.urandom(10_000)
     b = blob(payload, encrypt=encrypt)
     assert len(b) == FIXED_SIZE + len(NAME) + len(payload) + 16
-    st_, rec = open_blob(b, NAME, LAY, KEY)
-    assert st_ is Status.OK and bytes(rec.payload) == payload
+    result, rec = open_blob(b, NAME, LAYOUT_ID, KEY)
+    assert result is Status.OK and bytes(rec.payload) == payload
     out = bytearray(len(payload) + 5)
-    st_, rec = open_blob(b, NAME, LAY, KEY, memoryview(out))
-    assert st_ is Status.OK and out[:len(payload)] == payload
+    result, rec = open_blob(b, NAME, LAYOUT_ID, KEY, memoryview(out))
+    assert result is Status.OK and out[:len(payload)] == payload
     assert status(blob(b"", encrypt=encrypt)) is Status.OK
     assert (payload in b) is not encrypt  # encrypted: the plaintext is nowhere in the object
 
 
 def test_parts_send_the_payload_without_a_copy():
     payload = bytearray(os.urandom(1000))
-    rec = Record(NAME, LAY, memoryview(payload), key=KEY)
+    rec = Record(NAME, LAYOUT_ID, memoryview(payload), key=KEY)
     hdr, body, tag = rec.parts()
     assert body.obj is payload and len(tag) == 16
     assert status(bytes(hdr) + bytes(body) + tag) is Status.OK
@@ -74,14 +79,14 @@ def test_forged_header_and_tag_without_the_key_fail():
 def test_v1_objects_with_a_valid_xxh3_checksum_are_misses():
     """The unkeyed v1 format: anyone could recompute its checksum, so it is never read."""
     payload = b"v1 payload" * 10
-    csum = xxhash.xxh3_64(NAME + LAY + payload).intdigest()
-    v1 = struct.pack("<4sBBHQ16sQ", b"KVP\x01", 1, 0, len(NAME), len(payload), LAY, csum)
+    csum = xxhash.xxh3_64(NAME + LAYOUT_ID + payload).intdigest()
+    v1 = struct.pack("<4sBBHQ16sQ", b"KVP\x01", 1, 0, len(NAME), len(payload), LAYOUT_ID, csum)
     assert status(v1 + NAME + payload) is Status.CORRUPT
 
 
 def test_other_layout_is_foreign():
     other = layout_digest(b"model|fp8|layout-B")
-    assert open_blob(blob(b"x" * 100, layout=other), NAME, LAY, KEY) == (Status.FOREIGN_LAYOUT,
+    assert open_blob(blob(b"x" * 100, layout=other), NAME, LAYOUT_ID, KEY) == (Status.FOREIGN_LAYOUT,
                                                                         None)
 
 
@@ -133,8 +138,8 @@ def test_names_depend_on_the_pool_key():
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=2048), st.binary(min_size=1, max_size=64))
 def test_random_bytes_never_crash(data, name):
-    st_, rec = open_blob(data, name, LAY, KEY)
-    assert st_ is not Status.OK
+    result, rec = open_blob(data, name, LAYOUT_ID, KEY)
+    assert result is not Status.OK
 
 
 @settings(max_examples=300, deadline=None)
@@ -150,9 +155,9 @@ def test_mutated_objects_never_parse_as_ok(payload, pos, xor, encrypt):
 @given(st.binary(max_size=512), st.binary(min_size=1, max_size=64), st.binary(max_size=64),
        st.booleans())
 def test_valid_objects_round_trip(payload, name, layout, encrypt):
-    lay = layout_digest(layout)
-    st_, rec = open_blob(blob(payload, name, lay, encrypt=encrypt), name, lay, KEY)
-    assert st_ is Status.OK and bytes(rec.payload) == payload
+    layout_id = layout_digest(layout)
+    result, rec = open_blob(blob(payload, name, layout_id, encrypt=encrypt), name, layout_id, KEY)
+    assert result is Status.OK and bytes(rec.payload) == payload
 
 
 def test_sealed_buffers_are_reused_only_once_no_view_of_them_is_left():

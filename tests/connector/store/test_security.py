@@ -300,7 +300,7 @@ def test_large_objects_checked_piece_by_piece_are_all_or_nothing(tmp_path, names
     outs = [bytearray(2 << 20) for _ in keys]
     got = s.get_many_into(keys, outs)
     assert all(g is not None for g in got)
-    assert [bytes(o[:len(p)]) for o, p in zip(outs, payloads)] == payloads
+    assert [bytes(o[:len(p)]) for o, p in zip(outs, payloads, strict=True)] == payloads
     name = s.object_names(keys[:1])[0]
     raw = _read_raw("disk", _disk(tmp_path), namespace, name, {})
     body = len(raw) - 16 - len(payloads[0])

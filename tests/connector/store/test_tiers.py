@@ -44,7 +44,7 @@ def test_round_trip_single_tier(kind, tier_cfgs, namespace):
     assert s.get_many(rand_keys(2)) == [None, None]
     outs = [bytearray(len(v) + 7) for v in vals]
     assert s.get_many_into(keys, outs) == [len(v) for v in vals]
-    assert all(o[:len(v)] == v for o, v in zip(outs, vals))
+    assert all(o[:len(v)] == v for o, v in zip(outs, vals, strict=True))
     assert s.get_into(keys[-1], bytearray(10)) is None  # cannot be the caller's layout
     st = s.stats()["tiers"][kind]
     assert st["rejected"] == 1 and st["errors"] == 0
@@ -132,7 +132,7 @@ def test_payload_types(tier_cfgs, namespace):
     s.put_many(list(items), list(items.values()))
     expect = {k: memoryview(v.numpy() if isinstance(v, torch.Tensor) else v).tobytes()
               for k, v in items.items()}
-    assert {k: bytes(v) for k, v in zip(items, s.get_many(list(items)))} == expect
+    assert {k: bytes(v) for k, v in zip(items, s.get_many(list(items)), strict=True)} == expect
     dst = torch.empty(t.numel(), dtype=torch.uint8)
     assert s.get_into(b"t" * 32, dst) == t.numel() and torch.equal(dst, t)
     with pytest.raises(TypeError):
@@ -385,7 +385,7 @@ def test_concurrent_callers_never_see_wrong_bytes(tier_cfgs, namespace):
             if op < 0.4:
                 s.put_many(batch, [value[k] for k in batch])
             elif op < 0.7:
-                for k, g in zip(batch, s.get_many(batch)):
+                for k, g in zip(batch, s.get_many(batch), strict=True):
                     if g is not None and bytes(g) != value[k]:
                         errors.append("get_many")
             elif op < 0.9:

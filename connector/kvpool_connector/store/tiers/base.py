@@ -14,6 +14,7 @@ import abc
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ..format import Record, Status, open_blob
@@ -99,7 +100,7 @@ class Tier(abc.ABC):
         when that cannot be told without asking the backend."""
         return None
 
-    def forget_absent(self, names: list[bytes]) -> None:
+    def forget_absent(self, names: list[bytes]) -> None:  # noqa: B027 -- optional hook
         """These objects were just written elsewhere (another process): a tier that caches
         presence drops what it remembered as missing."""
 
@@ -107,7 +108,7 @@ class Tier(abc.ABC):
         """objects / used_bytes / capacity_bytes where the tier knows them."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional hook: most tiers hold nothing
         """Release connections, threads and memory; the tier is not called afterwards."""
 
     def note(self, stored: bool, names) -> None:
@@ -143,9 +144,9 @@ class Tier(abc.ABC):
     def verify_all(self, names: list[bytes], layout: bytes, key: PoolKey, blobs: list,
                    outs: list[memoryview] | None = None) -> list[Record | None]:
         """verify() for a batch of fetched blobs (None = absent); counts bytes read."""
-        outs = outs if outs is not None else [None] * len(names)
-        out = []
-        for name, blob, o in zip(names, blobs, outs):
+        into: Sequence[memoryview | None] = outs if outs is not None else [None] * len(names)
+        out: list[Record | None] = []
+        for name, blob, o in zip(names, blobs, into, strict=True):
             if blob is None:
                 out.append(None)
             elif o is not None and _payload_len(blob) > len(o):

@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from ..eviction import make_policy
+from ..eviction import Policy, make_policy
 from ..format import Record, Status
 from ..sealing import PoolKey
 from .base import Tier
@@ -35,8 +35,7 @@ def allocate_arena(size: int, pin: bool | None) -> tuple[memoryview, object]:
 
     pin=None pins when torch is already loaded (as in vLLM) and CUDA is available; the store
     never imports torch just to find out."""
-    torch = sys.modules.get("torch")
-    if pin or (pin is None and torch is not None):
+    if pin or (pin is None and sys.modules.get("torch") is not None):
         try:
             import torch
 
@@ -83,7 +82,7 @@ class CpuTier(Tier):
         self.slot_size = 0
         self.nslots = 0
         self._free: list[int] = []
-        self._policy = None
+        self._policy: Policy  # set with the slots: here or on the first put
         if cfg.slot_size:
             self._init_slots(cfg.slot_size)
 
@@ -117,6 +116,7 @@ class CpuTier(Tier):
             self._policy.admit(rec.name)
             while len(self._free) < units:
                 victim = self._policy.victim()
+                assert victim is not None  # fewer free slots than all: something is stored
                 self._release(victim, evicted=True)
                 self.stats.inc("evictions")
             slots = tuple(self._free.pop() for _ in range(units))
@@ -159,7 +159,7 @@ class CpuTier(Tier):
                     continue
                 if len(e.slots) == 1:
                     s = e.slots[0] * self.slot_size
-                    data = bytes(self._arena[s:s + e.length])
+                    data: bytes | bytearray = bytes(self._arena[s:s + e.length])
                 else:
                     buf = bytearray(e.length)
                     self._copy_out(e, memoryview(buf))
@@ -173,7 +173,7 @@ class CpuTier(Tier):
                       outs: list[memoryview]) -> list[Record | None]:
         recs: list[Record | None] = []
         nbytes = 0
-        for name, out in zip(names, outs):
+        for name, out in zip(names, outs, strict=True):
             with self._lock:
                 e = self._lookup(name, layout)
                 if e is None or e.length > len(out):  # too big for the caller: a miss

@@ -14,7 +14,8 @@
 - Large I/O: a single writev of header + payload + tag; reads go in 512 KiB pieces through
   a per-thread scratch buffer, each piece authenticated while cache-hot and then copied to
   the caller's buffer, or decrypted from the scratch straight into it (never after the
-  caller gave up); a failed check zeroes what was written there. With direct_io, writes use O_DIRECT through a page-aligned copy.
+  caller gave up); a failed check zeroes what was written there. With direct_io, writes use
+  O_DIRECT through a page-aligned copy.
 - Restart and sharing: the index is rebuilt from a directory scan at start (names and sizes
   only, oldest mtime first) and refreshed every rescan_seconds, which re-applies the capacity
   bound; reads always try the file itself and presence checks stat what the index lacks, so
@@ -24,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -37,8 +39,8 @@ import xxhash
 from cryptography.exceptions import InvalidTag
 
 from ..format import Header, Record, Status, check_header, header_size, uninitialized
-from ..sealing import TAG_SIZE, PoolKey
 from ..guard import current_guard
+from ..sealing import TAG_SIZE, PoolKey
 from .base import GCM_SLACK, PieceBuffers, Tier, log
 
 _SUFFIX = ".kv"
@@ -60,10 +62,8 @@ def _checked_dir_fd(name: str, parent_fd: int | None, what: str, create: bool = 
     """Open a directory without following links (created 0700 first if `create`); it must
     be ours. FileNotFoundError when it does not exist and may not be created."""
     if create:
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
-        except FileExistsError:
-            pass
     try:
         fd = os.open(name, _O_DIR, dir_fd=parent_fd)
     except OSError as e:
@@ -148,7 +148,7 @@ class DiskTier(Tier):
         return fd
 
     def _scan(self) -> list[tuple[float, bytes, int]]:
-        found = []
+        found: list[tuple[float, bytes, int]] = []
         now = time.time()
         self._clean_tmp(now)
         try:
@@ -226,10 +226,8 @@ class DiskTier(Tier):
         fd = self._shard_fd(shard)
         if fd is None:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(fname, dir_fd=fd)
-        except FileNotFoundError:
-            pass
 
     def _unlink_all(self, names: list[bytes]) -> None:
         for k in names:
@@ -279,16 +277,15 @@ class DiskTier(Tier):
         tmp = secrets.token_hex(16)
         try:
             shard_fd = self._shard_fd(shard, create=True)
+            assert shard_fd is not None  # create=True makes it or raises
             self._write_file(tmp, [hdr, body, tag], size)
             os.rename(tmp, fname, src_dir_fd=self._tmp_fd, dst_dir_fd=shard_fd)
             if self.cfg.fsync == "always":
                 os.fsync(shard_fd)
         except BaseException:
             self._forget(rec.name)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._tmp_fd)
-            except OSError:
-                pass
             raise
         self._written[rec.name] = same
         self.stats.inc("bytes_in", len(body))
@@ -368,7 +365,7 @@ class DiskTier(Tier):
 
     def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
-        return [self._read(name, layout, key, out) for name, out in zip(names, outs)]
+        return [self._read(name, layout, key, out) for name, out in zip(names, outs, strict=True)]
 
     def _read(self, name: bytes, layout: bytes, key: PoolKey,
               out: memoryview | None) -> Record | None:
@@ -384,7 +381,7 @@ class DiskTier(Tier):
                 return None
             header_len = header_size(name)
             h = check_header(os.pread(fd, header_len, 0), name, layout, size)
-            status = h.status
+            status: Status | None = h.status
             if status is not Status.CORRUPT:
                 n = h.payload_len
                 if status is Status.OK:
@@ -404,6 +401,7 @@ class DiskTier(Tier):
             if status is not None:
                 self.reject(name, status)
             return None
+        assert target is not None  # set when the header was OK
         self._learn(name, size)
         self.stats.inc("bytes_out", len(target))
         return Record(name, layout, target, key=key, encrypt=h.encrypted)
@@ -502,10 +500,8 @@ class DiskTier(Tier):
             self._ns_fd = self._tmp_fd = -1
         for fd in fds:
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
 
 
 def _writev_all(fd: int, bufs: list) -> None:

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import redis
 from cryptography.exceptions import InvalidTag
@@ -115,12 +116,13 @@ class RedisTier(Tier):
             self._refresh = False
             return self._cluster
 
-    def _groups(self, keys: list[bytes], todo: list[int]) -> list[tuple[object, list[int]]]:
+    def _groups(self, keys: list[bytes],
+                todo: list[int]) -> list[tuple[redis.ConnectionPool, list[int]]]:
         """(connection pool, indices) per server: the one server, or each slot's primary."""
         if self.pool is not None:
             return [(self.pool, todo)]
         cluster = self.cluster_client()
-        by: dict[str, tuple[object, list[int]]] = {}
+        by: dict[str, tuple[redis.ConnectionPool, list[int]]] = {}
         for i in todo:
             node = cluster.nodes_manager.get_node_from_slot(key_slot(keys[i]))
             if node.name not in by:
@@ -131,7 +133,9 @@ class RedisTier(Tier):
     def _batches(self, idx: list[int], cost: Callable[[int], int] | None) -> list[list[int]]:
         if cost is None:
             return [idx]
-        out, cur, nbytes = [], [], 0
+        out: list[list[int]] = []
+        cur: list[int] = []
+        nbytes = 0
         for i in idx:
             if cur and nbytes >= self.cfg.batch_bytes:
                 out.append(cur)
@@ -140,7 +144,7 @@ class RedisTier(Tier):
             nbytes += cost(i)
         return out + ([cur] if cur else [])
 
-    def _round(self, batches: list[tuple[object, list[int]]], command, replies: dict,
+    def _round(self, batches: list[tuple[redis.ConnectionPool, list[int]]], command, replies: dict,
                read: Callable) -> None:
         """Send every batch (one per server), then read every reply with read(stream, i),
         all servers' replies within one deadline; an error reply is kept as that key's
@@ -188,8 +192,9 @@ class RedisTier(Tier):
                 break
             self._refresh = True  # a resharding moved these slots: new map, resend once
         for i in range(len(keys)):
-            if isinstance(replies[i], Exception):
-                raise replies[i]
+            reply = replies[i]
+            if isinstance(reply, Exception):
+                raise reply
         return [replies[i] for i in range(len(keys))]
 
     # -- operations ---------------------------------------------------------------------------
@@ -234,12 +239,12 @@ class RedisTier(Tier):
         got = self._exchange(keys, self._getrange(keys, limits),
                              read=lambda stream, i: stream.bulk(limits[i]))
         return self.verify_all(names, layout, key,
-                               [self._bounded(v, lim) for v, lim in zip(got, limits)])
+                               [self._bounded(v, lim) for v, lim in zip(got, limits, strict=True)])
 
     def get_many_into(self, names: list[bytes], layout: bytes, key: PoolKey,
                       outs: list[memoryview]) -> list[Record | None]:
         keys = [self.object_key(n) for n in names]
-        limits = [self.read_limit(n, o) for n, o in zip(names, outs)]
+        limits = [self.read_limit(n, o) for n, o in zip(names, outs, strict=True)]
         guard = current_guard()
 
         def read(stream: ReplyStream, i: int) -> Streamed:

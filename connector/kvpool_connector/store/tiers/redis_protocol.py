@@ -13,13 +13,15 @@ from __future__ import annotations
 import select
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
 from ..guard import UNGUARDED, CallGuard
+
+_T = TypeVar("_T")
 
 _LINE_READ = 64  # read-ahead for a reply's first line: at most this much of a value is copied
 _LINE_MAX = 512  # "$<length>", ":<n>", "+OK" or an error message: anything longer is hostile
@@ -66,7 +68,7 @@ class ReplyStream:
         sock.settimeout(0.0)
 
     @classmethod
-    def of(cls, conn, deadline: float) -> "ReplyStream":
+    def of(cls, conn, deadline: float) -> ReplyStream:
         """A stream over a connected redis-py connection's socket."""
         parser = getattr(conn, "_parser", None)
         parse_error = getattr(parser, "parse_error", None) or ResponseError
@@ -79,7 +81,7 @@ class ReplyStream:
         if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
             raise RedisTimeoutError("Timeout reading from socket")
 
-    def _recv(self, receive: Callable, *args) -> int | bytes | None:
+    def _recv(self, receive: Callable[..., _T], *args: Any) -> _T | None:
         """One receive that never waits: None when nothing could be taken yet."""
         try:
             return receive(*args)

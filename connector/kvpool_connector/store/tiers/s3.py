@@ -159,9 +159,10 @@ class S3Tier(Tier):
     def _get_all(self, names: list[bytes], layout: bytes, key: PoolKey,
                  outs: list[memoryview] | None) -> list[Record | None]:
         limits = [self.read_limit(n, o) for n, o in
-                  zip(names, outs if outs is not None else [None] * len(names))]
+                  zip(names, outs if outs is not None else [None] * len(names), strict=True)]
         blobs = list(self.pool.map(self._get, names, limits))
-        self._remember({k: b is not None for k, b in zip(names, blobs)})  # deletes forget
+        # deletes forget
+        self._remember({k: b is not None for k, b in zip(names, blobs, strict=True)})
         return self.verify_all(names, layout, key, blobs, outs)
 
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
@@ -185,7 +186,7 @@ class S3Tier(Tier):
         wave = self.cfg.max_connections
         for i in range(0, len(keys), wave):  # stop after the wave holding the first miss
             ask = [k for k in keys[i:i + wave] if k not in found]
-            answers = dict(zip(ask, self.pool.map(self._head, ask)))
+            answers = dict(zip(ask, self.pool.map(self._head, ask), strict=True))
             self._remember(answers)
             found.update(answers)
             if not all(found[k] for k in keys[i:i + wave]):

@@ -96,8 +96,8 @@ def test_batches_are_grouped_per_slot_owner(cluster, namespace, monkeypatch):
         assert store.flush(30)
         assert all(v is not None for v in store.get_many(keys))
         per_node = _keys_per_node(cluster, namespace)
-        assert [a - b for a, b in zip(calls("set"), sets0)] == per_node
-        assert [a - b for a, b in zip(calls("getrange"), gets0)] == per_node
+        assert [a - b for a, b in zip(calls("set"), sets0, strict=True)] == per_node
+        assert [a - b for a, b in zip(calls("getrange"), gets0, strict=True)] == per_node
         assert moved() == moved0  # not one MOVED
     finally:
         store.close()
