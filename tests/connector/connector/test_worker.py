@@ -69,10 +69,10 @@ def test_a_busy_step_never_waits_for_a_load():
 def test_an_idle_step_waits_for_the_load_and_reports_it(monkeypatch):
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
     side, store, caches = worker_with_one_stored_chunk()
+    t0 = time.monotonic()  # before the timer starts: it opens the gate >= 0.05 s after t0
     threading.Timer(0.05, store.gate.set).start()
-    t0 = time.monotonic()
     assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), {"req"})
-    assert time.monotonic() - t0 >= 0.04
+    assert store.gate.is_set() and time.monotonic() - t0 >= 0.045
     for cache in caches.values():  # the load landed: blocks 5, 6 hold what 0, 1 held
         assert torch.equal(cache[5:7], cache[0:2])
 

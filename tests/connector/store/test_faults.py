@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import boto3
 import pytest
 
 from kvpool_dev.testbed.process import free_port
@@ -179,6 +180,9 @@ def test_open_store_never_touches_a_dead_backend(cpu_tier, namespace):
     dead_redis = {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}/0"}
     dead_s3 = {"type": "s3", "endpoint": f"http://127.0.0.1:{free_port()}", "bucket": "nope",
                "create_bucket": True}
+    # botocore reads its service models on a process's first client (seconds on a loaded
+    # machine); the hang detector below measures the store's open, not that one-time load.
+    boto3.session.Session().client("s3", region_name="us-east-1")
     s = bounded(build, namespace, cpu_tier, dead_redis, dead_s3)
     assert exercise(s, [b"k" * 32], [b"v"]) == [b"v"]
     s.close()
