@@ -27,34 +27,69 @@ def pytest_configure(config) -> None:
     global ENGINE_DTYPE
     ENGINE_DTYPE = engine_dtype.choose()
     os.environ.setdefault(engine_dtype.ENV, ENGINE_DTYPE.dtype)
+    bind = worker_cores(os.environ.get("PYTEST_XDIST_WORKER", ""),
+                        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+                        sorted(os.sched_getaffinity(0)))
+    if bind:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+
+
+def worker_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
+    """The cores an xdist worker's engines compute on (`VLLM_CPU_OMP_THREADS_BIND`): a share
+    of the CPUs each, so two engines in two workers never bind OpenMP threads to the same
+    core. Bound to both cores of a 2-core machine, two engines at once each wait at every
+    parallel region's barrier for a thread the other engine's thread displaced: the
+    decode-heavy modules ran 2x slower than alone. None outside xdist (every core)."""
+    if not worker.startswith("gw") or workers < 2 or len(cpus) < 2:
+        return None
+    share = cpus[int(worker[2:]) % workers::workers] or cpus
+    return ",".join(map(str, share))
 
 
 ENGINE_DTYPE: engine_dtype.DtypeChoice | None = None
 
 
+ENGINE_GROUP = "engines-"  # xdist group prefix of a module whose tests start vLLM engines
+
+
+def engine_group(item) -> str:
+    """One xdist group per engine module: its tests share module-scoped engines and state
+    (hit counters), so they run in one worker, in order; two modules may run at once."""
+    return ENGINE_GROUP + item.nodeid.split("::", 1)[0]
+
+
+def _loadgroup(config) -> bool:
+    """True in an xdist worker of a `--dist loadgroup` run (where collection happens)."""
+    return bool(config.getoption("loadgroup", default=False))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """With pytest-xdist (`make test` runs two workers), every test that starts vLLM engines
-    runs in one worker, one at a time as without xdist, while the other worker takes the rest
-    (operator, store, chart tests), which mostly wait on servers and subprocesses.
+    """With pytest-xdist (`make test` runs two workers), every engine module is one xdist
+    group, and under `--dist loadgroup` the engine modules are queued first: they are the
+    long units (30-110 s each), so each worker starts on one and the short tests (operator,
+    store, chart) fill in around them at the end. With one group for every engine test, one
+    worker ran ~13 min of engines while the other finished the rest in ~5 and then idled.
 
     tryfirst: xdist's own hook reads the group marks to route tests; a mark added after it
     does nothing, and engine modules (which share state between their tests) split across
     workers."""
     for item in items:
         if item.get_closest_marker("vllm") is not None:
-            item.add_marker(pytest.mark.xdist_group("engines"))
+            item.add_marker(pytest.mark.xdist_group(engine_group(item)))
+    if _loadgroup(config):
+        items.sort(key=lambda i: i.get_closest_marker("vllm") is None)  # stable: order kept
 
 
 def pytest_collection_finish(session) -> None:
     """Refuse to run engine tests ungrouped under `--dist loadgroup` (the failure it
     prevents is a module's tests on two workers, seen only as missing hits)."""
-    if not session.config.getoption("loadgroup", default=False):
+    if not _loadgroup(session.config):
         return
-    loose = [i.nodeid for i in session.items
-             if i.get_closest_marker("vllm") is not None and not i.nodeid.endswith("@engines")]
+    loose = [i.nodeid for i in session.items if i.get_closest_marker("vllm") is not None
+             and not i.nodeid.endswith("@" + engine_group(i))]
     if loose:
-        raise pytest.UsageError(f"vllm tests not in the engines xdist group: {loose[:3]}")
+        raise pytest.UsageError(f"vllm tests not in their engine module's xdist group: {loose[:3]}")
 
 
 def pytest_report_header(config) -> str:

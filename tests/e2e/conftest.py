@@ -30,6 +30,22 @@ MAX_MODEL_LEN = 20000
 CHUNK = 256
 
 
+def dev_tool_env() -> dict[str, str]:
+    """Environment of a dev-tool smoke run (demo, bench serve/chat/fleet): their API servers
+    run vLLM's worker inside the engine-core process, as every OfflineEngine test does.
+
+    Why: with V1 multiprocessing on, vLLM's CPU platform turns the `uni` executor into the
+    multiprocess one, a third process per server and a third import of vLLM (8-9 s of CPU
+    here, ~90 s over the smokes' ten server starts). With it off, the API server still
+    runs the engine core in its own process (the stats path to /metrics is unchanged).
+    The smokes test the tools' plumbing and reports; the separate-worker layout a
+    production server has is covered by the dashboard tests (API servers as started in
+    production) and test_connector's SEPARATE_PROCESSES engine."""
+    import os
+
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def token_prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2000) for _ in range(n)]

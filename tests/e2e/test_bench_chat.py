@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from kvpool_dev.bench import chat_bench
+from tests.e2e.conftest import dev_tool_env
 
 
 def test_workload_is_seeded_and_shaped_by_the_settings():
@@ -55,7 +56,7 @@ def test_bench_chat_quick(repo_root, tiny_model, tmp_path):
     report_path = tmp_path / "chat.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "bench", "chat", "--quick", "--arms", "chunks,tails",
-         "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, timeout=900)
+         "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "computed prompt tokens per request" in proc.stdout and "goals" in proc.stdout
     report = json.loads(report_path.read_text())

@@ -12,6 +12,7 @@ import pytest
 
 from kvpool_dev.bench import fleet_bench
 from kvpool_dev.testbed.router import router_args
+from tests.e2e.conftest import dev_tool_env
 
 METRICS = """\
 # TYPE vllm:prompt_tokens counter
@@ -33,7 +34,7 @@ def test_bench_fleet_quick(repo_root, tiny_model, tmp_path):
     report_path = tmp_path / "fleet.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "bench", "fleet", "--quick",
-         "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, timeout=900)
+         "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for line in ("TTFT p50", "TTFT p95", "throughput", "kvpool cpu", "kvpool redis",
                  "vLLM prefix cache", "cpu tokens vs rr", "goals:"):

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.e2e.conftest import dev_tool_env
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
@@ -19,7 +21,7 @@ def test_bench_serve_quick(repo_root, tiny_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "bench", "serve", "--quick", "--arms",
          "kvpool,native", "--num-prompts", "8", "--json-out", str(out)],
-        cwd=repo_root, capture_output=True, text=True, timeout=600)
+        cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["dtype"] in ("bfloat16", "float32")

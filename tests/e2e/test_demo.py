@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.e2e.conftest import dev_tool_env
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
@@ -17,7 +19,7 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "demo", "--quick",
          "--out", str(png), "--json", str(report)],
-        cwd=repo_root, capture_output=True, text=True, timeout=600)
+        cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     out = proc.stdout
