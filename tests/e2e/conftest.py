@@ -118,12 +118,19 @@ def wait_until(pred, timeout: float = 60.0, what: str = "condition"):
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model) -> dict[str, dict]:
+def plain_engine(tiny_model):
+    """The engine without any connector that engine modules compare with, started once per
+    xdist worker and idle in between (an engine start is ~10 s of CPU on 2 cores)."""
+    with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="session")
+def baseline(plain_engine) -> dict[str, dict]:
     """Outputs (tokens and top-k logprobs) of every prompt in PROMPTS from an engine without
     any connector."""
     names = list(PROMPTS)
-    with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as eng:
-        outs = eng.generate([PROMPTS[n] for n in names], max_tokens=MAX_TOKENS)
+    outs = plain_engine.generate([PROMPTS[n] for n in names], max_tokens=MAX_TOKENS)
     return dict(zip(names, outs, strict=True))
 
 

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_dev.testbed.engine import OfflineEngine
 from kvpool_dev.testbed.oracle import check_logprobs_close
 
-from .conftest import MAX_MODEL_LEN, connector_engine, token_prompt
+from .conftest import connector_engine, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 128  # vLLM's block size on the CPU platform
 CPU = {"type": "cpu", "size": "512Mi"}
-# 1000 prompt tokens + a 200-token answer: 1199 computed = 4 chunks (the 4th completed by
+# 1000 prompt tokens + a 160-token answer: 1159 computed = 4 chunks (the 4th completed by
 # the answer: decode KV) + 1 block past them (the tail object)
 TURN1 = [token_prompt(1000, 500 + i) for i in range(3)]
-ANSWER = 200
+ANSWER = 160
 NEW = 40
 
 
@@ -30,7 +29,7 @@ def _turn2(turn1: list[int], answer: list[int], i: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, audit, namespace):
+def runs(tiny_model, audit, namespace, plain_engine):
     """Connector engine: turn 1 of three conversations, then turn 2 of each (conversation 2
     with decode KV off for its turn 1); then a plain engine computes the same prompts."""
     out = {}
@@ -47,9 +46,8 @@ def runs(tiny_model, audit, namespace):
         out["audit_after_t2"] = audit.check()
         # all three again at once: hits while the others load and decode
         out["t2_batch"] = eng.generate(out["t2_prompts"])
-    with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as plain:
-        out["base_t1"] = plain.generate(TURN1, max_tokens=ANSWER)
-        out["base_t2"] = plain.generate(out["t2_prompts"])
+    out["base_t1"] = plain_engine.generate(TURN1, max_tokens=ANSWER)
+    out["base_t2"] = plain_engine.generate(out["t2_prompts"])
     return out
 
 
@@ -57,14 +55,14 @@ def test_turn_two_computes_only_its_new_tokens_and_one_block(runs):
     for i in (0, 1):
         prompt = runs["t2_prompts"][i]
         cached = runs["t2"][i]["num_cached_tokens"]
-        # turn 1 computed 1199 tokens: 4 chunks (1024) + the 1-block tail (128)
+        # turn 1 computed 1159 tokens: 4 chunks (1024) + the 1-block tail (128)
         assert cached == (len(TURN1[i]) + ANSWER - 1) // BLOCK * BLOCK == 1152, (i, cached)
         assert len(prompt) - cached <= NEW + BLOCK
     # decode KV off for conversation 2: only its prompt's 3 chunks and the prompt's tail
     # (1000 tokens: 7 blocks)
     assert runs["t2"][2]["num_cached_tokens"] == 1000 // BLOCK * BLOCK == 896
     # turn 2 itself saved its prompt (chunks + the prompt's tail): run again, every prompt
-    # (1240 tokens) is served up to its last full block, conversation 2's as well
+    # (1200 tokens) is served up to its last full block, conversation 2's as well
     assert [o["num_cached_tokens"] for o in runs["t2_batch"]] == [1152, 1152, 1152]
 
 
@@ -86,7 +84,7 @@ CROWD_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")
-def crowd(tiny_model, audit, runs):  # after `runs`: one engine at a time
+def crowd(tiny_model, audit, runs, plain_engine):  # after `runs`: one engine at a time
     """12 conversations at once, turn 1 then turn 2, in an engine whose paged cache holds
     about 4 of them: requests are preempted while their answers' KV is being saved."""
     from kvpool_dev.testbed.engine import metric_total
@@ -105,9 +103,8 @@ def crowd(tiny_model, audit, runs):  # after `runs`: one engine at a time
         out["audit_after"] = audit.check()
         out["preemptions"] = (metric_total(eng.metric_samples(), "vllm:num_preemptions")
                               - metric_total(before, "vllm:num_preemptions"))
-    with OfflineEngine(tiny_model, max_model_len=MAX_MODEL_LEN) as plain:
-        out["base_t1"] = plain.generate(turn1, max_tokens=ANSWER)
-        out["base_t2"] = plain.generate(out["t2_prompts"])
+    out["base_t1"] = plain_engine.generate(turn1, max_tokens=ANSWER)
+    out["base_t2"] = plain_engine.generate(out["t2_prompts"])
     return out
 
 

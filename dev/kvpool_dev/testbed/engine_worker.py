@@ -7,6 +7,7 @@ there cannot be mistaken for a reply.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -89,6 +90,13 @@ def main() -> None:
             _reply({"outputs": result})
         except Exception as exc:  # report, keep serving: the caller decides
             _reply({"error": f"{type(exc).__name__}: {exc}"})
+    # stdin closed: shut the engine down in order (its KV connector flushes and closes its
+    # stores), then exit at once. The interpreter's own teardown of torch and vLLM after
+    # that took 2.5 of the 3.8 s an engine stop cost, and releases nothing the OS does not.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
