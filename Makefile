@@ -9,9 +9,9 @@ export PATH := $(CURDIR)/bin:$(CURDIR)/$(VENV)/bin:$(PATH)
 setup:
 	@bash scripts/setup.sh
 
-# Two pytest-xdist workers: one runs the tests that start vLLM engines, one after another
-# (tests/conftest.py groups them), the other everything else meanwhile. PYTEST_WORKERS=0
-# runs the suite in one process.
+# Two pytest-xdist workers, each running one engine test module at a time (a module is one
+# xdist group, queued first; tests/conftest.py) on its own cores, then the short tests.
+# PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
