@@ -97,6 +97,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         check_hash_algo(hash_algo, [t.type for t in self.cfg.tiers if tier_class(t.type).shared])
         self.spec_fingerprint = spec_fingerprint(kv_cache_config, str(model_config.model))
         rank, size = _tensor_parallel_rank_and_size(vllm_config, role)
+        self.tp_rank = rank
         self.keyspace = KeySpace(
             namespace=self.cfg.namespace, model=str(model_config.model),
             model_hash=model_config_hash(model_config),
@@ -146,7 +147,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,
                                  events=kv_events_enabled(self._vllm_config),
-                                 store_metrics=self.cfg.metrics)
+                                 store_metrics=self.cfg.metrics, block_size=self.block_size,
+                                 count_tokens=self.tp_rank == 0)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),
