@@ -119,6 +119,12 @@ def test_every_dashboard_panel_shows_data_from_a_connector_server(tiny_model, tm
         assert hits == {("prompt",): 9, ("decode",): 3, ("decode_tail",): 3}, hits
         by_tier = _by(prom, f"sum by (tier) (kvpool_hit_objects_total{{{obj}}})", "tier")
         assert set(by_tier) == {("cpu",), ("disk",)} and sum(by_tier.values()) == 15, by_tier
+        # tails are evicted first: after turn 1 the 8 cpu slots hold one tail, the last one
+        # saved, and conversation 1's chunks (plain LRU kept the last 8 objects saved, with
+        # conversation 1's decode tail: 2 decode tails from cpu)
+        tails = _by(prom, f'sum by (tier) (kvpool_hit_objects_total{{kind="decode_tail", '
+                          f'{obj}}})', "tier")
+        assert tails == {("cpu",): 1, ("disk",): 2}, tails
         saved = _by(prom, f"sum by (kind, tier) (kvpool_saved_objects_total{{{obj}}})",
                     "kind", "tier")
         assert {k: saved.get((k, "cpu")) for k in ("prompt", "decode", "prompt_tail",

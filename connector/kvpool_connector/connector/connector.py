@@ -7,6 +7,7 @@ scheduler.py for why it opens only the shared lower tiers) and role WORKER in ea
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
+from .tails import is_tail_key
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -143,6 +145,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
         store = open_store(_unexported(self.cfg.as_store_config()), layout=full_fingerprint)
+        # tail objects go first when the cpu or disk tier needs room (tails.py)
+        store.set_evict_first(functools.partial(is_tail_key, prefix_len=len(self.prefix)))
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,

@@ -55,6 +55,7 @@ class TieredStore:
         for warning in transport_warnings(cfg):
             log.warning("%s", warning)
         self._closed = False
+        self._evict_first: Callable[[bytes], bool] | None = None
         self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
         self.runners: list[TierRunner] = []
@@ -101,7 +102,18 @@ class TieredStore:
     def _record(self, key: bytes, layout_id: bytes, payload: memoryview,
                 pool_key: PoolKey) -> Record:
         return Record(pool_key.object_name(key), layout_id, payload, key=pool_key,
-                      encrypt=self.keyring.encrypt)
+                      encrypt=self.keyring.encrypt, evict_first=self._is_evict_first(key))
+
+    def set_evict_first(self, predicate: Callable[[bytes], bool] | None) -> None:
+        """Keys for which `predicate` is true are evicted first by the local tiers (cpu,
+        disk) when they need room, least recently used of them first, before any other
+        object. The tiers see only sealed object names, so the caller, who knows its keys,
+        decides (the connector: its tail objects, connector/tails.py)."""
+        self._evict_first = predicate
+
+    def _is_evict_first(self, key: bytes) -> bool:
+        pred = self._evict_first
+        return bool(pred is not None and pred(key))
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
@@ -206,6 +218,7 @@ class TieredStore:
         key would make a forgery made with a leaked previous key outlive the rotation."""
         for tier_index, i, rec in hits:
             self._remember_names([keys[i]], [rec])
+            rec.evict_first = self._is_evict_first(keys[i])
             if tier_index == len(self.runners):  # found under the previous key
                 rec = self._record(keys[i], layout_id, rec.payload, self.keyring.current)
                 self._remember_names([keys[i]], [rec])

@@ -74,6 +74,8 @@ def test_second_turn_loads_full_chunks_and_the_tail_up_to_the_last_full_block(si
     assert prompt_tail.block_ids == [[side.test_blocks["t1"][4]]]
     assert finish_tail.keys == [tail_key(PREFIX, t1.block_hashes, 6, 1)]
     assert all(is_tail_key(k) for k in prompt_tail.keys + finish_tail.keys)
+    # the predicate the worker's store evicts first by: tails only, never a full chunk
+    assert not any(is_tail_key(k) for k in chunk_keys(PREFIX, t1.block_hashes, BPC))
 
     t2 = _with_prompt("t2", list(t1.all_token_ids) + list(range(300, 350)))  # 950 tokens
     hit, is_async = side.num_matched(t2, 0)
