@@ -6,7 +6,10 @@ exactly as Grafana sends it, must return series. The store's `kvpool_store_*` se
 counted in vLLM's engine-core process (where the stores run) and reach the API server's
 /metrics only through vLLM's KV connector stats (connector/stats.py; native mode: the
 offloading connector's stats, native/tier.py): without that path, 7 of the 9 panels show
-"no data".
+"no data". In connector mode the workload is two chat turns (token-exact history) through a
+cpu tier too small for them, so the per-tier and per-kind object panels show hits of prompt
+and decode chunks and decode tails from both tiers; native mode has no such counters (the
+panels titled "(connector mode)").
 """
 
 from __future__ import annotations
@@ -30,15 +33,23 @@ DASHBOARD = json.loads((CHART / "dashboards" / "kvpool-connector.json").read_tex
 POOL, K8S_NAMESPACE = "dash-pool", "team-a"
 VARIABLES = {"pool": POOL, "k8s_namespace": K8S_NAMESPACE, "__rate_interval": "30s"}
 PROMPTS = [token_prompt(1100, 500 + i) for i in range(3)]  # 4 whole 256-token chunks each
+# connector mode, turn 1: 1000 tokens (3 chunks + a 1-block prompt tail) and a 200-token
+# answer (a decode chunk, tokens 768-1023, and a decode tail, block 8): 6 objects each
+TURN1 = [token_prompt(1000, 500 + i) for i in range(3)]
+ANSWER = 200
+CONNECTOR_ONLY = "(connector mode)"
 
 
-def _complete(server: VllmServer, prompt: list[int]) -> None:
-    body = json.dumps({"model": "local", "prompt": prompt, "max_tokens": 2,
-                       "temperature": 0}).encode()
+def _complete(server: VllmServer, prompt: list[int], max_tokens: int = 2) -> list[int]:
+    """The generated token ids (token-exact history for the next turn)."""
+    body = json.dumps({"model": "local", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True,
+                       "return_token_ids": True}).encode()
     req = urllib.request.Request(server.base_url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.status == 200
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
 
 
 def _scraper(server: VllmServer) -> PrometheusServer:
@@ -50,15 +61,23 @@ def _by_tier(prom: PrometheusServer, expr: str) -> dict[str, float]:
     return {r["metric"]["tier"]: float(r["value"][1]) for r in prom.query(expr)}
 
 
-def check_every_panel(prom: PrometheusServer, tiers: set[str]) -> list:
+def _by(prom: PrometheusServer, expr: str, *labels: str) -> dict[tuple[str, ...], float]:
+    return {tuple(r["metric"][k] for k in labels): float(r["value"][1])
+            for r in prom.query(expr)}
+
+
+def check_every_panel(prom: PrometheusServer, tiers: set[str], native: bool = False) -> list:
     """Every panel's query returns series (per-tier panels: one per tier of the pool), and
-    the template variables list the pool and its namespace."""
+    the template variables list the pool and its namespace. Native mode: the connector's
+    own panels are left out."""
     for name, (match, label) in variable_queries(DASHBOARD, VARIABLES).items():
         want = {"pool": POOL, "k8s_namespace": K8S_NAMESPACE}[name]
         assert want in prom.label_values(label, match), (name, match)
     queries = panel_queries(DASHBOARD, VARIABLES)
     assert len({q.panel for q in queries}) == len(DASHBOARD["panels"])
     for q in queries:
+        if native and q.panel.endswith(CONNECTOR_ONLY):
+            continue
         result = prom.wait_for(q.expr, timeout=60)
         if "{{tier}}" in q.legend:
             assert {r["metric"].get("tier") for r in result} == tiers, (q.panel, result)
@@ -68,7 +87,8 @@ def check_every_panel(prom: PrometheusServer, tiers: set[str]) -> list:
 @pytest.mark.vllm
 def test_every_dashboard_panel_shows_data_from_a_connector_server(tiny_model, tmp_path):
     namespace = "dash-" + uuid.uuid4().hex[:8]
-    tiers = [{"type": "cpu", "size": "64Mi"},
+    # 1Mi: 8 of the tiny model's 128 KiB chunks; the 18 objects of turn 1 overflow it
+    tiers = [{"type": "cpu", "size": "1Mi"},
              {"type": "disk", "path": str(tmp_path / "disk"), "size": "256Mi",
               "rescan_seconds": 0}]
     server = VllmServer(tiny_model, kv_transfer_config=kv_config(tiers, namespace),
@@ -76,16 +96,47 @@ def test_every_dashboard_panel_shows_data_from_a_connector_server(tiny_model, tm
                         max_model_len=4096)
     with server, _scraper(server) as prom:
         prom.wait_for('up{job="vllm"} == 1')
-        for p in PROMPTS:  # saves
-            _complete(server, p)
+        answers = [_complete(server, p, ANSWER) for p in TURN1]  # saves
+        wait_until(lambda: len(disk_files(tmp_path / "disk")) >= 6 * len(TURN1),
+                   what="turn 1's objects on disk")
         # scraped before the hits, so the panels' rates see them happen
         prom.wait_for(f'kvpool_store_op_seconds_count{{op="get", tier="cpu", '
                       f'store="{namespace}"}}')
-        for p in PROMPTS:  # hits in the pool's cpu tier
-            _complete(server, p)
+        for i in reversed(range(len(TURN1))):  # turn 2: the newest from cpu, the rest disk
+            _complete(server, TURN1[i] + answers[i] + token_prompt(40, 600 + i))
         prom.wait_for(f'kvpool_store_events_total{{event="hits", tier="cpu", '
                       f'store="{namespace}"}} > 0')
+        prom.wait_for(f'kvpool_hit_objects_total{{tier="disk", kvpool_dev_pool="{POOL}"}} > 0')
         queries = check_every_panel(prom, {"cpu", "disk"})
+
+        # the connector's objects per tier and kind: each turn 2 loads its 3 prompt chunks,
+        # the chunk its answer completed and the decode tail; the cpu tier holds 8 objects
+        # of 18, so both tiers serve
+        obj = f'kvpool_dev_pool="{POOL}"'
+        prom.wait_for(f"sum(kvpool_hit_objects_total{{{obj}}}) >= 15", timeout=30)
+        prom.wait_for(f"sum(kvpool_saved_objects_total{{{obj}}}) >= 18", timeout=30)
+        hits = _by(prom, f"sum by (kind) (kvpool_hit_objects_total{{{obj}}})", "kind")
+        assert hits == {("prompt",): 9, ("decode",): 3, ("decode_tail",): 3}, hits
+        by_tier = _by(prom, f"sum by (tier) (kvpool_hit_objects_total{{{obj}}})", "tier")
+        assert set(by_tier) == {("cpu",), ("disk",)} and sum(by_tier.values()) == 15, by_tier
+        # tails are evicted first: after turn 1 the 8 cpu slots hold one tail, the last one
+        # saved, and conversation 1's chunks (plain LRU kept the last 8 objects saved, with
+        # conversation 1's decode tail: 2 decode tails from cpu)
+        tails = _by(prom, f'sum by (tier) (kvpool_hit_objects_total{{kind="decode_tail", '
+                          f'{obj}}})', "tier")
+        assert tails == {("cpu",): 1, ("disk",): 2}, tails
+        saved = _by(prom, f"sum by (kind, tier) (kvpool_saved_objects_total{{{obj}}})",
+                    "kind", "tier")
+        assert {k: saved.get((k, "cpu")) for k in ("prompt", "decode", "prompt_tail",
+                                                   "decode_tail")} == {
+            "prompt": 9, "decode": 3, "prompt_tail": 3, "decode_tail": 3}, saved
+        assert {t for _, t in saved} == {"cpu"}  # saves are counted in the first tier
+        # every token the scheduler promised was loaded, and counted by kind and tier
+        tokens = _by(prom, f"sum(kvpool_hit_tokens_total{{{obj}}})")[()]
+        assert tokens == _by(prom, f"sum(kvpool_lookup_hit_tokens_total{{{obj}}})")[()]
+        assert tokens == 3 * ((1000 + ANSWER - 1) // 128 * 128)  # 1152 per turn 2
+        ratio = next(q for q in queries if q.legend == "hit / saved")
+        assert _by(prom, ratio.expr)[()] == 1.0  # every decode chunk and tail hit once
 
         # and they show what happened, not only zeros
         sel = f'kvpool_dev_pool="{POOL}", store="{namespace}"'
@@ -126,7 +177,7 @@ def test_every_dashboard_panel_shows_data_from_a_native_server(tiny_model, tmp_p
             _complete(fresh, p)
         prom.wait_for(f'kvpool_store_events_total{{event="hits", tier="disk", '
                       f'store="{namespace}"}} > 0')
-        check_every_panel(prom, {"disk"})
+        check_every_panel(prom, {"disk"}, native=True)
         sel = f'kvpool_dev_pool="{POOL}", store="{namespace}"'
         assert _by_tier(prom, f'sum by (tier) (kvpool_store_bytes_total{{direction="out", {sel}}})'
                         )["disk"] > 0

@@ -7,6 +7,7 @@ scheduler.py for why it opens only the shared lower tiers) and role WORKER in ea
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .scheduler import SchedulerSide
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
+from .tails import is_tail_key
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -97,6 +99,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         check_hash_algo(hash_algo, [t.type for t in self.cfg.tiers if tier_class(t.type).shared])
         self.spec_fingerprint = spec_fingerprint(kv_cache_config, str(model_config.model))
         rank, size = _tensor_parallel_rank_and_size(vllm_config, role)
+        self.tp_rank = rank
         self.keyspace = KeySpace(
             namespace=self.cfg.namespace, model=str(model_config.model),
             model_hash=model_config_hash(model_config),
@@ -142,11 +145,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
         store = open_store(_unexported(self.cfg.as_store_config()), layout=full_fingerprint)
+        # tail objects go first when the cpu or disk tier needs room (tails.py)
+        store.set_evict_first(functools.partial(is_tail_key, prefix_len=len(self.prefix)))
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(),
                                  staging_bytes=self.cfg.staging_bytes,
                                  events=kv_events_enabled(self._vllm_config),
-                                 store_metrics=self.cfg.metrics)
+                                 store_metrics=self.cfg.metrics, block_size=self.block_size,
+                                 count_tokens=self.tp_rank == 0)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),

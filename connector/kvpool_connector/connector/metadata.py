@@ -24,6 +24,7 @@ class ChunkLoad:
     rows: list[int]       # block positions within the stored chunk to copy
     block_ids: list[int]  # destination blocks, same length as rows
     n_blocks: int = 0     # blocks the stored object holds; 0: a full chunk (a tail: fewer)
+    kind: str = ""        # prompt, decode, prompt_tail or decode_tail (stats: hits by kind)
 
 
 @dataclass
@@ -38,7 +39,8 @@ class SaveJob:
     req_id: str
     keys: list[bytes]
     block_ids: list[list[int]]  # per chunk, all of its blocks in order (a tail: fewer)
-    kinds: list[str] = field(default_factory=list)  # per key: prompt, decode or tail (stats)
+    # per key: prompt, decode, prompt_tail or decode_tail (stats)
+    kinds: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -133,7 +133,8 @@ class SchedulerSide:
                              if remote and lower_store is not None else None)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
-        # decode chunks and tails saved here (bounded): a later hit of one counts as such
+        # decode chunks and decode tails saved here (bounded): a later hit of one is counted
+        # as such (the load plan's ChunkLoad.kind)
         self.decode_keys = KeyIndex(self.index.capacity)
 
     def enable_events(self, chunk_bytes: int) -> None:
@@ -259,8 +260,9 @@ class SchedulerSide:
             if lo >= hi:
                 continue
             chunks.append(ChunkLoad(key, [b - c * self.blocks_per_chunk for b in range(lo, hi)],
-                                    [block_ids[b] for b in range(lo, hi)]))
-        self._load_tail(record, keys, chunks, first_block, last_block, block_ids)
+                                    [block_ids[b] for b in range(lo, hi)],
+                                    kind="decode" if key in self.decode_keys else "prompt"))
+        self._load_tail(record, chunks, first_block, last_block, block_ids)
         record.load = LoadJob(request.request_id, chunks, self.is_async)
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
@@ -462,24 +464,21 @@ class SchedulerSide:
         if key is not None:
             record.tail_blocks, record.tail_key, record.tail_local = n, key, local[-1]
 
-    def _load_tail(self, record: _RequestRecord, keys: list[bytes], chunks: list[ChunkLoad],
+    def _load_tail(self, record: _RequestRecord, chunks: list[ChunkLoad],
                    first_block: int, last_block: int, block_ids: list[int]) -> None:
-        """Add the tail to a load plan (blocks [first_block, last_block) are to be loaded);
-        count the hit by kind."""
-        for key in keys:
-            self.stats.inc("kvpool_hit_objects", 1,
-                           "decode" if key in self.decode_keys else "prompt")
+        """Add the tail to a load plan (blocks [first_block, last_block) are to be loaded).
+        Hits are counted by the workers, with the tier that served them."""
         if record.tail_key is None:
             return
         start = record.hit_chunks * self.blocks_per_chunk
         lo, hi = max(first_block, start), min(last_block, start + record.tail_blocks)
         if lo >= hi:
             return
+        decode = record.tail_key in self.decode_keys
         chunks.append(ChunkLoad(record.tail_key, [b - start for b in range(lo, hi)],
                                 [block_ids[b] for b in range(lo, hi)],
-                                n_blocks=record.tail_blocks))
-        self.stats.inc("kvpool_hit_objects", 1, "tail")
-        self.stats.inc("kvpool_tail_hit_tokens", (hi - lo) * self.block_size)
+                                n_blocks=record.tail_blocks,
+                                kind="decode_tail" if decode else "prompt_tail"))
 
     def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int]
                   ) -> SaveJob | None:
@@ -495,9 +494,12 @@ class SchedulerSide:
         if key in self.index or key in self.inflight or key == record.tail_key:
             return None
         self.inflight.add(key)
-        self.decode_keys.add(key)
+        decode = n_blocks * self.block_size > req.num_prompt_tokens  # holds generated tokens
+        if decode:
+            self.decode_keys.add(key)
         record.pending_copies += self.world_size
-        return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])], ["tail"])
+        return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])],
+                       ["decode_tail" if decode else "prompt_tail"])
 
     def _tails_saved(self, record: _RequestRecord) -> bool:
         return (self.save_enabled and not self._isolated(record.request)

@@ -11,7 +11,8 @@ too, under the names and labels a standalone store exports (store/metrics.py), p
 The payload crosses process boundaries, so it is plain data (str keys, numbers, lists):
 
 - `{metric: {label: value}}`: the connector's counters (label "" when unlabelled, the tier
-  name for per-tier counters); increases since the last report.
+  name for per-tier counters, "kind/tier" for the object counters: `kind_tier()`); increases
+  since the last report.
 - `kvpool_store_events` / `kvpool_store_bytes`: `{store: {tier: {event|direction: n}}}`,
   increases since the last report.
 - `kvpool_store_op_seconds`: `{store: {tier: {op: {bucket: [count, sum]}}}}`, increases of
@@ -40,27 +41,41 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from ..store.metrics import BUCKETS, DOCS, EVENTS, OPS, TIER_METRICS
 
-# metric name -> (help text, label name or None)
-METRICS: dict[str, tuple[str, str | None]] = {
-    **{name: (doc, "tier") for name, doc in TIER_METRICS.items()},
-    "kvpool_loaded_chunks": ("Chunks loaded into the paged KV cache", None),
-    "kvpool_loaded_bytes": ("Bytes loaded into the paged KV cache", None),
+KIND_TIER = ("kind", "tier")
+
+# metric name -> (help text, its label names); a payload's label is their values joined
+# with "/" (`kind_tier("decode", "cpu")`); the last value may hold "/" (a tier's name)
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{name: (doc, ("tier",)) for name, doc in TIER_METRICS.items()},
+    "kvpool_loaded_chunks": ("Chunks loaded into the paged KV cache", ()),
+    "kvpool_loaded_bytes": ("Bytes loaded into the paged KV cache", ()),
     "kvpool_inline_loads": ("Async loads served from the worker's own memory within the "
-                            "step that submitted them (no loader thread)", None),
-    "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", None),
-    "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", None),
-    "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", None),
-    "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", None),
-    "kvpool_lookup_hit_tokens": ("Prompt tokens the scheduler found in the pool", None),
-    "kvpool_saved_objects": ("Objects saved, by kind: prompt chunks, decode chunks (completed "
-                             "by generated tokens), tails (blocks past the last full chunk)",
-                             "kind"),
-    "kvpool_hit_objects": ("Objects a lookup matched and loads, by kind (decode: a chunk or "
-                           "tail this engine saved from generated tokens)", "kind"),
-    "kvpool_tail_hit_tokens": ("Prompt tokens served from tail objects", None),
-    "kvpool_lookups": ("Scheduler lookups of prompt prefixes", None),
-    "kvpool_lookup_seconds": ("Scheduler time spent in lookups", None),
+                            "step that submitted them (no loader thread)", ()),
+    "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", ()),
+    "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", ()),
+    "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", ()),
+    "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", ()),
+    "kvpool_lookup_hit_tokens": ("Prompt tokens the scheduler found in the pool", ()),
+    "kvpool_saved_objects": ("Objects saved into the first tier (the lower tiers are written "
+                             "behind it), by kind: prompt and decode chunks (decode: completed "
+                             "by generated tokens), prompt_tail and decode_tail (the blocks "
+                             "past the last full chunk; decode_tail: holding generated tokens)",
+                             KIND_TIER),
+    "kvpool_hit_objects": ("Objects loaded into the paged KV cache, by kind and the tier that "
+                           "served them (decode, decode_tail: saved by this engine from "
+                           "generated tokens)", KIND_TIER),
+    "kvpool_hit_tokens": ("Prompt tokens loaded from the pool, by the kind of object and the "
+                          "tier that served them (counted by tensor-parallel rank 0)",
+                          KIND_TIER),
+    "kvpool_lookups": ("Scheduler lookups of prompt prefixes", ()),
+    "kvpool_lookup_seconds": ("Scheduler time spent in lookups", ()),
 }
+
+
+def kind_tier(kind: str, tier: str) -> str:
+    """The payload label of an object counter (kvpool_saved_objects and the like)."""
+    return f"{kind}/{tier}"
+
 
 STORE_STATS_EVERY_S = 0.5  # how often a process samples its store for the stats
 
@@ -252,8 +267,8 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics = {}
-        for name, (doc, label) in METRICS.items():
-            names = list(labelnames) + ([label] if label else [])
+        for name, (doc, label_names) in METRICS.items():
+            names = list(labelnames) + list(label_names)
             self._metrics[name] = self._counter_cls(name=name, documentation=doc,
                                                     labelnames=names)
         base = list(labelnames) + ["store", "tier"]
@@ -302,12 +317,11 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                                 for _ in range(int(count)):
                                     h.observe(total / count)
             elif metric in METRICS:
+                n = len(METRICS[metric][1])
                 for label, v in labels.items():
-                    if v:
-                        if METRICS[metric][1]:
-                            self._child(engine_idx, metric, label).inc(v)
-                        else:
-                            self._child(engine_idx, metric).inc(v)
+                    values = label.split("/", n - 1) if n else []
+                    if v and len(values) == n:
+                        self._child(engine_idx, metric, *values).inc(v)
 
     def _observe_state(self, samples: dict[str, dict], engine_idx: int) -> None:
         known = self._sources.setdefault(engine_idx, {})

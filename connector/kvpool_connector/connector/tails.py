@@ -7,7 +7,9 @@ worth, whole vLLM blocks only) and is saved when a prompt's prefill ends and whe
 finishes. Its key is the key space prefix, a marker, the block count and the chained vLLM
 hash of its last block, so it names the whole token prefix up to that block, can never be
 taken for a full chunk (different length and marker), and two tails of different lengths
-after the same chunks never collide. Tails are sealed and stored like every object.
+after the same chunks never collide. Tails are sealed and stored like every object, and the
+local tiers evict them before full chunks (the worker's store is given `is_tail_key` as its
+evict-first predicate, store/tiered.py `set_evict_first`).
 
 A lookup takes the longest match: the leading full chunks, then at most one tail right after
 them (the longest one present). Pure functions here; scheduler.py calls them.

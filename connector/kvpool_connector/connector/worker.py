@@ -40,7 +40,7 @@ from .audit import KVAudit
 from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
-from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
+from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler, kind_tier
 
 log = logging.getLogger("kvpool.connector")
 
@@ -82,8 +82,14 @@ class _Load:
 class WorkerSide:
     def __init__(self, store, blocks_per_chunk: int, layerwise: bool,
                  audit: KVAudit | None = None, staging_bytes: int = 1 << 30,
-                 events: bool = False, store_metrics: bool = True):
+                 events: bool = False, store_metrics: bool = True, block_size: int = 0,
+                 count_tokens: bool = True):
         self.store = store
+        # labels of the per-tier object counters: saves land in the first tier (put_many's
+        # answer), hits name the tier that served them (get_many_into's served_by)
+        self._first_tier = store.tier_names()[0]
+        self.block_size = block_size  # tokens per vLLM block: the hit token counters
+        self.count_tokens = count_tokens  # tensor-parallel rank 0: tokens counted once
         # the store's series reach /metrics only through vLLM's stats (stats.py)
         self._sampler = StoreSampler(store) if store_metrics else None
         self.events = events  # vLLM KV events on: report the local tiers' stores/evictions
@@ -220,7 +226,7 @@ class WorkerSide:
                       sum(o.numel() for o, good in zip(objects, ok, strict=True) if good))
             for kind, good in zip(job.kinds, ok, strict=False):  # kinds may be unset
                 if good:
-                    self._inc("kvpool_saved_objects", 1, kind)
+                    self._inc("kvpool_saved_objects", 1, kind_tier(kind, self._first_tier))
         self._save_pool.give(p.bufs)
 
     def _unregister(self, p: _PendingSave) -> None:
@@ -254,7 +260,7 @@ class WorkerSide:
             self._inc("kvpool_saved_chunks", len(p.job.keys))
             self._inc("kvpool_saved_bytes", sum(b.numel() for b in p.chunks()))
             for kind in p.job.kinds:
-                self._inc("kvpool_saved_objects", 1, kind)
+                self._inc("kvpool_saved_objects", 1, kind_tier(kind, self._first_tier))
         elif p.bufs:  # copied, but not going anywhere
             self._save_pool.give(p.bufs)
 
@@ -381,8 +387,11 @@ class WorkerSide:
         return self.layout.chunk_nbytes(c.n_blocks or self.blocks_per_chunk)
 
     def _read_batch(self, part: list, bufs: list[torch.Tensor]) -> list:
-        """(chunk, buffer) of the chunks of `part` that arrived whole and verified."""
+        """(chunk, buffer) of the chunks of `part` that arrived whole and verified, each
+        counted as a hit of its kind and of the tier that served it (a chunk still in its
+        save buffer: the first tier, where it counts as stored already)."""
         got: list[int | None] = [None] * len(part)
+        tiers: list[str | None] = [None] * len(part)
         with self._lock:  # chunks still on their way to the store: copy the save buffer
             for i, c in enumerate(part):
                 entry = self._pending.get(c.key)
@@ -394,14 +403,24 @@ class WorkerSide:
                 src = p.chunks()[j]
                 if src.numel() == self._nbytes(c):
                     bufs[i][:src.numel()].copy_(src)
-                    got[i] = src.numel()
+                    got[i], tiers[i] = src.numel(), self._first_tier
         rest = [i for i, n in enumerate(got) if n is None]
         if rest:
+            served_by: list[str | None] = [None] * len(rest)
             fetched = self.store.get_many_into([part[i].key for i in rest],
-                                               [bufs[i] for i in rest])
-            for i, n in zip(rest, fetched, strict=True):
-                got[i] = n
-        return [(c, bufs[i]) for i, c in enumerate(part) if got[i] == self._nbytes(c)]
+                                               [bufs[i] for i in rest], served_by=served_by)
+            for i, n, tier in zip(rest, fetched, served_by, strict=True):
+                got[i], tiers[i] = n, tier
+        good = [i for i, c in enumerate(part) if got[i] == self._nbytes(c)]
+        for i in good:
+            self._count_hit(part[i], tiers[i] or self._first_tier)
+        return [(part[i], bufs[i]) for i in good]
+
+    def _count_hit(self, c, tier: str) -> None:
+        kind = c.kind or ("prompt_tail" if c.n_blocks else "prompt")
+        self._inc("kvpool_hit_objects", 1, kind_tier(kind, tier))
+        if self.count_tokens and self.block_size:
+            self._inc("kvpool_hit_tokens", len(c.rows) * self.block_size, kind_tier(kind, tier))
 
     def _scatter(self, good: list, layered: _Load | None) -> None:
         """Copy verified chunks into their blocks: all layers at once, or layer by layer

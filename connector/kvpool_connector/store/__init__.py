@@ -6,6 +6,8 @@
                                                  # (True) or refused/failed (False)
     store.get_many(keys) -> [memoryview | bytes | None, ...]   # None = miss
     store.get_many_into(keys, buffers) -> [nbytes | None, ...]  # fill caller buffers
+                                     # (served_by=[None] * n: filled with the serving tiers)
+    store.set_evict_first(predicate)             # keys the cpu/disk tiers evict first
     store.contains_prefix(keys) -> int           # leading keys present in some tier
     store.flush(); store.stats(); store.close()
 

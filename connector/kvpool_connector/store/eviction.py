@@ -1,5 +1,8 @@
 """Eviction policies of the cpu tier, in slots (the disk tier keeps its own LRU index).
 
+Objects written with `Record.evict_first` (the connector's tail objects) never reach a
+policy's choice: the cpu and disk tiers evict them first, least recently used first.
+
 A policy only orders keys; the tier owns the space. Protocol:
   admit(key)           before making room for a new key (ARC adapts to ghost hits here)
   insert(key, units)   after the key was stored

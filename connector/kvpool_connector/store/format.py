@@ -156,6 +156,9 @@ class Record:
     key: PoolKey | None = None
     encrypt: bool = False
     blob: memoryview | None = None
+    # the local tiers (cpu, disk) evict it before every other object when they need room
+    # (the store's evict_first predicate: the connector's tail objects)
+    evict_first: bool = False
     _parts: tuple[bytes, memoryview, bytes] | None = field(default=None, repr=False)
     _arr: np.ndarray | None = field(default=None, repr=False, compare=False)  # blob_pool's
 

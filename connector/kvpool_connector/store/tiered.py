@@ -55,6 +55,7 @@ class TieredStore:
         for warning in transport_warnings(cfg):
             log.warning("%s", warning)
         self._closed = False
+        self._evict_first: Callable[[bytes], bool] | None = None
         self._event_keys: OrderedDict[bytes, bytes] | None = None  # enable_events()
         self._event_lock = threading.Lock()  # saver, loader and the worker's step thread
         self.runners: list[TierRunner] = []
@@ -101,7 +102,18 @@ class TieredStore:
     def _record(self, key: bytes, layout_id: bytes, payload: memoryview,
                 pool_key: PoolKey) -> Record:
         return Record(pool_key.object_name(key), layout_id, payload, key=pool_key,
-                      encrypt=self.keyring.encrypt)
+                      encrypt=self.keyring.encrypt, evict_first=self._is_evict_first(key))
+
+    def set_evict_first(self, predicate: Callable[[bytes], bool] | None) -> None:
+        """Keys for which `predicate` is true are evicted first by the local tiers (cpu,
+        disk) when they need room, least recently used of them first, before any other
+        object. The tiers see only sealed object names, so the caller, who knows its keys,
+        decides (the connector: its tail objects, connector/tails.py)."""
+        self._evict_first = predicate
+
+    def _is_evict_first(self, key: bytes) -> bool:
+        pred = self._evict_first
+        return bool(pred is not None and pred(key))
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, keys: Sequence[bytes], payloads: Sequence[Any],
@@ -138,10 +150,11 @@ class TieredStore:
         return self.put_many([key], [payload], layout)[0]
 
     # -- reads ----------------------------------------------------------------------------
-    def _probe(self, keys: list[bytes], layout_id: bytes, outs: list[memoryview] | None
-               ) -> list[Record | None]:
+    def _probe(self, keys: list[bytes], layout_id: bytes, outs: list[memoryview] | None,
+               served_by: list[str | None] | None = None) -> list[Record | None]:
         """Every tier in order, under the current key then the previous one, within one
-        deadline; promotes what lower tiers (or the previous key) served."""
+        deadline; promotes what lower tiers (or the previous key) served. `served_by`: set
+        to the name of the tier that served each key (None: a miss)."""
         found: list[Record | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.cfg.timeout_seconds
@@ -174,6 +187,8 @@ class TieredStore:
                         still.append(i)
                         continue
                     found[i] = rec
+                    if served_by is not None:
+                        served_by[i] = runner.name
                     if tier_index or generation:
                         source = tier_index if not generation else len(self.runners)
                         promote.append((source, i, rec))
@@ -203,6 +218,7 @@ class TieredStore:
         key would make a forgery made with a leaked previous key outlive the rotation."""
         for tier_index, i, rec in hits:
             self._remember_names([keys[i]], [rec])
+            rec.evict_first = self._is_evict_first(keys[i])
             if tier_index == len(self.runners):  # found under the previous key
                 rec = self._record(keys[i], layout_id, rec.payload, self.keyring.current)
                 self._remember_names([keys[i]], [rec])
@@ -236,9 +252,12 @@ class TieredStore:
         return self.get_many([key], layout)[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any],
-                      layout: bytes | str | None = None) -> list[int | None]:
+                      layout: bytes | str | None = None,
+                      served_by: list[str | None] | None = None) -> list[int | None]:
         """Read each object into the caller's buffer; bytes written per key, None = miss
         (also for an object larger than its buffer: it cannot be of the caller's layout).
+        `served_by` (a list as long as `keys`): set to the name of the tier each object came
+        from, for the caller's own accounting (the connector's per-tier hits).
 
         Nothing is served unless its tag checks out; a buffer whose read failed (a bad tag,
         an error, a call cut off at the deadline) holds no byte of the object. When this
@@ -250,10 +269,12 @@ class TieredStore:
         views = [to_view(o) for o in outs]
         if any(v.readonly for v in views):
             raise ValueError("output buffers must be writable")
+        if served_by is not None and len(served_by) != len(keys):
+            raise ValueError(f"{len(keys)} keys but served_by holds {len(served_by)}")
         if not keys or self._closed:
             return [None] * len(keys)
         return [None if r is None else len(r.payload)
-                for r in self._probe(keys, self._layout(layout), views)]
+                for r in self._probe(keys, self._layout(layout), views, served_by)]
 
     def get_into(self, key: bytes, out: Any, layout: bytes | str | None = None) -> int | None:
         return self.get_many_into([key], [out], layout)[0]
@@ -282,6 +303,10 @@ class TieredStore:
                 while prefix < len(keys) and present[prefix]:
                     prefix += 1
         return prefix
+
+    def tier_names(self) -> list[str]:
+        """The tiers' labels in stats and metrics, first tier first."""
+        return [r.name for r in self.runners]
 
     def memory_only(self) -> bool:
         """One tier, the process's own memory (cpu): a write is a memcpy under the tier's

@@ -46,6 +46,31 @@ def test_prometheus_counters_carry_engine_and_tier_labels():
     assert reg.get_sample_value("kvpool_loaded_chunks_total", {"model_name": "m", "engine": "0"}) == 3
 
 
+def test_object_counters_carry_kind_and_tier_labels():
+    """Saved and hit objects are labelled by kind and tier (the payload's "kind/tier"); a
+    tier's own name may hold "/"; a label of the wrong shape is left out, never raised."""
+    from kvpool_connector.connector.stats import kind_tier
+
+    reg, prom = _registry_prom()
+    stats = KVPoolConnectorStats()
+    stats.inc("kvpool_hit_objects", 2, kind_tier("decode_tail", "disk"))
+    stats.inc("kvpool_hit_objects", 1, kind_tier("prompt", "nvme/a"))
+    stats.inc("kvpool_hit_tokens", 256, kind_tier("decode_tail", "disk"))
+    stats.inc("kvpool_saved_objects", 3, kind_tier("decode", "cpu"))
+    stats.aggregate(KVPoolConnectorStats(data={"kvpool_hit_objects": {"decode_tail/disk": 1,
+                                                                      "unlabelled": 5}}))
+    assert stats.reduce()["kvpool_hit_objects[decode_tail/disk]"] == 3
+    prom.observe(stats.data, engine_idx=0)
+    engine = {"model_name": "m", "engine": "0"}
+
+    def value(metric: str, kind: str, tier: str) -> float | None:
+        return reg.get_sample_value(metric, {**engine, "kind": kind, "tier": tier})
+    assert value("kvpool_hit_objects_total", "decode_tail", "disk") == 3
+    assert value("kvpool_hit_objects_total", "prompt", "nvme/a") == 1
+    assert value("kvpool_hit_tokens_total", "decode_tail", "disk") == 256
+    assert value("kvpool_saved_objects_total", "decode", "cpu") == 3
+
+
 # -- the store's series through vLLM's stats path ---------------------------------------------
 # The stores run in vLLM's engine-core process; these payloads are what carries their series
 # to the API server's /metrics (connector/stats.py).

@@ -68,12 +68,14 @@ def test_second_turn_loads_full_chunks_and_the_tail_up_to_the_last_full_block(si
     kinds = [k for j in jobs for k in j.kinds]
     # the prompt's two chunks, its tail at prefill end, the chunk the answer completed
     # (tokens 512-767), and at finish the tail of block 6 (tokens 768-895)
-    assert kinds == ["prompt", "prompt", "tail", "decode", "tail"]
-    prompt_tail, finish_tail = [j for j in jobs if j.kinds == ["tail"]]
+    assert kinds == ["prompt", "prompt", "prompt_tail", "decode", "decode_tail"]
+    prompt_tail, finish_tail = [j for j in jobs if j.kinds[0].endswith("tail")]
     assert prompt_tail.keys == [tail_key(PREFIX, t1.block_hashes, 4, 1)]
     assert prompt_tail.block_ids == [[side.test_blocks["t1"][4]]]
     assert finish_tail.keys == [tail_key(PREFIX, t1.block_hashes, 6, 1)]
     assert all(is_tail_key(k) for k in prompt_tail.keys + finish_tail.keys)
+    # the predicate the worker's store evicts first by: tails only, never a full chunk
+    assert not any(is_tail_key(k) for k in chunk_keys(PREFIX, t1.block_hashes, BPC))
 
     t2 = _with_prompt("t2", list(t1.all_token_ids) + list(range(300, 350)))  # 950 tokens
     hit, is_async = side.num_matched(t2, 0)
@@ -85,7 +87,8 @@ def test_second_turn_loads_full_chunks_and_the_tail_up_to_the_last_full_block(si
     assert [c.key for c in load.chunks] == keys[:3] + finish_tail.keys
     tail = load.chunks[-1]
     assert (tail.rows, tail.block_ids, tail.n_blocks) == ([0], [ids[6]], 1)
-    assert side.take_stats().data["kvpool_hit_objects"] == {"prompt": 2, "decode": 1, "tail": 1}
+    # the workers count each hit by these kinds (and the tier that served it)
+    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "decode", "decode_tail"]
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -112,9 +115,12 @@ def test_per_request_override_keeps_the_answer_out_and_tails_off(side):
     allocate(side, t1, 0)
     jobs = _run_turn(side, t1, list(range(10, 210)))
     # no decode chunk; the finish tail would be the prompt's tail again: nothing new
-    assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "tail"]
+    assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "prompt_tail"]
     t2 = _with_prompt("t2", list(t1.all_token_ids) + [9] * 50)
     assert side.num_matched(t2, 0) == (640, True)  # the prompt and its tail, not the answer
+    allocate(side, t2, 640)
+    (load,) = side.build_meta(scheduler_output({})).loads
+    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "prompt_tail"]
     off = _with_prompt("t3", list(t1.all_token_ids) + [9] * 50)
     off.kv_transfer_params = {"kvpool": {"tails": False}}
     assert side.num_matched(off, 0) == (512, True)

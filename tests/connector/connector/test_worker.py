@@ -31,9 +31,9 @@ class GatedStore:
     def __init__(self, store) -> None:
         self.store, self.gate = store, threading.Event()
 
-    def get_many_into(self, keys, bufs):
+    def get_many_into(self, keys, bufs, **kw):
         assert self.gate.wait(30), "the test never opened the gate"
-        return self.store.get_many_into(keys, bufs)
+        return self.store.get_many_into(keys, bufs, **kw)
 
     def in_memory(self, keys):
         return False  # a slow tier: its loads run on the loader thread
@@ -91,9 +91,9 @@ class ThreadRecordingStore:
     def __init__(self, store) -> None:
         self.store, self.readers = store, []
 
-    def get_many_into(self, keys, bufs):
+    def get_many_into(self, keys, bufs, **kw):
         self.readers.append(threading.current_thread())
-        return self.store.get_many_into(keys, bufs)
+        return self.store.get_many_into(keys, bufs, **kw)
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -168,4 +168,70 @@ def test_a_store_with_lower_tiers_saves_on_the_saver_thread(tmp_path):
     while not store.writers and time.monotonic() < deadline:
         time.sleep(0.01)
     assert store.writers and store.writers[0].name == "kvpool-saver"
+    side.shutdown()
+
+
+# -- objects saved and hit, by kind and tier ---------------------------------------------------
+
+def _two_tier_worker(tmp_path):
+    """A worker over a real cpu + disk store, both tiers named (metrics labels)."""
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = open_store({"namespace": "worker-test", "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": "16Mi", "name": "ram"},
+        {"type": "disk", "path": str(tmp_path), "size": "16Mi", "name": "ssd"}]}, layout=b"l")
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False, block_size=128)
+    side.register(layout)
+    return side, store, caches
+
+
+def _saved(side, store) -> None:
+    """The saver thread handed every save to the store, and the disk tier wrote them."""
+    deadline = time.monotonic() + 10
+    while side._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not side._pending and store.flush(timeout=10)
+
+
+def test_hits_are_counted_by_kind_and_the_tier_that_served_them(tmp_path):
+    """A prompt chunk in the cpu tier, a decode tail only on disk (evicted from the cpu
+    tier): each hit names its own tier; tokens count the blocks loaded."""
+    side, store, caches = _two_tier_worker(tmp_path)
+    chunk, tail = b"c" * 16, b"t" * 16
+    side.submit_saves(KVPoolMetadata(saves=[
+        SaveJob("r", [chunk, tail], [[0, 1], [2]], ["prompt", "decode_tail"])]))
+    _saved(side, store)
+    store.runners[0].tier.delete_many(store.object_names([tail]))  # now only on disk
+    saved = side.take_stats().data["kvpool_saved_objects"]
+    assert saved == {"prompt/ram": 1, "decode_tail/ram": 1}  # saves: the first tier
+    load = LoadJob("q", [ChunkLoad(chunk, rows=[0, 1], block_ids=[4, 5], kind="prompt"),
+                         ChunkLoad(tail, rows=[0], block_ids=[6], n_blocks=1,
+                                   kind="decode_tail")], is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side._async_loads["q"].done.wait(10)
+    assert side.get_finished(KVPoolMetadata())[1] == {"q"}
+    data = side.take_stats().data
+    assert data["kvpool_hit_objects"] == {"prompt/ram": 1, "decode_tail/ssd": 1}
+    assert data["kvpool_hit_tokens"] == {"prompt/ram": 256, "decode_tail/ssd": 128}
+    for cache in caches.values():  # and the bytes are the ones saved
+        assert torch.equal(cache[4:6], cache[0:2]) and torch.equal(cache[6], cache[2])
+    side.shutdown()
+
+
+def test_a_missing_object_is_no_hit_and_rank_one_counts_no_tokens(tmp_path):
+    side, store, _ = _two_tier_worker(tmp_path)
+    side.count_tokens = False  # tensor-parallel rank 1: objects yes, tokens no
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("r", [b"c" * 16], [[0, 1]], ["decode"])]))
+    _saved(side, store)
+    side.take_stats()
+    load = LoadJob("q", [ChunkLoad(b"c" * 16, rows=[0, 1], block_ids=[4, 5], kind="decode"),
+                         ChunkLoad(b"m" * 16, rows=[0, 1], block_ids=[6, 7], kind="prompt")],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side._async_loads["q"].done.wait(10)
+    side.get_finished(KVPoolMetadata())
+    data = side.take_stats().data
+    assert data["kvpool_hit_objects"] == {"decode/ram": 1}
+    assert "kvpool_hit_tokens" not in data
+    assert side.take_load_errors() == {6, 7}
     side.shutdown()

@@ -112,3 +112,71 @@ def test_disk_capacity_bound_evicts_oldest(tmp_path):
     assert st["used_bytes"] <= 5 * SLOT and st["objects"] == 5 and on_disk == 5
     assert present(s, names) == {"o0", "o4", "o5", "o6", "o7"}
     s.close()
+
+
+# -- evict-first objects (the connector's tails) ------------------------------------------------
+
+def is_tail(key: bytes) -> bool:
+    return key.startswith(b"tail")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_full_cpu_tier_evicts_tails_before_chunks(policy):
+    """Chunks A, B and tails t1, t2 fill 4 slots; each new chunk evicts a tail (the least
+    recently used one: t2 after t1 was read), only then chunks, by the policy."""
+    s = cpu_store(policy, 4)
+    s.set_evict_first(is_tail)
+    s.put_many([k("A"), k("tail1"), k("tail2"), k("B")], [os.urandom(SLOT)] * 4)
+    s.get_many([k("tail1")])
+    s.put_many([k("C")], [os.urandom(SLOT)])
+    assert present(s, ["A", "B", "C", "tail1", "tail2"]) == {"A", "B", "C", "tail1"}
+    s.put_many([k("D")], [os.urandom(SLOT)])
+    assert present(s, ["A", "B", "C", "D", "tail1"]) == {"A", "B", "C", "D"}
+    s.put_many([k("E")], [os.urandom(SLOT)])  # no tail left: the policy's victim
+    assert len(present(s, "ABCDE")) == 4 and "E" in present(s, "E")
+    assert s.stats()["tiers"]["cpu"]["evictions"] == 3
+    s.close()
+
+
+def test_a_tail_stored_again_as_a_chunk_is_a_chunk():
+    """The mark follows the latest write of a name (a predicate changed: no stale mark)."""
+    s = cpu_store("lru", 2)
+    s.set_evict_first(is_tail)
+    s.put_many([k("A"), k("tailX")], [os.urandom(SLOT)] * 2)
+    s.set_evict_first(None)
+    s.put_many([k("tailX")], [os.urandom(SLOT)])  # rewritten, unmarked, most recent
+    s.put_many([k("B")], [os.urandom(SLOT)])
+    assert present(s, ["A", "B", "tailX"]) == {"B", "tailX"}
+    s.close()
+
+
+def test_a_full_disk_tier_evicts_tails_before_chunks(tmp_path):
+    s = open_store({"namespace": "ev", "metrics": False, "security": SECURITY, "tiers": [
+        {"type": "disk", "path": str(tmp_path), "size": 4 * SLOT, "rescan_seconds": 0}]})
+    s.set_evict_first(is_tail)
+    for n in ("A", "tail1", "tail2", "B"):
+        s.put_many([k(n)], [os.urandom(SLOT - 200)])
+    s.put_many([k("C")], [os.urandom(SLOT - 200)])
+    assert present(s, ["A", "B", "C", "tail1", "tail2"]) == {"A", "B", "C", "tail2"}
+    s.put_many([k("D")], [os.urandom(SLOT - 200)])
+    s.put_many([k("E")], [os.urandom(SLOT - 200)])  # tails gone: the oldest chunk, A
+    assert present(s, ["A", "B", "C", "D", "E", "tail2"]) == {"B", "C", "D", "E"}
+    assert s.stats()["tiers"]["disk"]["evictions"] == 3
+    s.close()
+
+
+def test_a_tail_promoted_from_disk_into_cpu_stays_evict_first(tmp_path):
+    """A lower-tier hit copied into the cpu tier keeps its mark there."""
+    s = open_store({"namespace": "ev", "metrics": False, "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": 2 * SLOT, "slot_size": SLOT},
+        {"type": "disk", "path": str(tmp_path), "size": 64 * SLOT, "rescan_seconds": 0}]})
+    s.set_evict_first(is_tail)
+    s.put_many([k("tail1"), k("A"), k("B")], [os.urandom(SLOT - 200)] * 3)
+    assert s.flush(10)
+    cpu = s.runners[0].tier
+    assert not any(cpu.contains_many(s.object_names([k("tail1")])))  # evicted first
+    assert s.get_many([k("tail1")])[0] is not None  # from disk, promoted (evicts A)
+    s.put_many([k("C")], [os.urandom(SLOT - 200)])  # evicts the promoted tail, not B
+    assert cpu.contains_many(s.object_names([k("B"), k("C"), k("tail1")])) == [
+        True, True, False]
+    s.close()

@@ -18,6 +18,7 @@ import logging
 import mmap
 import sys
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..eviction import Policy, make_policy
@@ -79,6 +80,9 @@ class CpuTier(Tier):
         self._arena, self._owner = allocate_arena(cfg.size, cfg.pin_memory)
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
+        # objects put with Record.evict_first, least recently used first: when the arena
+        # needs room they go before anything the eviction policy would pick
+        self._first: OrderedDict[bytes, None] = OrderedDict()
         self.slot_size = 0
         self.nslots = 0
         self._free: list[int] = []
@@ -94,6 +98,7 @@ class CpuTier(Tier):
 
     def _release(self, key: bytes, evicted: bool) -> None:
         e = self._index.pop(key)
+        self._first.pop(key, None)
         self._free.extend(e.slots)
         self._policy.remove(key, evicted)
         self.note(False, (key,))
@@ -115,7 +120,7 @@ class CpuTier(Tier):
                 self._release(rec.name, evicted=False)
             self._policy.admit(rec.name)
             while len(self._free) < units:
-                victim = self._policy.victim()
+                victim = next(iter(self._first), None) or self._policy.victim()
                 assert victim is not None  # fewer free slots than all: something is stored
                 self._release(victim, evicted=True)
                 self.stats.inc("evictions")
@@ -126,6 +131,8 @@ class CpuTier(Tier):
                 arena[s * slot:s * slot + len(chunk)] = chunk
             self._index[rec.name] = _Entry(slots, n, rec.layout)
             self._policy.insert(rec.name, units)
+            if rec.evict_first:
+                self._first[rec.name] = None
             self.note(True, (rec.name,))
         self.stats.inc("bytes_in", n)
         return True
@@ -140,6 +147,8 @@ class CpuTier(Tier):
             self.stats.inc(Status.FOREIGN_LAYOUT.value)
             return None
         self._policy.touch(key)
+        if key in self._first:
+            self._first.move_to_end(key)
         return e
 
     def _copy_out(self, e: _Entry, out: memoryview) -> None:
@@ -206,6 +215,7 @@ class CpuTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+            self._first.clear()
             self._free = []
             self._arena = memoryview(b"")
             self._owner = None  # unmapped once the last view into it is gone

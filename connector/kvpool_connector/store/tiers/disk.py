@@ -1,7 +1,9 @@
 """Local-disk tier: one file per object under <path>/<namespace>/<xx>/<name hex>.kv.
 
 - Hard capacity: an in-memory index (name -> size, LRU order) is charged before each write
-  and evicts the least recently used files until the new object fits.
+  and evicts the least recently used files until the new object fits; objects this process
+  wrote with `Record.evict_first` (the connector's tails) go first. Names are sealed, so
+  that mark is this process's memory only: files found by a scan are plain LRU.
 - Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
   this or another process) see a whole object or none; fsync as configured.
 - Hostile directories: the namespace, temp and shard directories are real directories
@@ -100,6 +102,7 @@ class DiskTier(Tier):
         self.capacity = cfg.size
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._first: OrderedDict[bytes, None] = OrderedDict()  # evict-first names, LRU order
         self._written: dict[bytes, int] = {}  # name -> xxh3 of the payload this process wrote
         self._used = 0
         self._direct = bool(cfg.direct_io) and hasattr(os, "O_DIRECT")
@@ -200,6 +203,7 @@ class DiskTier(Tier):
                 if k in new:
                     new.move_to_end(k)
             self._index = new
+            self._first = OrderedDict((k, None) for k in self._first if k in new)
             self._written = {k: c for k, c in self._written.items() if k in new}
             self._used = sum(new.values())
             victims = self._evict_locked(0)
@@ -213,9 +217,19 @@ class DiskTier(Tier):
                 log.warning("disk tier: rescan failed: %s", e)
 
     def _evict_locked(self, incoming: int) -> list[bytes]:
+        """Names to unlink so that `incoming` more bytes fit: evict-first ones, then LRU."""
         victims = []
         while self._index and self._used + incoming > self.capacity:
-            k, size = self._index.popitem(last=False)
+            k = None
+            while self._first and k is None:
+                k, _ = self._first.popitem(last=False)
+                if k not in self._index:  # forgotten meanwhile
+                    k = None
+            if k is None:
+                k, size = self._index.popitem(last=False)
+                self._first.pop(k, None)
+            else:
+                size = self._index.pop(k)
             self._written.pop(k, None)
             self._used -= size
             victims.append(k)
@@ -241,6 +255,7 @@ class DiskTier(Tier):
     def _forget(self, name: bytes) -> None:
         with self._lock:
             self._written.pop(name, None)
+            self._first.pop(name, None)
             size = self._index.pop(name, None)
             if size is not None:
                 self._used -= size
@@ -250,6 +265,16 @@ class DiskTier(Tier):
             old = self._index.pop(name, None)
             self._used += size - (old or 0)
             self._index[name] = size
+            if name in self._first:
+                self._first.move_to_end(name)
+
+    def _mark_first(self, rec: Record) -> None:
+        """Under the lock: note whether `rec` goes first when room is needed."""
+        if rec.evict_first:
+            self._first[rec.name] = None
+            self._first.move_to_end(rec.name)
+        else:
+            self._first.pop(rec.name, None)
 
     # -- writes ---------------------------------------------------------------------------
     def put_many(self, records: list[Record]) -> list[bool]:
@@ -265,11 +290,13 @@ class DiskTier(Tier):
         with self._lock:
             if rec.name in self._index and self._written.get(rec.name) == same:
                 self._index.move_to_end(rec.name)  # the same bytes are on disk already
+                self._mark_first(rec)
                 return True
             old = self._index.pop(rec.name, None)
             self._used -= old or 0
             victims = self._evict_locked(size)
             self._index[rec.name] = size  # charged before writing: concurrent puts stay bounded
+            self._mark_first(rec)
             self._used += size
             self._written.pop(rec.name, None)
         self._unlink_all(victims)
