@@ -88,6 +88,12 @@ def test_a_real_bpe_merges_the_generated_ids_when_their_text_is_re_tokenized(tmp
     assert d["drift_tokens"] == len(generated) and d["common_prefix"] == len(prev_ids)
 
 
+def test_the_chat_part_generates_only_ids_with_text():
+    # the test bed's model has 2048 logits, its tokenizer 624 tokens: ids past it and the
+    # special ids come back from the chat API as no text at all
+    assert chat_bench.text_ids(6, {0, 1, 2}) == [3, 4, 5]
+
+
 def test_a_template_that_rewrites_earlier_turns_has_no_tail():
     with pytest.raises(ValueError, match="does not render the next turn"):
         chat_bench.template_tail("<u>hi<a>", "<think>x</think>yo", "<u>hi<a>yo</s><u>more<a>")

@@ -327,15 +327,25 @@ def _turn(base_url: str, prompt: list[int], max_tokens: int, cache_salt: str | N
             "cached_tokens": details.get("cached_tokens") or 0}
 
 
+def text_ids(vocab: int, special: set[int]) -> list[int]:
+    """The ids that have text: below the tokenizer's size and not special (pure). The test
+    bed's model has 2048 logits but its tokenizer 624 tokens: ids past it, and the special
+    ids the detokenizer skips, come back as no text at all (measured before this: 28 of 30
+    answers of the random-weight model re-tokenized to nothing), which is not what a real
+    model does."""
+    return [i for i in range(vocab) if i not in special]
+
+
 def _chat_turn(base_url: str, messages: list[dict[str, str]], max_tokens: int,
-               cache_salt: str) -> dict[str, Any]:
-    """One chat completion: the answer text, the generated ids, the prompt ids the server
-    rendered and tokenized (vLLM's `return_token_ids`), usage."""
+               cache_salt: str, allowed: list[int]) -> dict[str, Any]:
+    """One chat completion, generating only `allowed` ids (text_ids): the answer text, the
+    generated ids, the prompt ids the server rendered and tokenized (vLLM's
+    `return_token_ids`), usage."""
     import httpx
 
     body = {"model": "local", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-            "cache_salt": cache_salt}
+            "cache_salt": cache_salt, "allowed_token_ids": allowed}
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=900)
     if r.status_code != 200:  # no chat template, say: the server's one-line reason
         raise RuntimeError(f"/v1/chat/completions: HTTP {r.status_code}: "
@@ -349,15 +359,18 @@ def _chat_turn(base_url: str, messages: list[dict[str, str]], max_tokens: int,
 
 def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
              ) -> list[dict[str, Any]]:
-    """The workload through the chat API, history kept as message text (each turn's ids
-    decoded to the user's text). Before each later turn, the token-exact prompt (previous
-    prompt ids from the server + generated ids + the template tail's ids) goes to the
-    completions API as a 1-token probe: what that path would compute. All under one cache
-    salt, apart from the arm's own conversations."""
+    """The workload through the chat API, history kept as message text (each turn's ids,
+    mapped onto ids with text, decoded to the user's text). After each later turn, the
+    token-exact prompt (previous prompt ids from the server + generated ids + the template
+    tail's ids) goes to the completions API as a 1-token probe: what that path computes. The
+    probe's cached tokens are capped at the history's whole blocks: without the chat request
+    just before it, no cache could hold the new turn's ids. All under one cache salt, apart
+    from the arm's own conversations."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
     salt = f"chat-api-{uuid.uuid4().hex[:8]}"
+    allowed = text_ids(len(tok), set(tok.all_special_ids))
 
     def rendered(messages: list[dict[str, str]]) -> str:
         return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
@@ -368,20 +381,24 @@ def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
 
     def one(c: int, k: int) -> None:
         st = state[c]
-        st["messages"].append({"role": "user", "content": tok.decode(work[c]["turns"][k])})
+        user = [allowed[i % len(allowed)] for i in work[c]["turns"][k]]  # ids with text
+        st["messages"].append({"role": "user", "content": tok.decode(user)})
         text = rendered(st["messages"])
         row: dict[str, Any] = {"conversation": c, "turn": k}
         if k:
             tail = template_tail(st["rendered"], st["answer"], text)
             exact = st["prompt_ids"] + st["ids"] + tok.encode(tail, add_special_tokens=False)
-            probe = _turn(base_url, exact, 1, cache_salt=salt)
-            row["computed_exact"] = probe["prompt_tokens"] - probe["cached_tokens"]
-        out = _chat_turn(base_url, st["messages"], work[c]["answers"][k], salt)
+        out = _chat_turn(base_url, st["messages"], work[c]["answers"][k], salt, allowed)
         if k:
             history = len(st["prompt_ids"]) + len(st["ids"])
+            probe = _turn(base_url, exact, 1, cache_salt=salt)
+            cached = min(probe["cached_tokens"], history // BLOCK_TOKENS * BLOCK_TOKENS)
+            row.update(exact_prompt=probe["prompt_tokens"], exact_cached=cached,
+                       computed_exact=probe["prompt_tokens"] - cached)
             row.update(drift(out["prompt_ids"], exact, history), new_tokens=len(exact) - history,
                        answer_tokens=len(st["ids"]))
-            row["computed_chat"] = out["prompt_tokens"] - out["cached_tokens"]
+            row.update(chat_prompt=out["prompt_tokens"], chat_cached=out["cached_tokens"],
+                       computed_chat=out["prompt_tokens"] - out["cached_tokens"])
         st["messages"].append({"role": "assistant", "content": out["text"]})
         st.update(rendered=text, answer=out["text"], prompt_ids=out["prompt_ids"], ids=out["ids"])
         with lock:
@@ -431,7 +448,8 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
         summary = summarize(arm, results, sources)
         if chat:
             t1 = time.monotonic()
-            summary["chat"] = summarize_chat(run_chat(server.base_url, s, work, model))
+            rows = run_chat(server.base_url, s, work, model)
+            summary["chat"] = {**summarize_chat(rows), "rows": rows}  # rows: JSON only
             _log(f"{arm}: chat API drift measured in {time.monotonic() - t1:.0f}s")
         return summary
     finally:
