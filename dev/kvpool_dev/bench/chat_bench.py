@@ -20,8 +20,9 @@ salt of its own): the same conversations through /v1/chat/completions with the h
 as message text, as chat clients do. Per later turn it compares the prompt ids the server
 used with the token-exact prompt (previous prompt ids + generated ids + the template's ids
 for the new turn): the ids past the first difference are history that no prefix cache can
-reuse. A random-weight model generates random ids, which re-tokenize far worse than a real
-model's text: the drift measured here is pessimistic, not a real model's figure.
+reuse. A random-weight model's answers are not a real model's text (its greedy output
+re-tokenizes exactly here, where uniformly random ids almost never would): the drift
+measured here is not a real model's figure.
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ def render_chat(chat: dict[str, Any]) -> list[str]:
     """The chat-API drift table (pure)."""
     out = ["chat API, history kept as text (tails server, own cache salt): re-tokenization "
            "drift per turn",
-           "  (random-weight model: it generates random ids, which re-tokenize far worse than "
-           "a real model's text: a pessimistic figure, not a real model's)",
+           "  (random-weight model: its answers are not a real model's text, so neither is "
+           "this drift; the figures show what drift costs where there is some)",
            "  history: previous prompt + answer ids; common: prefix shared with the token-exact "
            "prompt; drift: history ids past the first difference; exact: prompts identical;",
            "  computed prompt tokens (new tokens of the token-exact prompt), chat API vs the "
