@@ -44,6 +44,84 @@ def test_summary_goals_and_table():
     assert "76 (60) 100ms" in text and "[met ]" in text
 
 
+def test_drift_none_when_the_server_repeats_the_generated_ids():
+    prev, generated, tail = [5, 6, 7], [8, 9], [1, 10, 11]
+    exact = prev + generated + tail
+    d = chat_bench.drift(list(exact), exact, history=len(prev + generated))
+    assert d == {"history_tokens": 5, "common_prefix": 8, "drift_tokens": 0, "exact": True}
+
+
+def test_drift_counts_the_history_past_a_merge():
+    # the answer's ids 8, 9 re-tokenize as one merged id 42: everything from there on differs
+    prev, generated, tail = [5, 6, 7], [8, 9], [1, 10, 11]
+    exact = prev + generated + tail
+    d = chat_bench.drift(prev + [42] + tail, exact, history=5)
+    assert d == {"history_tokens": 5, "common_prefix": 3, "drift_tokens": 2, "exact": False}
+    # a template token that differs only after the history: the whole history is reusable
+    d = chat_bench.drift(prev + generated + [2, 10, 11], exact, history=5)
+    assert (d["common_prefix"], d["drift_tokens"], d["exact"]) == (5, 0, False)
+
+
+def test_a_real_bpe_merges_the_generated_ids_when_their_text_is_re_tokenized(tmp_path):
+    """Why the drift exists: ids a model may generate ("t", "he") decode to text that the
+    tokenizer encodes as other ids (one merged "the")."""
+    from transformers import AutoTokenizer
+
+    from kvpool_dev.testbed.localmodel import CHAT_TEMPLATE, _train_tokenizer
+
+    _train_tokenizer(2048, tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    generated = tok.encode("t", add_special_tokens=False) + tok.encode("he", add_special_tokens=False)
+    assert tok.encode(tok.decode(generated), add_special_tokens=False) != generated
+    first = [{"role": "user", "content": "hello"}]
+    prev = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    answer = tok.decode(generated)
+    nxt = tok.apply_chat_template(first + [{"role": "assistant", "content": answer},
+                                           {"role": "user", "content": "more"}],
+                                  tokenize=False, add_generation_prompt=True)
+    tail = chat_bench.template_tail(prev, answer, nxt)
+    assert tail == "</s>\n<|user|>\nmore</s>\n<|assistant|>\n" and CHAT_TEMPLATE
+    prev_ids = tok.encode(prev, add_special_tokens=False)
+    exact = prev_ids + generated + tok.encode(tail, add_special_tokens=False)
+    d = chat_bench.drift(tok.encode(nxt, add_special_tokens=False), exact,
+                         history=len(prev_ids) + len(generated))
+    assert d["drift_tokens"] == len(generated) and d["common_prefix"] == len(prev_ids)
+
+
+def test_the_chat_part_generates_only_ids_with_text():
+    # the test bed's model has 2048 logits, its tokenizer 624 tokens: ids past it and the
+    # special ids come back from the chat API as no text at all
+    assert chat_bench.text_ids(6, {0, 1, 2}) == [3, 4, 5]
+
+
+def test_a_template_that_rewrites_earlier_turns_has_no_tail():
+    with pytest.raises(ValueError, match="does not render the next turn"):
+        chat_bench.template_tail("<u>hi<a>", "<think>x</think>yo", "<u>hi<a>yo</s><u>more<a>")
+
+
+def _chat_row(k, history, common, computed_chat, computed_exact):
+    return {"conversation": 0, "turn": k, "history_tokens": history, "common_prefix": common,
+            "drift_tokens": max(0, history - common), "exact": common > history,
+            "new_tokens": 60, "answer_tokens": 16, "computed_chat": computed_chat, "computed_exact": computed_exact}
+
+
+def test_chat_summary_and_table():
+    rows = [{"conversation": 0, "turn": 0}, {"conversation": 1, "turn": 0},
+            _chat_row(1, 400, 380, 200, 90), _chat_row(1, 500, 520, 100, 80)]
+    chat = chat_bench.summarize_chat(rows)
+    assert chat["by_turn"] == [{"turn": 2, "requests": 2, "history_tokens": 450,
+                                "common_prefix": 450, "drift_tokens": 10, "new_tokens": 60,
+                                "computed_chat": 150, "computed_exact": 85,
+                                "exact_prompts": 1}]
+    assert chat["later_drift_tokens"] == 20 and chat["drift_share"] == 20 / 900
+    assert chat["drift_within_last_answer"] == 1  # 20 > 16 answer tokens; 0 <= 16
+    report = {"settings": json.loads(json.dumps(chat_bench.Settings.quick().__dict__)),
+              "runs": {}, "goals": [], "chat": chat}
+    text = chat_bench.render(report)
+    assert "re-tokenization drift" in text and "random-weight model" in text
+    assert "20 of 900 history tokens (2.2%)" in text and "answer in 1 of 2 prompts" in text
+
+
 def test_an_unknown_arm_is_one_line(capsys):
     assert chat_bench.main(["--arms", "plain,fast"]) == 2
     err = capsys.readouterr().err.strip()
@@ -68,3 +146,12 @@ def test_bench_chat_quick(repo_root, tiny_model, tmp_path):
     tails = report["runs"]["tails"]
     assert tails["later_computed_tokens"] <= tails["later_new_tokens"] + chat_bench.BLOCK_TOKENS
     assert report["goals"][0]["met"] is True
+    # the chat-API drift, on the tails server: every later turn compared with its
+    # token-exact prompt; the token-exact probe computes no more than tails allow
+    chat = report["chat"]
+    assert "re-tokenization drift" in proc.stdout
+    assert chat["requests"] == s["conversations"] * s["turns"]
+    assert [b["turn"] for b in chat["by_turn"]] == list(range(2, s["turns"] + 1))
+    for b in chat["by_turn"]:
+        assert b["history_tokens"] > b["drift_tokens"] >= 0 and b["common_prefix"] > 0
+    assert chat["later_computed_exact"] <= chat["later_new_tokens"] + chat_bench.BLOCK_TOKENS

@@ -14,6 +14,15 @@ no re-tokenization changes an id. Arms, one server each, one after another:
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
 TTFT p50 (first streamed token); per arm the cached tokens by vLLM's hit source. A
 benchmark, not a timed test: the numbers of one run, side by side.
+
+The chat-API drift (on the tails arm's server, after its own conversations, under a cache
+salt of its own): the same conversations through /v1/chat/completions with the history kept
+as message text, as chat clients do. Per later turn it compares the prompt ids the server
+used with the token-exact prompt (previous prompt ids + generated ids + the template's ids
+for the new turn): the ids past the first difference are history that no prefix cache can
+reuse. A random-weight model's answers are not a real model's text (its greedy output
+re-tokenizes exactly here, where uniformly random ids almost never would): the drift
+measured here is not a real model's figure.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class Settings:
     max_model_len: int = 4096
     cpu_tier: str = "1Gi"
     chunk_tokens: int = 256
+    chat_api: bool = True  # the chat-API drift measurement on the tails arm's server
 
     @staticmethod
     def quick() -> Settings:
@@ -99,11 +109,107 @@ def summarize(arm: str, turns: list[dict], sources: dict[str, float]) -> dict[st
             "cached_by_source": sources}
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists (pure)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def template_tail(prev_rendered: str, answer: str, rendered: str) -> str:
+    """The text a chat template adds after an answer for the next turn (end of the answer's
+    message, the new user message, the generation prompt): `rendered` minus the previous
+    turn's rendered prompt and the answer text (pure). A template that rewrites earlier
+    turns (one that strips `<think>`, say) has no such tail: ValueError."""
+    head = prev_rendered + answer
+    if not rendered.startswith(head):
+        raise ValueError("the chat template does not render the next turn as the previous "
+                         "prompt + the answer + more text")
+    return rendered[len(head):]
+
+
+def drift(actual: list[int], exact: list[int], history: int) -> dict[str, Any]:
+    """How far the prompt ids the server used (`actual`) follow the token-exact prompt
+    (`exact`: previous prompt ids + generated ids + the new turn's ids), whose first
+    `history` ids are the conversation so far. Drift: history ids past the first difference,
+    which no prefix cache (vLLM's or kvpool's) can reuse (pure)."""
+    common = common_prefix(actual, exact)
+    return {"history_tokens": history, "common_prefix": common,
+            "drift_tokens": max(0, history - common), "exact": actual == exact}
+
+
+def summarize_chat(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per later turn index (turn 2 on): history tokens, common prefix with the token-exact
+    prompt, drift, the token-exact prompt's new tokens (means), prompts that matched
+    exactly, computed prompt tokens on the chat path and on the token-exact path
+    (prompt - cached, means) (pure)."""
+
+    def mean(ts: list[dict[str, Any]], key: str) -> float:
+        return sum(t[key] for t in ts) / len(ts)
+
+    by_turn = []
+    later = [t for t in turns if t["turn"] > 0]
+    for k in sorted({t["turn"] for t in later}):
+        ts = [t for t in later if t["turn"] == k]
+        by_turn.append({"turn": k + 1, "requests": len(ts),
+                        **{key: mean(ts, key) for key in (
+                            "history_tokens", "common_prefix", "drift_tokens", "new_tokens",
+                            "computed_chat", "computed_exact")},
+                        "exact_prompts": sum(t["exact"] for t in ts)})
+    history = sum(t["history_tokens"] for t in later)
+    return {"requests": len(turns), "by_turn": by_turn,
+            "later_history_tokens": history,
+            "later_drift_tokens": sum(t["drift_tokens"] for t in later),
+            "drift_share": sum(t["drift_tokens"] for t in later) / history if history else None,
+            # earlier answers re-tokenize the same way every turn: drift only in the last one?
+            "drift_within_last_answer": sum(t["drift_tokens"] <= t["answer_tokens"]
+                                            for t in later),
+            "later_new_tokens": mean(later, "new_tokens") if later else None,
+            "later_computed_chat": mean(later, "computed_chat") if later else None,
+            "later_computed_exact": mean(later, "computed_exact") if later else None}
+
+
+def render_chat(chat: dict[str, Any]) -> list[str]:
+    """The chat-API drift table (pure)."""
+    out = ["chat API, history kept as text (tails server, own cache salt): re-tokenization "
+           "drift per turn",
+           "  (random-weight model: its answers are not a real model's text, so neither is "
+           "this drift; the figures show what drift costs where there is some)",
+           "  history: previous prompt + answer ids; common: prefix shared with the token-exact "
+           "prompt; drift: history ids past the first difference; exact: prompts identical;",
+           "  computed prompt tokens (new tokens of the token-exact prompt), chat API vs the "
+           "token-exact prompt on the completions API",
+           f"{'turn':<8}{'history':>9}{'common':>9}{'drift':>9}{'exact':>7}"
+           f"{'computed chat':>16}{'token-exact':>14}"]
+
+    def row(turn: str, b: dict[str, Any] | None, chat_: float, new: float, exact: float
+            ) -> str:
+        cols = (f"{b['history_tokens']:>9.0f}{b['common_prefix']:>9.0f}{b['drift_tokens']:>9.0f}"
+                f"{b['exact_prompts']:>5}/{b['requests']:<1}" if b else " " * 34)
+        return f"{turn:<8}{cols}{f'{chat_:.0f} ({new:.0f})':>16}{exact:>14.0f}"
+
+    for b in chat["by_turn"]:
+        out.append(row(str(b["turn"]), b, b["computed_chat"], b["new_tokens"],
+                       b["computed_exact"]))
+    if chat["by_turn"]:
+        share = chat["drift_share"] or 0.0
+        out.append(row("2+", None, chat["later_computed_chat"], chat["later_new_tokens"],
+                       chat["later_computed_exact"]))
+        out.append(f"  drift: {chat['later_drift_tokens']} of {chat['later_history_tokens']} "
+                   f"history tokens ({share:.1%}) not reusable through the chat API; "
+                   f"within the last answer in {chat['drift_within_last_answer']} of "
+                   f"{sum(b['requests'] for b in chat['by_turn'])} prompts")
+    return out
+
+
 def render(report: dict[str, Any]) -> str:
     """The per-turn table (pure)."""
     s, runs = report["settings"], report["runs"]
     names = list(runs)
-    turns = max(len(r["by_turn"]) for r in runs.values())
+    turns = max((len(r["by_turn"]) for r in runs.values()), default=0)
     out = [f"kvpool bench chat: {s['conversations']} conversations x {s['turns']} turns "
            f"({s['preset']} model), first turn {s['first_tokens'][0]}-{s['first_tokens'][1]} "
            f"tokens, +{s['new_tokens'][0]}-{s['new_tokens'][1]} per turn, answers "
@@ -134,6 +240,8 @@ def render(report: dict[str, Any]) -> str:
     for g in report["goals"]:
         mark = {True: "met ", False: "MISS", None: "n/a "}[g["met"]]
         out.append(f"  [{mark}] {g['goal']}: {g['value']}")
+    if report.get("chat"):
+        out += [""] + render_chat(report["chat"])
     return "\n".join(out)
 
 
@@ -188,13 +296,17 @@ def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
     raise ValueError(f"unknown arm {arm!r}")
 
 
-def _turn(base_url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def _turn(base_url: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None
+          ) -> dict[str, Any]:
     """One streamed completion of prompt token ids: the generated ids, TTFT, usage."""
     import httpx
 
-    body = {"model": "local", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": "local", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True}}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     t0 = time.perf_counter()
     ttft, ids, usage = None, [], None
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=900) as r:
@@ -216,8 +328,91 @@ def _turn(base_url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "cached_tokens": details.get("cached_tokens") or 0}
 
 
-def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, workdir: Path
-            ) -> dict[str, Any]:
+def text_ids(vocab: int, special: set[int]) -> list[int]:
+    """The ids that have text: below the tokenizer's size and not special (pure). The test
+    bed's model has 2048 logits but its tokenizer 624 tokens: ids past it, and the special
+    ids the detokenizer skips, come back as no text at all (measured before this: 28 of 30
+    answers of the random-weight model re-tokenized to nothing), which is not what a real
+    model does."""
+    return [i for i in range(vocab) if i not in special]
+
+
+def _chat_turn(base_url: str, messages: list[dict[str, str]], max_tokens: int,
+               cache_salt: str, allowed: list[int]) -> dict[str, Any]:
+    """One chat completion, generating only `allowed` ids (text_ids): the answer text, the
+    generated ids, the prompt ids the server rendered and tokenized (vLLM's
+    `return_token_ids`), usage."""
+    import httpx
+
+    body = {"model": "local", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "cache_salt": cache_salt, "allowed_token_ids": allowed}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=900)
+    if r.status_code != 200:  # no chat template, say: the server's one-line reason
+        raise RuntimeError(f"/v1/chat/completions: HTTP {r.status_code}: "
+                           f"{' '.join(r.text.split())[:300]}")
+    out = r.json()
+    choice, usage = out["choices"][0], out.get("usage") or {}
+    return {"text": choice["message"].get("content") or "", "ids": choice["token_ids"],
+            "prompt_ids": out["prompt_token_ids"], "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+
+
+def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
+             ) -> list[dict[str, Any]]:
+    """The workload through the chat API, history kept as message text (each turn's ids,
+    mapped onto ids with text, decoded to the user's text). After each later turn, the
+    token-exact prompt (previous prompt ids from the server + generated ids + the template
+    tail's ids) goes to the completions API as a 1-token probe: what that path computes. The
+    probe's cached tokens are capped at the history's whole blocks: without the chat request
+    just before it, no cache could hold the new turn's ids. All under one cache salt, apart
+    from the arm's own conversations."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    salt = f"chat-api-{uuid.uuid4().hex[:8]}"
+    allowed = text_ids(len(tok), set(tok.all_special_ids))
+
+    def rendered(messages: list[dict[str, str]]) -> str:
+        return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    state: list[dict[str, Any]] = [{"messages": []} for _ in work]
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one(c: int, k: int) -> None:
+        st = state[c]
+        user = [allowed[i % len(allowed)] for i in work[c]["turns"][k]]  # ids with text
+        st["messages"].append({"role": "user", "content": tok.decode(user)})
+        text = rendered(st["messages"])
+        row: dict[str, Any] = {"conversation": c, "turn": k}
+        if k:
+            tail = template_tail(st["rendered"], st["answer"], text)
+            exact = st["prompt_ids"] + st["ids"] + tok.encode(tail, add_special_tokens=False)
+        out = _chat_turn(base_url, st["messages"], work[c]["answers"][k], salt, allowed)
+        if k:
+            history = len(st["prompt_ids"]) + len(st["ids"])
+            probe = _turn(base_url, exact, 1, cache_salt=salt)
+            cached = min(probe["cached_tokens"], history // BLOCK_TOKENS * BLOCK_TOKENS)
+            row.update(exact_prompt=probe["prompt_tokens"], exact_cached=cached,
+                       computed_exact=probe["prompt_tokens"] - cached)
+            row.update(drift(out["prompt_ids"], exact, history), new_tokens=len(exact) - history,
+                       answer_tokens=len(st["ids"]))
+            row.update(chat_prompt=out["prompt_tokens"], chat_cached=out["cached_tokens"],
+                       computed_chat=out["prompt_tokens"] - out["cached_tokens"])
+        st["messages"].append({"role": "assistant", "content": out["text"]})
+        st.update(rendered=text, answer=out["text"], prompt_ids=out["prompt_ids"], ids=out["ids"])
+        with lock:
+            results.append(row)
+
+    with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
+        for k in range(s.turns):
+            list(pool.map(functools.partial(one, k=k), range(len(work))))
+    return results
+
+
+def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, workdir: Path,
+            chat: bool = False) -> dict[str, Any]:
     from kvpool_dev.bench.fleet_bench import counters, delta
     from kvpool_dev.testbed.engine import VllmServer
 
@@ -251,7 +446,13 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
                 list(pool.map(functools.partial(one, k=k), range(len(work))))
         d = delta(counters(server.metrics()), before)
         sources = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("cached:") and v}
-        return summarize(arm, results, sources)
+        summary = summarize(arm, results, sources)
+        if chat:
+            t1 = time.monotonic()
+            rows = run_chat(server.base_url, s, work, model)
+            summary["chat"] = {**summarize_chat(rows), "rows": rows}  # rows: JSON only
+            _log(f"{arm}: chat API drift measured in {time.monotonic() - t1:.0f}s")
+        return summary
     finally:
         server.stop()
 
@@ -265,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--model", default=None, help="model path (default: the generated one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-chat-api", action="store_true",
+                    help="skip the chat-API drift measurement (run on the tails arm's server)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     ap.add_argument("--workdir", default=None, help="keep the engine logs here")
     args = ap.parse_args(argv)
@@ -282,8 +485,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     s = Settings.quick() if args.quick else Settings()
-    overrides = {k: v for k in ("conversations", "turns", "concurrency")
-                 if (v := getattr(args, k)) is not None}
+    overrides: dict[str, Any] = {k: v for k in ("conversations", "turns", "concurrency")
+                                 if (v := getattr(args, k)) is not None}
+    if args.no_chat_api:
+        overrides["chat_api"] = False
     if overrides:
         s = Settings(**{**asdict(s), **overrides})
     model = Path(args.model) if args.model else ensure_model(s.preset)
@@ -291,15 +496,20 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-chat-"))
     workdir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"settings": asdict(s), "runs": {}}
+    import httpx
+
     t0 = time.monotonic()
     try:
         for arm in arms:
-            report["runs"][arm] = run_arm(arm, s, work, model, workdir)
-            r = report["runs"][arm]
+            r = run_arm(arm, s, work, model, workdir, chat=s.chat_api and arm == "tails")
+            if "chat" in r:
+                report["chat"] = r.pop("chat")
+            report["runs"][arm] = r
             _log(f"{arm}: turns 2+ computed {r['later_computed_tokens']}, TTFT p50 "
                  f"{r['later_ttft_p50_s']}")
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"kvpool bench chat: {exc}", file=sys.stderr)
+    except (RuntimeError, TimeoutError, ValueError, httpx.HTTPError) as exc:
+        msg = str(exc).splitlines()[0] if isinstance(exc, httpx.HTTPError) else exc
+        print(f"kvpool bench chat: {msg}", file=sys.stderr)
         return 1
     finally:
         if not args.workdir:
