@@ -128,6 +128,21 @@ def test_an_unknown_arm_is_one_line(capsys):
     assert err.startswith("kvpool bench chat: --arms:") and "\n" not in err
 
 
+@pytest.mark.parametrize("args, field", [
+    (["--conversations", "0"], "--conversations"),
+    (["--turns", "-1"], "--turns"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--arms", "tails,tails"], "--arms"),
+    (["--model", "/nonexistent"], "--model"),
+    (["--json", "/nonexistent/dir/chat.json"], "--json"),
+])
+def test_a_mistake_is_one_line_before_any_server_starts(capsys, args, field):
+    # no `vllm` mark: a server start here would fail the test (the test bed refuses it)
+    assert chat_bench.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvpool bench chat: {field}:") and "\n" not in err, err
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_chat_quick(repo_root, tiny_model, tmp_path):

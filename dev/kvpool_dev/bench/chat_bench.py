@@ -457,6 +457,21 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
         server.stop()
 
 
+def _argument_mistake(args: argparse.Namespace, arms: list[str]) -> str | None:
+    """The first argument that cannot work, named, before any server starts (a bad --json
+    path would otherwise fail only after the whole run, losing its report)."""
+    for name in ("conversations", "turns", "concurrency"):
+        if (v := getattr(args, name)) is not None and v < 1:
+            return f"--{name}: {v} must be at least 1"
+    if len(set(arms)) != len(arms):
+        return f"--arms: {','.join(arms)} names an arm twice"
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        return f"--model: {args.model} is not a model directory (no config.json)"
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        return f"--json: the directory of {args.json} does not exist"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpool bench chat", description=__doc__.split("\n\n")[1])
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 conversations x 3 turns")
@@ -479,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"kvpool bench chat: --arms: unknown {bad}; choose from {list(ARMS)}",
               file=sys.stderr)
+        return 2
+    if mistake := _argument_mistake(args, arms):
+        print(f"kvpool bench chat: {mistake}", file=sys.stderr)
         return 2
     if not kv_configs.kvpool_connector_available():
         print("kvpool bench chat: kvpool_connector.vllm.KVPoolConnector does not import",
