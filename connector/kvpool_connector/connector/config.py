@@ -17,8 +17,8 @@ from pydantic import Field, ValidationError
 from ..config import PositiveSize, StoreConfig, parse_size, read_documents
 
 EXTRA_CONFIG = "kv_connector_extra_config"
-CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
-                  "tail_objects", "require_cache_salt", "staging_bytes")
+CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
+                  "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes")
 
 
 class ConnectorConfigError(ValueError):
@@ -35,6 +35,11 @@ class ConnectorConfig(StoreConfig):
                                                       "inline keys override it")
     layerwise: bool = Field(False, description="load layer by layer during the forward pass "
                                                "(layer i+1 copies while layer i computes)")
+    sync_local_loads: bool = Field(True, description="a hit held entirely in the engine's "
+                                   "own memory (the cpu tier, first) is copied in before the "
+                                   "step's forward and the request computes the rest of its "
+                                   "prompt in that same step; off: it waits one step for the "
+                                   "load, as vLLM's native offloading always does")
     save_decode_tokens: bool = Field(True, description="also store the KV of generated tokens "
                                      "(chunks as they complete, the rest in the tail object): "
                                      "a chat's next turn includes the answer; per request "

@@ -61,6 +61,7 @@ class _RequestRecord:
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
+    load_async: bool = True         # the last match's load: between steps, or in the step
     prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
 
 
@@ -109,6 +110,9 @@ class SchedulerSide:
         self.world_size = world_size
         self.lower = lower_store
         self.is_async = is_async
+        # a hit all in the workers' own memory loads inside the step (no step of waiting)
+        self.sync_local = (is_async and cfg.sync_local_loads
+                           and not tier_class(cfg.tiers[0].type).shared)
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
         first_local = tier_class(cfg.tiers[0].type).local
@@ -196,7 +200,15 @@ class SchedulerSide:
         hit_tokens = self._hit_tokens(record)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, self.is_async
+        record.load_async = self.is_async and not (self.sync_local and self._all_local(record))
+        return hit_tokens - num_computed_tokens, record.load_async
+
+    def _all_local(self, record: _RequestRecord) -> bool:
+        """Whether the match (chunks and tail) came from the KeyIndex: chunks the workers
+        hold in their own memory, copied in a memcpy each (if one was evicted meanwhile, its
+        blocks are load errors and vLLM recomputes them, as with any broken promise)."""
+        return (record.hit_local_index >= record.hit_chunks
+                and (record.tail_key is None or record.tail_local))
 
     def _lookup(self, record: _RequestRecord, hashes: list, now: float) -> int | None:
         """Leading chunks present; None while a remote part of the lookup is running."""
@@ -263,7 +275,7 @@ class SchedulerSide:
                                     [block_ids[b] for b in range(lo, hi)],
                                     kind="decode" if key in self.decode_keys else "prompt"))
         self._load_tail(record, chunks, first_block, last_block, block_ids)
-        record.load = LoadJob(request.request_id, chunks, self.is_async)
+        record.load = LoadJob(request.request_id, chunks, record.load_async)
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
                 self.events.remember(request, c, key)

@@ -49,8 +49,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{name: (doc, ("tier",)) for name, doc in TIER_METRICS.items()},
     "kvpool_loaded_chunks": ("Chunks loaded into the paged KV cache", ()),
     "kvpool_loaded_bytes": ("Bytes loaded into the paged KV cache", ()),
-    "kvpool_inline_loads": ("Async loads served from the worker's own memory within the "
-                            "step that submitted them (no loader thread)", ()),
+    "kvpool_inline_loads": ("Loads served from the worker's own memory within the step "
+                            "that submitted them, before its forward (no loader thread)",
+                            ()),
     "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", ()),
     "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", ()),
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", ()),

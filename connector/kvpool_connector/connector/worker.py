@@ -301,23 +301,28 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------
     def submit_loads(self, meta: KVPoolMetadata) -> None:
-        """Async loads whose chunks are all in the process's own memory (the cpu tier, or
-        save buffers on their way there) run here, before the forward, as vLLM's native
-        offloading does: a few memcpys, done when this step's get_finished reports, so the
-        request always resumes next step; on the loader thread it competed with the
-        forward for the GIL and cores and missed that report whenever the forward was the
-        shorter. Everything else (lower tiers, layerwise loads) runs on the loader thread."""
+        """Loads whose chunks are all in the process's own memory (the cpu tier, or save
+        buffers on their way there) run here, before the forward, as vLLM's native
+        offloading does: a few memcpys. An async one is done when this step's get_finished
+        reports, so the request always resumes next step (on the loader thread it competed
+        with the forward for the GIL and cores and missed that report whenever the forward
+        was the shorter); a sync one (the scheduler's sync_local_loads) is in its blocks
+        before the forward computes the rest of the prompt in this very step. Everything
+        else (lower tiers, layerwise loads) runs on the loader thread."""
         n_layers = len(self.layout.layers) if self.layout else 0
         for job in meta.loads:
             load = _Load(job, layer_done=[threading.Event() for _ in range(n_layers)])
             if job.is_async:
                 self._async_loads[job.req_id] = load
-                if self._in_memory(job):
-                    self._inc("kvpool_inline_loads")
-                    self._load_now(load)
-                    continue
             else:
                 self._sync_loads.append(load)
+            # a sync load of the worker's own memory (sync_local_loads) is a few memcpys:
+            # done here, before the forward that reads its blocks; a layerwise one is
+            # pipelined with the forward's layers on the loader thread
+            if (job.is_async or not self.layerwise) and self._in_memory(job):
+                self._inc("kvpool_inline_loads")
+                self._load_now(load)
+                continue
             self._load_q.put(load)
 
     def _in_memory(self, job: LoadJob) -> bool:

@@ -3,6 +3,8 @@ disk-tier store: lookups, load plans, save plans, delayed frees, failed-load re-
 
 from __future__ import annotations
 
+import pytest
+
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
@@ -35,21 +37,48 @@ def test_cold_request_plans_saves_of_complete_prompt_chunks_only(side):
     assert side.build_meta(scheduler_output({"r2": 1000})).saves == []
 
 
-def test_reported_chunks_become_hits_with_an_async_load_plan(side):
+def test_reported_chunks_become_hits_loaded_within_the_step(side):
+    """Chunks the workers hold in their own memory (reported stored, in the KeyIndex) load
+    synchronously: copied before the forward, the request computes the rest of its prompt
+    in that same step instead of waiting a step (sync_local_loads)."""
+    req = make_request("r1", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
+    assert side.num_matched(req, 0) == (512, False)
+    # a local prefix hit of one block: load only the rest of the hit
+    again = make_request("r1b", 1000)
+    assert side.num_matched(again, 128) == (384, False)
+    ids = allocate(side, again, 384)
+    meta = side.build_meta(scheduler_output({"r1b": 616}))
+    (load,) = meta.loads
+    assert not load.is_async
+    assert [c.key for c in load.chunks] == keys[:2]
+    assert [c.rows for c in load.chunks] == [[1], [0, 1]]
+    assert [c.block_ids for c in load.chunks] == [[ids[1]], [ids[2], ids[3]]]
+
+
+@pytest.mark.parametrize("side", [{"tail_objects": False, "sync_local_loads": False}],
+                         indirect=True)
+def test_without_sync_local_loads_a_local_hit_waits_a_step_for_an_async_load(side):
     req = make_request("r1", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
     assert side.num_matched(req, 0) == (512, True)
-    # a local prefix hit of one block: load only the rest of the hit
-    again = make_request("r1b", 1000)
-    assert side.num_matched(again, 128) == (384, True)
-    ids = allocate(side, again, 384)
+    allocate(side, req, 512)
     meta = side.build_meta(scheduler_output({}))
     assert meta.idle  # the request waits for its load: the workers may wait for it too
     (load,) = meta.loads
-    assert [c.key for c in load.chunks] == keys[:2]
-    assert [c.rows for c in load.chunks] == [[1], [0, 1]]
-    assert [c.block_ids for c in load.chunks] == [[ids[1]], [ids[2], ids[3]]]
+    assert load.is_async and [c.key for c in load.chunks] == keys[:2]
+
+
+def test_a_hit_partly_in_a_lower_tier_loads_between_steps(side):
+    """A disk, Redis or S3 read must never stall a forward: any chunk of the hit outside
+    the KeyIndex makes the whole load asynchronous."""
+    req = make_request("r1", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:1]))
+    side.lower.put_many(keys[1:3], [b"x" * 64, b"y" * 64])
+    assert side.num_matched(req, 0) == (768, True)
 
 
 def test_lower_tier_objects_count_as_hits_and_the_last_token_is_never_claimed(side):
@@ -80,7 +109,7 @@ def test_failed_load_is_saved_again_after_recompute(side):
     req = make_request("r1", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys))
-    assert side.num_matched(req, 0) == (768, True)
+    assert side.num_matched(req, 0) == (768, False)  # local: loaded within the step
     allocate(side, req, 768)
     side.build_meta(scheduler_output({}))
     side.on_worker_meta(KVPoolWorkerMetadata(failed_loads={"r1": [keys[1]]}))

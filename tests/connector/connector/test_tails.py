@@ -80,7 +80,7 @@ def test_second_turn_loads_full_chunks_and_the_tail_up_to_the_last_full_block(si
     t2 = _with_prompt("t2", list(t1.all_token_ids) + list(range(300, 350)))  # 950 tokens
     hit, is_async = side.num_matched(t2, 0)
     # 3 full chunks + the 1-block tail: 896 of 950; computed 54 <= 50 new + one block
-    assert (hit, is_async) == (896, True)
+    assert (hit, is_async) == (896, False)  # all in the workers' memory: loaded within the step
     ids = allocate(side, t2, 896)
     (load,) = side.build_meta(scheduler_output({})).loads
     keys = chunk_keys(PREFIX, t2.block_hashes, BPC)
@@ -99,13 +99,13 @@ def test_a_tail_never_claims_the_last_prompt_token_nor_shadows_a_full_chunk(side
     # the same 5 blocks then exactly one more token: the tail (block 4) ends at token 640,
     # the last prompt token (640) is computed
     same = _with_prompt("s", list(t1.prompt_token_ids)[:640] + [5])
-    assert side.num_matched(same, 0) == (640, True)
+    assert side.num_matched(same, 0) == (640, False)
     # a prompt of exactly those 640 tokens: block 4 holds its last token, no tail is claimed
     exact = _with_prompt("e", list(t1.prompt_token_ids)[:640])
-    assert side.num_matched(exact, 0) == (512, True)
+    assert side.num_matched(exact, 0) == (512, False)
     # a different block 4 after the same chunks: no tail matches
     other = _with_prompt("o", list(t1.prompt_token_ids)[:512] + [7] * 200)
-    assert side.num_matched(other, 0) == (512, True)
+    assert side.num_matched(other, 0) == (512, False)
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -117,13 +117,13 @@ def test_per_request_override_keeps_the_answer_out_and_tails_off(side):
     # no decode chunk; the finish tail would be the prompt's tail again: nothing new
     assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "prompt_tail"]
     t2 = _with_prompt("t2", list(t1.all_token_ids) + [9] * 50)
-    assert side.num_matched(t2, 0) == (640, True)  # the prompt and its tail, not the answer
+    assert side.num_matched(t2, 0) == (640, False)  # the prompt and its tail, not the answer
     allocate(side, t2, 640)
     (load,) = side.build_meta(scheduler_output({})).loads
     assert [c.kind for c in load.chunks] == ["prompt", "prompt", "prompt_tail"]
     off = _with_prompt("t3", list(t1.all_token_ids) + [9] * 50)
     off.kv_transfer_params = {"kvpool": {"tails": False}}
-    assert side.num_matched(off, 0) == (512, True)
+    assert side.num_matched(off, 0) == (512, False)
 
 
 def test_config_off_is_todays_behaviour(side):

@@ -111,6 +111,38 @@ def test_a_load_from_the_cpu_tier_is_done_before_the_forward_starts():
     assert side.take_stats().data["kvpool_inline_loads"] == {"": 1}
 
 
+def test_a_sync_load_from_the_cpu_tier_is_in_its_blocks_when_submit_returns():
+    """sync_local_loads: the scheduler counted the hit as computed, so the forward that
+    follows reads the blocks: the copy is done in the step, on the calling thread, and the
+    forward's end collects it (no finished_recving: the request never waited)."""
+    side, store, caches = worker_with_one_stored_chunk(ThreadRecordingStore)
+    load = LoadJob("sync", [ChunkLoad(b"k" * 16, rows=[0, 1], block_ids=[2, 3])],
+                   is_async=False)
+    for cache in caches.values():
+        cache[2:4].zero_()
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert store.readers[-1] is threading.current_thread()
+    for cache in caches.values():
+        assert torch.equal(cache[2:4], cache[0:2])
+    side.wait_layer("layer.1")  # returns at once: the load is done
+    side.finish_sync_loads()
+    assert side.get_finished(KVPoolMetadata(idle=False))[1] == {"req"}  # the async one only
+    assert side.take_load_errors() == set()
+    assert side.take_stats().data["kvpool_inline_loads"] == {"": 2}
+
+
+def test_a_sync_load_of_an_evicted_chunk_is_a_load_error_at_the_forwards_end():
+    """The scheduler's index said the worker held it, the cpu tier evicted it meanwhile:
+    its blocks are load errors, which vLLM recomputes (kv_load_failure_policy recompute)."""
+    side, store, _ = worker_with_one_stored_chunk(ThreadRecordingStore)
+    load = LoadJob("gone", [ChunkLoad(b"e" * 16, rows=[0, 1], block_ids=[3, 4])],
+                   is_async=False)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    side.wait_layer("layer.0")
+    side.finish_sync_loads()
+    assert side.take_load_errors() == {3, 4}
+
+
 def test_a_missing_chunk_goes_to_the_loader_thread_and_fails_there():
     """Not in memory: the loader thread reads it (a lower tier could have it); missing
     everywhere it is a load error, as before."""
