@@ -20,6 +20,7 @@ checkout, package kvpool_dev) that no image carries: without it they exit with a
 
 from __future__ import annotations
 
+import signal
 import sys
 from importlib import import_module
 from typing import Any
@@ -104,4 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool {name}: needs a component that is not installed ({exc}); "
               f"install kvpool[test] or kvpool[operator]", file=sys.stderr)
         return 2
+    stop_cleanly_on_sigterm()
     return int(command(rest) or 0)
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a CI job cancelled, `kill`) exits through the command's
+    `finally` blocks like Ctrl-C does: the dev tools start vLLM servers in sessions of their
+    own, which Python's default SIGTERM (exit at once) left running, holding gigabytes."""
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

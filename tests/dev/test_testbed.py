@@ -78,3 +78,35 @@ def test_a_server_that_exits_before_listening_fails_its_start_and_leaves_nothing
         proc = listening.proc
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     assert proc.returncode is not None and listening.proc is None
+
+
+MAPPER = """
+import mmap, sys
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_stopped_groups_host_regions_go_only_once_nobody_maps_them(tmp_path):
+    """What the engines' stop does with vLLM's native host regions (engine.py,
+    ReleasesHostRegions): find the files its process group maps, then remove only those that
+    no process maps any more."""
+    shm = tmp_path
+    for name in ("vllm_offload_a.mmap", "vllm_offload_b.mmap", "other.mmap"):
+        (shm / name).write_bytes(b"\0" * 4096)
+    child = process.start([sys.executable, "-c", MAPPER, str(shm / "vllm_offload_a.mmap")],
+                          new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"mapped\n"
+        assert child.pid in process.group_pids(child.pid)
+        mine = process.mapped_shm(process.group_pids(child.pid), "vllm_offload_*.mmap", shm)
+        assert mine == {"vllm_offload_a.mmap"}  # b: nobody maps it; other: not the glob
+        assert process.remove_unmapped(mine, shm) == []  # still mapped: stays
+        assert (shm / "vllm_offload_a.mmap").exists()
+    finally:
+        child.stdin.close()
+        process.stop(child)
+    assert process.remove_unmapped(mine, shm) == ["vllm_offload_a.mmap"]
+    assert sorted(p.name for p in shm.iterdir()) == ["other.mmap", "vllm_offload_b.mmap"]

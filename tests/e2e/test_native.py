@@ -30,6 +30,7 @@ from kvpool_dev.bench import kv_configs
 from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.engine import OfflineEngine, metric_total
 from kvpool_dev.testbed.localmodel import kv_bytes_per_token
+from kvpool_dev.testbed.process import SHM
 from tests.conftest import SECURITY
 
 from .conftest import (
@@ -296,3 +297,14 @@ def test_preempted_requests_get_their_kv_back_from_the_host_tier(engines, tiny_m
     assert preemptions > 0, "the batch did not overflow the paged cache"
     assert delta("vllm:kv_offload_load_bytes") == preemptions * chunk_bytes(tiny_model)
     assert_close_to_baseline(outs, PREEMPT, baseline, "after preemptions")
+
+
+def test_a_stopped_engine_leaves_no_host_region_behind(engines):
+    """vLLM leaves its native host region (/dev/shm/vllm_offload_*.mmap) behind when its
+    engine stops; the test bed removes the ones the engine's own processes mapped (else
+    every native run leaks its host memory: 2 GiB a `kvpool bench serve` server)."""
+    eng = engines.engine
+    assert eng is not None, "the module's last engine is still running"
+    engines.stop()
+    assert eng.removed_regions, "the native engine mapped no host region"
+    assert all(not (SHM / name).exists() for name in eng.removed_regions)

@@ -47,6 +47,9 @@ MAX_NUM_SEQS = 4
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "request_throughput")
 # for these lower is better; request_throughput: higher is better
 LOWER_IS_BETTER = {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"}
+# the figures issue 27's goal judges kvpool against native on (the median is shown, not
+# judged: with 40 prompts it is one request's TTFT, and the goal does not name it)
+GOAL_METRICS = ("mean_ttft_ms", "p99_ttft_ms", "request_throughput")
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,8 @@ def pick(result: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     """Per dataset and pass: each arm's figures and its ratio to plain and to native; per
-    dataset the arms' means over passes and whether kvpool is at or ahead of native on every
-    figure in every pass (pure). A ratio > 1 is better for kvpool on every figure."""
+    dataset the arms' means over passes and whether kvpool is at or ahead of native on the
+    goal's figures (GOAL_METRICS) in every pass (pure). A ratio > 1 is better for kvpool on every figure."""
     out: dict[str, Any] = {}
     for dataset in dict.fromkeys(r["dataset"] for r in runs):
         passes = sorted({r["pass"] for r in runs if r["dataset"] == dataset})
@@ -188,7 +191,7 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
         verdicts = [row["kvpool_vs_native"] for row in rows if row["kvpool_vs_native"]]
         out[dataset] = {"passes": rows, "mean": means,
                         "kvpool_at_or_ahead_of_native": (
-                            all(v >= 1.0 for r in verdicts for v in r.values())
+                            all(r.get(m, 0.0) >= 1.0 for r in verdicts for m in GOAL_METRICS)
                             if verdicts else None)}
     return out
 
@@ -241,7 +244,8 @@ def render(report: dict[str, Any]) -> str:
                        f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
                        f"{_num(f['request_throughput']):>8}")
         verdict = s["kvpool_at_or_ahead_of_native"]
-        out.append("  kvpool at or ahead of native on every figure in every pass: "
+        out.append("  kvpool at or ahead of native on mean TTFT, p99 TTFT and req/s in every "
+                   "pass: "
                    + {True: "yes", False: "no", None: "n/a"}[verdict])
         out.append("")
     for arm, err in report.get("errors", {}).items():
@@ -283,39 +287,6 @@ def cpu_line() -> str:
 
 def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-SHM = Path("/dev/shm")
-NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native host region, one per server
-
-
-def leaked_regions(before: set[str], after: set[str], mapped: set[str]) -> set[str]:
-    """Native host-region files that appeared during the run and no process maps any more
-    (pure): stopping a native server leaves its region behind (2 GiB here)."""
-    return {name for name in after - before if name not in mapped}
-
-
-def _regions() -> set[str]:
-    return {p.name for p in SHM.glob(NATIVE_REGION_GLOB)} if SHM.is_dir() else set()
-
-
-def _mapped(names: set[str]) -> set[str]:
-    found: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        found |= {n for n in names if n in text}
-    return found
-
-
-def remove_leaked_regions(before: set[str]) -> list[str]:
-    after = _regions()
-    gone = sorted(leaked_regions(before, after, _mapped(after - before)))
-    for name in gone:
-        (SHM / name).unlink(missing_ok=True)
-    return gone
 
 
 def _scrape(server) -> dict[str, float]:
@@ -420,7 +391,6 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     t0 = time.monotonic()
-    regions_before = _regions()
     try:
         _log(f"starting {len(servers)} servers ({', '.join(arms)}), dtype {dtype}, "
              f"{gpu_blocks(w)} engine blocks of {BLOCK_SIZE} tokens")
@@ -463,10 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-        if "native" in arms:
-            gone = remove_leaked_regions(regions_before)
-            if gone:
-                _log(f"removed {len(gone)} host region(s) the native server left in {SHM}")
+            if s.removed_regions:  # vLLM leaves its native host region behind
+                _log(f"removed the host region(s) the server left: {', '.join(s.removed_regions)}")
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     report = {"cpu": cpu_line(), "dtype": dtype, "model": model.name, "arms": arms,

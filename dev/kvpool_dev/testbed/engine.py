@@ -69,7 +69,30 @@ def metric_total(samples: list[dict], name: str, **labels: str) -> float:
                and all(s["labels"].get(k) == v for k, v in labels.items()))
 
 
-class VllmServer(Service):
+NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native offloading host region
+
+
+class ReleasesHostRegions(Service):
+    """Removes the host region files (/dev/shm) of vLLM's native offloading that this
+    engine's processes mapped once they are stopped: vLLM leaves them behind (2 GiB a
+    server in `kvpool bench serve`). Only files this engine's own process group mapped
+    just before the stop, and only those no process maps after it."""
+
+    removed_regions: list[str] = []
+
+    def stop(self) -> None:
+        regions: set[str] = set()
+        if self.proc is not None and self.proc.poll() is None:
+            regions = process.mapped_shm(process.group_pids(self.proc.pid), NATIVE_REGION_GLOB)
+        self.end()
+        self.removed_regions = process.remove_unmapped(regions) if regions else []
+
+    def end(self) -> None:
+        """Stop the processes (SIGTERM to the group, then SIGKILL past `stop_timeout`)."""
+        super().stop()
+
+
+class VllmServer(ReleasesHostRegions):
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
 
     stop_timeout = 30.0
@@ -137,7 +160,7 @@ class VllmServer(Service):
             return r.read().decode()
 
 
-class OfflineEngine(Service):
+class OfflineEngine(ReleasesHostRegions):
     """A `vllm.LLM` in a child process, driven by JSON lines over stdin/stdout.
 
     `generate` takes token-id prompts (exact control over lengths and prefixes) and returns,
@@ -227,7 +250,7 @@ class OfflineEngine(Service):
     def log_tail(self, n: int = 60) -> str:
         return process.log_tail(self.log_path, n)
 
-    def stop(self) -> None:
+    def end(self) -> None:
         """A closed stdin ends the worker's loop: up to 60 s to shut vLLM down cleanly."""
         if self.proc is not None:
             try:
@@ -236,4 +259,4 @@ class OfflineEngine(Service):
                 self.proc.wait(60)
             except (subprocess.TimeoutExpired, OSError):
                 pass
-        super().stop()
+        super().end()

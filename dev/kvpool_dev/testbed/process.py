@@ -68,6 +68,50 @@ def stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
         proc.wait(timeout)
 
 
+SHM = Path("/dev/shm")
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a child started with `new_session` and
+    everything it started that stayed in its group)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(entry.name)) == pgid:
+                pids.append(int(entry.name))
+        except (ProcessLookupError, PermissionError, ValueError):
+            continue
+    return pids
+
+
+def mapped_shm(pids: Sequence[int], glob: str, shm: Path = SHM) -> set[str]:
+    """Names of the files in `shm` matching `glob` that any of `pids` maps."""
+    return _mapped_by(pids, {p.name for p in shm.glob(glob)} if shm.is_dir() else set(), shm)
+
+
+def _mapped_by(pids: Sequence[int], names: set[str], shm: Path) -> set[str]:
+    found: set[str] = set()
+    for pid in pids:
+        if not names - found:
+            break
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found |= {n for n in names if f"{shm}/{n}" in text}
+    return found
+
+
+def remove_unmapped(names: set[str], shm: Path = SHM) -> list[str]:
+    """Unlink those of `names` in `shm` that no live process maps any more (one still
+    mapped is someone's: it stays)."""
+    pids = [int(p.name) for p in Path("/proc").glob("[0-9]*")]
+    gone = sorted(names - _mapped_by(pids, set(names), shm))
+    for name in gone:
+        (shm / name).unlink(missing_ok=True)
+    return gone
+
+
 def log_tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
