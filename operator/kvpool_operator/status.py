@@ -154,15 +154,18 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         "endpoints": {name: public_url(url) for name, url in obs.endpoints.items()},
     }
     roles = _roles(obs, dep_status)
-    if roles is not None or obs.previous.get("roles"):
-        status["roles"] = roles  # None: spec.prefill is gone, a merge patch of status drops the block
+    if roles is not None:
+        status["roles"] = roles
+    elif obs.previous.get("roles") and obs.invalid is None:
+        status["roles"] = None  # spec.prefill is gone: a merge patch of status drops the block
     if obs.generation is not None:
         status["observedGeneration"] = obs.generation
     return status
 
 
 def _roles(obs: Observation, decode_status: dict[str, Any]) -> dict[str, Any] | None:
-    """status.roles: each role's pods, ready pods and Service (pools with spec.prefill)."""
+    """status.roles: each role's pods, ready pods and Service (pools with spec.prefill). None for a
+    pool without, and for a spec that cannot be read (left as it was: its children are too)."""
     if obs.prefill_replicas is None:
         return None
     prefill_status = (obs.prefill or {}).get("status") or {}

@@ -172,3 +172,11 @@ def test_status_drops_the_roles_when_prefill_goes():
     previous = compute_status(pd_obs(dep(2, 2)), T0)
     gone = Observation(generation=2, desired_replicas=4, selector="s", deployment=dep(4, 4), previous=previous)
     assert compute_status(gone, T0)["roles"] is None
+
+
+def test_a_spec_that_cannot_be_read_leaves_the_roles_as_they_were():
+    """Invalid: the operator does not know the roles and touches no child, so status keeps them."""
+    previous = compute_status(pd_obs(dep(2, 2)), T0)
+    invalid = Observation(generation=2, desired_replicas=4, selector="s", deployment=dep(4, 4),
+                          invalid="spec.prefill: needs router", previous=previous)
+    assert "roles" not in compute_status(invalid, T0)
