@@ -136,6 +136,16 @@ async def create_pods(srv: Any, bodies: list[dict[str, Any]]) -> None:
             assert resp.status < 300
 
 
+def assert_only_granted_calls(router_calls: list[Any], rules: list[dict[str, Any]]) -> None:
+    """The router's API requests are exactly what its ClusterRole grants, in the pool's namespace."""
+    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get"}
+    used = {(r.resource.group, r.resource.plural, by_action.get(r.action, r.method)) for r in router_calls}
+    granted = {(g, res, v) for rule in rules for g in rule["apiGroups"] for res in rule["resources"]
+               for v in rule["verbs"]}
+    assert used == granted == {("", "pods", "list"), ("", "pods", "watch")}
+    assert {r.namespace for r in router_calls} == {NS}
+
+
 @contextlib.asynccontextmanager
 async def running(args: list[str], kubeconfig: Path, log: Path):
     proc = await asyncio.create_subprocess_exec(
@@ -210,12 +220,7 @@ async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clie
             # the router's own API requests (it found the pod, so they were made): what its Role
             # must allow, and nothing more
             router_calls = [r for r in requests(srv) if not r.headers.get("User-Agent", "").startswith("kmock/")]
-    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get"}
-    used = {(r.resource.group, r.resource.plural, by_action.get(r.action, r.method)) for r in router_calls}
-    granted = {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
-               for v in rule["verbs"]}
-    assert used == granted == {("", "pods", "list"), ("", "pods", "watch")}
-    assert {r.namespace for r in router_calls} == {NS}
+    assert_only_granted_calls(router_calls, role["rules"])
 
 
 HANDOVER = {"kvpool": {"handover": "opaque-to-the-router"}}
@@ -274,6 +279,8 @@ async def test_rendered_pd_router_discovers_each_role_by_label_and_passes_the_ha
                 assert resp.status == 200, await resp.text() + log.read_text()[-3000:]
             prefill_calls = [b for path, b in prefill.bodies if path == "/v1/chat/completions"]
             decode_calls = [b for path, b in decode.bodies if path == "/v1/chat/completions"]
+            router_calls = [r for r in requests(srv) if not r.headers.get("User-Agent", "").startswith("kmock/")]
+    assert_only_granted_calls(router_calls, ROUTER_DISCOVERY_RULES)  # P/D discovery needs no more RBAC
     assert len(prefill_calls) == 1 and len(decode_calls) == 1, (prefill.bodies, decode.bodies)
     assert prefill_calls[0]["kv_transfer_params"]["do_remote_decode"] is True
     assert prefill_calls[0]["max_tokens"] == 1
