@@ -23,6 +23,11 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".spec.connector", "description": "Connector mode."},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired engines."},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready engines."},
+    # spec.prefill (P/D pools), in `kubectl get -o wide`: empty for every other pool
+    {"name": "Prefill", "type": "integer", "jsonPath": ".spec.prefill.replicas", "priority": 1,
+     "description": "Desired prefill engines (spec.prefill); the engines above then decode."},
+    {"name": "Prefill-Ready", "type": "integer", "jsonPath": ".status.roles.prefill.readyReplicas", "priority": 1,
+     "description": "Ready prefill engines."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Summary phase."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -11,7 +11,16 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from kvpool_connector.config import (
@@ -795,6 +804,58 @@ class KvEventsSpec(_Model):
         return self
 
 
+class PrefillSpec(_Model):
+    """Prefill/decode disaggregation: a second Deployment of the same engine (same image, model,
+    connector config, tiers and pool key) that only prefills. The router sends each request to a
+    prefill engine first, which stores the prompt's KV in the pool and hands it over in
+    kv_transfer_params; the decode engine (the pool's own Deployment) loads it from a shared tier."""
+
+    replicas: int = Field(1, ge=1, le=1000, description="Prefill engine replicas (Deployment <name>-prefill).")
+    resources: K8sObject = Field(
+        default_factory=dict,
+        description="core/v1 ResourceRequirements of the prefill engines, merged over the decode engines' "
+        "(model.resources over the operator's).",
+    )
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=256,
+        description="Extra `vllm serve` arguments of the prefill engines, appended after model.extraArgs "
+        "(the last of a repeated flag wins), for example a larger --max-num-batched-tokens.",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules((_SECRET_ARGS_RULE, _SECRET_ARGS_MESSAGE, ".extraArgs")))
+
+    @model_validator(mode="after")
+    def _no_secret_args(self) -> PrefillSpec:
+        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
+            raise ValueError(_SECRET_ARGS_MESSAGE)
+        return self
+
+
+_SHARED_TIER_RULE = ("has(self.tiers.redis) || has(self.tiers.s3) || "
+                     "(has(self.tiers.disk) && has(self.tiers.disk.volume.persistentVolumeClaim))")
+_SHARED_TIERS = "tiers.redis, tiers.s3 or tiers.disk on a persistentVolumeClaim"
+_PREFILL_RULES = (
+    (
+        f"!has(self.prefill) || self.connector == 'native' || {_SHARED_TIER_RULE}",
+        f"needs a tier both roles reach ({_SHARED_TIERS}): the prefill engine hands its KV to the decode "
+        "engine through it; a cpu tier, a hostPath (per node) or a per-pod disk is not shared",
+        ".prefill",
+    ),
+    (
+        "!has(self.prefill) || self.connector != 'native' || "
+        f"(self.native.kvpoolSecondaryTier && ({_SHARED_TIER_RULE}))",
+        f"in native mode needs a shared tier through kvpool's secondary tier (native.kvpoolSecondaryTier=true "
+        f"and {_SHARED_TIERS}): the prefill engine hands its KV to the decode engine through it",
+        ".prefill",
+    ),
+    (
+        "!has(self.prefill) || has(self.router)",
+        "needs router: the router sends each request to a prefill engine, then to a decode engine",
+        ".prefill",
+    ),
+)
+
+
 _SPEC_RULES = (
     (
         "self.connector != 'native' || has(self.tiers.cpu)",
@@ -871,8 +932,14 @@ class KVCachePoolSpec(_Model):
         None, description="An InferencePool for the Gateway API Inference Extension."
     )
     kv_events: KvEventsSpec | None = Field(None, description="vLLM KV cache events for external routers.")
+    prefill: PrefillSpec | None = Field(
+        None,
+        description="Prefill/decode disaggregation: a prefill Deployment <name>-prefill beside the engines, "
+        "which then decode (pod labels llm-d.ai/role: prefill and decode); the router runs in P/D mode. "
+        "Needs spec.router and a tier both roles reach (Redis, S3, or a disk on a shared claim).",
+    )
 
-    model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES))
+    model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES, *_PREFILL_RULES))
 
     @model_validator(mode="after")
     def _cross_field(self) -> KVCachePoolSpec:
@@ -896,6 +963,26 @@ class KVCachePoolSpec(_Model):
             raise ValueError(_SPEC_RULES[5][1])
         return self
 
+    @field_validator("prefill")
+    @classmethod
+    def _prefill(cls, prefill: PrefillSpec | None, info: ValidationInfo) -> PrefillSpec | None:
+        """The CEL rules of _PREFILL_RULES, in their order; a field validator, so that the error is
+        located at spec.prefill as the API server's (fieldPath .prefill). The fields it reads are
+        declared before prefill; one that failed its own validation is reported by itself."""
+        if prefill is None or not {"tiers", "connector", "native", "router"} <= info.data.keys():
+            return prefill
+        tiers: Tiers = info.data["tiers"]
+        shared_disk = tiers.disk is not None and tiers.disk.volume.persistent_volume_claim is not None
+        shared = bool(tiers.redis or tiers.s3 or shared_disk)
+        native = info.data["connector"] == "native"
+        if not native and not shared:
+            raise ValueError(_PREFILL_RULES[0][1])
+        if native and not (info.data["native"].kvpool_secondary_tier and shared):
+            raise ValueError(_PREFILL_RULES[1][1])
+        if info.data["router"] is None:
+            raise ValueError(_PREFILL_RULES[2][1])
+        return prefill
+
 
 class Condition(_Model):
     """metav1.Condition."""
@@ -917,6 +1004,19 @@ class Endpoints(_Model):
     s3: str = Field("", description="S3 endpoint used by the engines (no credentials, no query).")
 
 
+class RoleStatus(_Model):
+    replicas: int = Field(0, description="Pods of this role.")
+    ready_replicas: int = Field(0, description="Pods of this role passing readiness.")
+    endpoint: str = Field("", description="In-cluster URL of this role's Service.")
+
+
+class Roles(_Model):
+    """Prefill/decode disaggregation (spec.prefill): each role's engines."""
+
+    prefill: RoleStatus = Field(description="The prefill engines (Deployment and Service <name>-prefill).")
+    decode: RoleStatus = Field(description="The decode engines (Deployment and Service <name>).")
+
+
 class KVCachePoolStatus(_Model):
     """Observed state, kstatus compatible (observedGeneration + Ready/Reconciling/Stalled)."""
 
@@ -929,6 +1029,7 @@ class KVCachePoolStatus(_Model):
     selector: str | None = Field(None, description="Label selector of engine pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, description="metav1.Conditions.")
     endpoints: Endpoints | None = Field(None, description="Where clients and engines reach the pool.")
+    roles: Roles | None = Field(None, description="Per role, with spec.prefill: replicas, ready, endpoint.")
 
 
 def parse_spec(spec: dict[str, Any]) -> KVCachePoolSpec:

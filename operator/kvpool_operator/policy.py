@@ -139,7 +139,11 @@ def _asks_gpus(pod_spec: dict[str, Any]) -> bool:
 
 def _memory_fields(spec: models.KVCachePoolSpec, component: str) -> str:
     """The spec fields a component's memory request comes from, the largest first."""
-    if component == "engine":
+    if component == "prefill" and spec.prefill is not None:
+        resources = spec.prefill.resources
+        if any("memory" in (resources.get(part) or {}) for part in ("requests", "limits")):
+            return "spec.prefill.resources"
+    if component in ("engine", "prefill"):
         resources = spec.model.resources
         if any("memory" in (resources.get(part) or {}) for part in ("requests", "limits")):
             return "spec.model.resources"

@@ -28,6 +28,9 @@ class Observation:
     backends: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # component -> StatefulSet
     router: dict[str, Any] | None = None  # the router Deployment (pools with spec.router)
     router_replicas: int | None = None  # spec.router.replicas; None: the pool has no router
+    prefill: dict[str, Any] | None = None  # the prefill Deployment (pools with spec.prefill)
+    prefill_replicas: int | None = None  # spec.prefill.replicas; None: the pool has no prefill role
+    role_endpoints: dict[str, str] = field(default_factory=dict)  # role -> its Service's URL
     endpoints: dict[str, str] = field(default_factory=dict)
     insecure: tuple[str, ...] = ()  # external backends without password or TLS (a warning, not an error)
     sizes: tuple[str, ...] = ()  # pods no node of their sort can hold (policy.size_warnings; a warning)
@@ -87,6 +90,14 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         router_ok = router_ready >= obs.router_replicas
         router_msg = f"router {router_ready}/{obs.router_replicas} ready"
 
+    if obs.prefill_replicas is not None:  # P/D: a request needs a prefill engine as well as a decode one
+        prefill_status = (obs.prefill or {}).get("status") or {}
+        prefill_ready = prefill_status.get("readyReplicas", 0) or 0
+        prefill_ok = obs.prefill is not None and prefill_ready >= obs.prefill_replicas
+        prefill_msg = f"prefill {prefill_ready}/{obs.prefill_replicas} ready"
+        router_ok = router_ok and prefill_ok
+        router_msg = ", ".join(filter(None, [prefill_msg, router_msg]))
+
     def cond(ctype: str, ok: bool, reason: str, message: str = "") -> dict[str, Any]:
         return _condition(prev_conditions, ctype, ok, reason, message, obs.generation, now)
 
@@ -142,6 +153,22 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
         "conditions": conditions,
         "endpoints": {name: public_url(url) for name, url in obs.endpoints.items()},
     }
+    roles = _roles(obs, dep_status)
+    if roles is not None:
+        status["roles"] = roles
+    elif obs.previous.get("roles") and obs.invalid is None:
+        status["roles"] = None  # spec.prefill is gone: a merge patch of status drops the block
     if obs.generation is not None:
         status["observedGeneration"] = obs.generation
     return status
+
+
+def _roles(obs: Observation, decode_status: dict[str, Any]) -> dict[str, Any] | None:
+    """status.roles: each role's pods, ready pods and Service (pools with spec.prefill). None for a
+    pool without, and for a spec that cannot be read (left as it was: its children are too)."""
+    if obs.prefill_replicas is None:
+        return None
+    prefill_status = (obs.prefill or {}).get("status") or {}
+    return {role: {"replicas": dep.get("replicas", 0) or 0, "readyReplicas": dep.get("readyReplicas", 0) or 0,
+                   "endpoint": public_url(obs.role_endpoints.get(role, ""))}
+            for role, dep in (("prefill", prefill_status), ("decode", decode_status))}

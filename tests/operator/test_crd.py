@@ -57,7 +57,14 @@ def test_crd_names_columns_and_subresources():
     spec = crd.build_crd()["spec"]
     assert spec["names"]["shortNames"] == ["kvp"] and spec["scope"] == "Namespaced"
     version = spec["versions"][0]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Mode", "Replicas", "Ready", "Phase", "Age"]
+    columns = version["additionalPrinterColumns"]
+    assert [c["name"] for c in columns if not c.get("priority")] == ["Mode", "Replicas", "Ready", "Phase", "Age"]
+    # -o wide adds the prefill role's, on paths the schema has
+    assert [(c["name"], c["jsonPath"]) for c in columns if c.get("priority") == 1] == [
+        ("Prefill", ".spec.prefill.replicas"), ("Prefill-Ready", ".status.roles.prefill.readyReplicas")]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]
+    assert schema["spec"]["properties"]["prefill"]["properties"]["replicas"]["type"] == "integer"
+    assert schema["status"]["properties"]["roles"]["properties"]["prefill"]["properties"]["readyReplicas"]
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
@@ -150,6 +157,13 @@ INVALID = [
     ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0#pw", "no fragment"),
     ("tiered-external", "spec.tiers.s3.external.endpoint", "https://ak:sk@s3.example", "must not contain credentials"),
     ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example?username=u", "no query"),
+    # spec.prefill: the handover needs a tier both roles reach, in either mode, and the router
+    ("tiered-emptydir", "spec.prefill", {"replicas": 1}, "needs a tier both roles reach"),
+    ("native-cpu", "spec.prefill", {}, "in native mode needs a shared tier through kvpool's secondary tier"),
+    ("native-shared", "spec.prefill", {}, "needs router"),
+    ("tiered-pd", "spec.prefill.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
+    ("tiered-pd", "spec.prefill.replicas", 0, ("is less than the minimum of 1",
+                                                "Input should be greater than or equal to 1")),
 ]
 
 
@@ -181,10 +195,22 @@ def test_valid_variations_pass_both():
         ("tiered-full", "spec.model.gpus", 0),
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
         ("tiered-full", "spec.replicas", 0),
+        ("tiered-router", "spec.prefill", {"replicas": 2}),  # a Redis Cluster both roles reach
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)
         assert api_server_errors(pool) == [], (path, value)
+        load_pool(pool, GOLDEN_SETTINGS)
+
+
+def test_prefill_accepts_a_disk_on_a_shared_claim_and_native_with_a_shared_secondary_tier():
+    """The tiers both roles reach, besides Redis (tiered-pd, tiered-router): a disk on a claim every
+    pod mounts; in native mode through kvpool's secondary tier (native-shared has Redis)."""
+    from kvpool_operator.render import load_pool
+
+    for name in ("tiered-cpu-only", "native-shared"):
+        pool = _mutate(_mutate(load_example(name), "spec.router", {}), "spec.prefill", {"replicas": 1})
+        assert api_server_errors(pool) == [], name
         load_pool(pool, GOLDEN_SETTINGS)
 
 

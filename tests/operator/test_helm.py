@@ -197,12 +197,13 @@ def _names(docs: list[dict]) -> set[tuple[str, str]]:
     [
         (
             {"metrics.serviceMonitor.enabled": True},
-            {("ServiceMonitor", "kvpool-engines"), ("ServiceMonitor", "kvpool-routers")},
+            {("ServiceMonitor", "kvpool-engines"), ("ServiceMonitor", "kvpool-routers"),
+             ("ServiceMonitor", "kvpool-prefill")},
             set(),
         ),
         (
             {"metrics.podMonitor.enabled": True},
-            {("PodMonitor", "kvpool-engines"), ("PodMonitor", "kvpool-routers")},
+            {("PodMonitor", "kvpool-engines"), ("PodMonitor", "kvpool-routers"), ("PodMonitor", "kvpool-prefill")},
             set(),
         ),
         ({"dashboards.grafana.enabled": True}, {("ConfigMap", "kvpool-dashboard")}, set()),

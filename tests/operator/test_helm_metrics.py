@@ -93,8 +93,27 @@ def test_router_monitors_select_only_router_pods_and_services(router_children):
     assert not _matches(engines["selector"]["matchLabels"], services["tiered-router-router"]["metadata"]["labels"])
 
 
+def test_prefill_monitors_select_only_the_prefill_engines():
+    """spec.prefill: the prefill engines' /metrics (their component is not the engines')."""
+    children = render_pool(yaml.safe_load((REPO / "examples" / "tiered-pd.yaml").read_text()), GOLDEN_SETTINGS, "llm")
+    pods = {c["metadata"]["name"]: c["spec"]["template"] for c in children if c["kind"] == "Deployment"}
+    services = {c["metadata"]["name"]: c for c in children if c["kind"] == "Service"}
+    spec = monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "prefill")["spec"]
+    assert [n for n, p in pods.items() if _matches(spec["selector"]["matchLabels"], p["metadata"]["labels"])] == [
+        "tiered-pd-prefill"]
+    ports = {p["name"] for c in pods["tiered-pd-prefill"]["spec"]["containers"] for p in c.get("ports", [])}
+    assert spec["podMetricsEndpoints"][0]["port"] in ports and spec["podTargetLabels"] == ["kvpool.dev/pool"]
+    spec = monitor({"metrics.serviceMonitor.enabled": True}, "ServiceMonitor", "prefill")["spec"]
+    selected = [n for n, s in services.items() if _matches(spec["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert selected == ["tiered-pd-prefill"]
+    assert spec["endpoints"][0]["port"] in {p["name"] for p in services["tiered-pd-prefill"]["spec"]["ports"]}
+    engines = monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]
+    assert _matches(engines["selector"]["matchLabels"], pods["tiered-pd"]["metadata"]["labels"])  # decode
+    assert not _matches(engines["selector"]["matchLabels"], pods["tiered-pd-prefill"]["metadata"]["labels"])
+
+
 @pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
-@pytest.mark.parametrize("name", ["engines", "routers"])
+@pytest.mark.parametrize("name", ["engines", "routers", "prefill"])
 def test_monitors_follow_the_watched_namespaces(kind, name):
     toggle = {"PodMonitor": "metrics.podMonitor.enabled", "ServiceMonitor": "metrics.serviceMonitor.enabled"}[kind]
     spec = monitor({toggle: True, "watch.namespaces": ["a", "b"]}, kind, name)["spec"]

@@ -115,6 +115,15 @@ SPECS = st.fixed_dictionaries(
                 ),
             },
         ),
+        "prefill": st.fixed_dictionaries(
+            {},
+            optional={
+                "replicas": st.integers(0, 3),
+                "extraArgs": st.lists(st.sampled_from(["--max-num-batched-tokens=8192", f"--api-key={SENTINEL}"]),
+                                      max_size=1),
+                "resources": st.just({"requests": {"cpu": "8"}}),
+            },
+        ),
         "kvEvents": st.fixed_dictionaries(
             {"enabled": st.booleans()},
             optional={
@@ -145,8 +154,8 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
         return
     assert not server_errors, f"CRD rejects but the model accepts: {server_errors}"
     kinds = [m["kind"] for m in manifests]
-    routed = "router" in spec
-    assert kinds.count("Deployment") == 1 + routed and kinds.count("Service") == 1 + routed + sum(
+    workloads = 1 + ("router" in spec) + ("prefill" in spec)  # engines, router, prefill engines: each a Service
+    assert kinds.count("Deployment") == workloads and kinds.count("Service") == workloads + sum(
         m["kind"] == "StatefulSet" for m in manifests)
     assert kinds.count("InferencePool") == int(spec.get("inferencePool", {}).get("enabled", False))
     for manifest in manifests:

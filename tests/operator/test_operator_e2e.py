@@ -198,6 +198,17 @@ async def set_status(server, resource: str, name: str, replicas: int, ready: int
         assert resp.status < 300
 
 
+async def owned_children(server, children: list[tuple[str, str]], component: str) -> None:
+    """Each child appears, owned by the pool and labelled with its component."""
+    uid = await eventually(lambda: pool_obj(server)["metadata"].get("uid"))
+    for resource, name in children:
+        obj = await eventually(
+            lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
+        )
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == component
+
+
 async def test_router_children_status_endpoints_and_pruning(server, op_settings):
     """spec.router: its five children are applied (owned, server-side), status.endpoints.openai
     names the router, the pool is Ready only when the router is, and removing spec.router prunes
@@ -206,13 +217,7 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
     pool["spec"]["router"] = {"policy": "cache_aware", "replicas": 2, "cacheThreshold": 0.5}
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, pool)
-        uid = (await eventually(lambda: pool_obj(server)["metadata"].get("uid")))
-        for resource, name in ROUTER_CHILDREN:
-            obj = await eventually(
-                lambda resource=resource, name=name: child(server, resource, name), message=f"{resource} {name}"
-            )
-            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
-            assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
+        await owned_children(server, ROUTER_CHILDREN, "router")
         status = await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1
                                   and pool_obj(server)["status"], message="reconciled")
         assert status["endpoints"]["openai"] == f"http://tiered-full-router.{NS}.svc:8000"
@@ -258,6 +263,88 @@ async def test_router_children_status_endpoints_and_pruning(server, op_settings)
         assert child(server, "apps/v1/deployments", "tiered-full") is not None
         deletes = sorted((r.resource.plural, r.name) for r in child_writes(server) if r.method == "DELETE")
         assert deletes == sorted((resource.rsplit("/", 1)[1], name) for resource, name in ROUTER_CHILDREN)
+
+
+PREFILL_CHILDREN = [
+    ("apps/v1/deployments", "tiered-full-prefill"), ("v1/services", "tiered-full-prefill"),
+    ("policy/v1/poddisruptionbudgets", "tiered-full-prefill"),
+]
+
+
+def pod_labels(server, name: str) -> dict[str, str]:
+    return child(server, "apps/v1/deployments", name)["spec"]["template"]["metadata"]["labels"]
+
+
+def router_args(server) -> list[str]:
+    router = child(server, "apps/v1/deployments", "tiered-full-router")
+    return router["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+async def test_prefill_role_children_router_status_refusal_and_pruning(server, op_settings):
+    """spec.prefill: the prefill Deployment, Service and PDB are applied (owned), both roles' pods
+    carry their role label, the router runs in P/D mode discovering each role by it, status has
+    each role's replicas, ready replicas and endpoint and is Ready only when the prefill engines
+    are; a spec without a shared tier is refused naming spec.prefill with every child kept; removing
+    spec.prefill prunes the role and takes the router and the engines back."""
+    pool = load_example("tiered-full")
+    pool["spec"]["router"] = {"policy": "round_robin"}
+    pool["spec"]["prefill"] = {"replicas": 2, "extraArgs": ["--max-num-batched-tokens", "16384"]}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        await owned_children(server, PREFILL_CHILDREN, "prefill")
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+        prefill = child(server, "apps/v1/deployments", "tiered-full-prefill")
+        assert prefill["spec"]["replicas"] == 2
+        prefill_args = prefill["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert prefill_args[-2:] == ["--max-num-batched-tokens", "16384"]
+        assert pod_labels(server, "tiered-full-prefill")["llm-d.ai/role"] == "prefill"
+        assert pod_labels(server, "tiered-full")["llm-d.ai/role"] == "decode"
+        args = router_args(server)
+        assert "--vllm-pd-disaggregation" in args and "--selector" not in args
+        assert args[args.index("--prefill-selector") + 3] == "llm-d.ai/role=prefill"
+        assert args[args.index("--decode-selector") + 3] == "llm-d.ai/role=decode"
+
+        # everything ready but one prefill engine: not Ready, and status says which role waits
+        for resource, name, replicas in (("statefulsets", "tiered-full-redis", 1),
+                                         ("statefulsets", "tiered-full-minio", 1),
+                                         ("deployments", "tiered-full", 2), ("deployments", "tiered-full-router", 1)):
+            await set_status(server, resource, name, replicas, replicas)
+        await set_status(server, "deployments", "tiered-full-prefill", 2, 1)
+        await eventually(lambda: "prefill 1/2 ready" in conditions(server)["Progressing"]["message"],
+                         message="waiting for the prefill engines")
+        await eventually(lambda: (pool_obj(server)["status"].get("roles") or {}).get("prefill", {}).get(
+            "readyReplicas") == 1, message="roles in status")
+        assert pool_obj(server)["status"]["phase"] == "Progressing"
+        await set_status(server, "deployments", "tiered-full-prefill", 2, 2)
+        await eventually(lambda: pool_obj(server)["status"]["phase"] == "Ready", message="Ready")
+        status = pool_obj(server)["status"]
+        assert conditions(server)["Ready"]["message"] == "2/2 engines ready, prefill 2/2 ready, router 1/1 ready"
+        assert status["roles"] == {
+            "prefill": {"replicas": 2, "readyReplicas": 2, "endpoint": f"http://tiered-full-prefill.{NS}.svc:8000"},
+            "decode": {"replicas": 2, "readyReplicas": 2, "endpoint": f"http://tiered-full.{NS}.svc:8000"}}
+
+        # no tier both roles reach: refused naming spec.prefill, nothing deleted
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"tiers": {"redis": None, "s3": None, "disk": None}}})
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="refused")
+        assert cond["message"].startswith("spec.prefill: needs a tier both roles reach"), cond["message"]
+        assert all(child(server, resource, name) for resource, name in PREFILL_CHILDREN)
+        assert not [r for r in child_writes(server) if r.method == "DELETE"]
+        assert pool_obj(server)["status"]["roles"]["prefill"]["readyReplicas"] == 2  # as the children are
+
+        # back to a shared tier and without spec.prefill: the role is pruned, the rest goes back
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {
+            "tiers": {"redis": load_example("tiered-full")["spec"]["tiers"]["redis"]}, "prefill": None}})
+        for resource, name in PREFILL_CHILDREN:
+            await eventually(lambda resource=resource, name=name: child(server, resource, name) is None,
+                             message=f"prune {resource} {name}")
+        await eventually(lambda: "--selector" in router_args(server), message="router out of P/D mode")
+        await eventually(lambda: "roles" not in pool_obj(server)["status"], message="roles dropped from status")
+        assert conditions(server)["ConfigValid"]["status"] == "True", conditions(server)["ConfigValid"]
+        # The engines' pods keep llm-d.ai/role: decode here: the live template holds all that is
+        # rendered, so the operator applies nothing (a real API server would also drop the label
+        # only on an apply); the label goes at the engines' next template change.
 
 
 def gateway_pool() -> dict[str, Any]:

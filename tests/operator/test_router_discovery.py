@@ -64,13 +64,17 @@ class StubEngine:
     """/health, /v1/models, cache_aware's /v1/chat/completions/render and the completion itself;
     records every request's path and Authorization header."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.seen: list[tuple[str, str | None]] = []
-        self.port = free_port()
+        self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of every POST
+        self.host = host
+        self.port = port or free_port()
         self._runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, request.headers.get("Authorization")))
+        if request.method == "POST":
+            self.bodies.append((request.path, await request.json()))
         if request.path == "/health":
             return web.Response(text="ok")
         if request.path == "/v1/models":
@@ -79,14 +83,19 @@ class StubEngine:
             return web.json_response({"prompt_token_ids": list(range(1, 33)), "token_ids": list(range(1, 33))})
         return web.json_response({"id": "c", "object": "chat.completion", "model": "m", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 32, "completion_tokens": 1, "total_tokens": 33}})
+            "usage": {"prompt_tokens": 32, "completion_tokens": 1, "total_tokens": 33},
+            **self.kv_transfer_params(self.bodies[-1][1] if request.method == "POST" else {})})
+
+    def kv_transfer_params(self, body: Any) -> dict[str, Any]:
+        """What the engine answers in kv_transfer_params: nothing (a plain engine)."""
+        return {}
 
     async def __aenter__(self) -> StubEngine:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, self.host, self.port).start()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -108,6 +117,33 @@ async def get_json(url: str) -> tuple[int, Any]:
             return resp.status, json.loads(text)
         except ValueError:
             return resp.status, text
+
+
+def write_kubeconfig(tmp_path: Path, srv: Any) -> Path:
+    """The router's kubeconfig: the emulator, a token, the pool's namespace."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": str(srv.url).rstrip("/")}}],
+        "users": [{"name": "emu", "user": {"token": "router-sa-token"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}))
+    return kubeconfig
+
+
+async def create_pods(srv: Any, bodies: list[dict[str, Any]]) -> None:
+    for body in bodies:
+        async with srv.request("post", f"/api/v1/namespaces/{NS}/pods", json=body) as resp:
+            assert resp.status < 300
+
+
+def assert_only_granted_calls(router_calls: list[Any], rules: list[dict[str, Any]]) -> None:
+    """The router's API requests are exactly what its ClusterRole grants, in the pool's namespace."""
+    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get"}
+    used = {(r.resource.group, r.resource.plural, by_action.get(r.action, r.method)) for r in router_calls}
+    granted = {(g, res, v) for rule in rules for g in rule["apiGroups"] for res in rule["resources"]
+               for v in rule["verbs"]}
+    assert used == granted == {("", "pods", "list"), ("", "pods", "watch")}
+    assert {r.namespace for r in router_calls} == {NS}
 
 
 @contextlib.asynccontextmanager
@@ -140,18 +176,10 @@ async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clie
     srv.resources["v1/pods"] = kmock.ResourceInfo(
         kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "update", "delete"})
     async with srv, kmock.Server(srv), StubEngine() as engine:
-        url = str(srv.url).rstrip("/")
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": url}}],
-            "users": [{"name": "emu", "user": {"token": "router-sa-token"}}],
-            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}))
-        for body in (pod("tiered-router-a", engine_labels, "127.0.0.1", ready=True),
-                     pod("tiered-router-b", engine_labels, "127.0.0.3", ready=False),  # not ready: not routed to
-                     pod("other-a", other_labels, "127.0.0.2", ready=True)):  # another pool's engine
-            async with srv.request("post", f"/api/v1/namespaces/{NS}/pods", json=body) as resp:
-                assert resp.status < 300
+        kubeconfig = write_kubeconfig(tmp_path, srv)
+        await create_pods(srv, [pod("tiered-router-a", engine_labels, "127.0.0.1", ready=True),
+                                pod("tiered-router-b", engine_labels, "127.0.0.3", ready=False),  # not ready: unused
+                                pod("other-a", other_labels, "127.0.0.2", ready=True)])  # another pool's engine
         port, metrics_port = free_port(), free_port()
         args = replaced(container["args"], {
             "--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
@@ -192,9 +220,70 @@ async def test_rendered_router_discovers_the_pools_engines_and_forwards_the_clie
             # the router's own API requests (it found the pod, so they were made): what its Role
             # must allow, and nothing more
             router_calls = [r for r in requests(srv) if not r.headers.get("User-Agent", "").startswith("kmock/")]
-    by_action = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get"}
-    used = {(r.resource.group, r.resource.plural, by_action.get(r.action, r.method)) for r in router_calls}
-    granted = {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
-               for v in rule["verbs"]}
-    assert used == granted == {("", "pods", "list"), ("", "pods", "watch")}
-    assert {r.namespace for r in router_calls} == {NS}
+    assert_only_granted_calls(router_calls, role["rules"])
+
+
+HANDOVER = {"kvpool": {"handover": "opaque-to-the-router"}}
+
+
+class PrefillStub(StubEngine):
+    """A prefill engine: answers a request asking for a remote decode with a handover."""
+
+    def kv_transfer_params(self, body: Any) -> dict[str, Any]:
+        asked = (body or {}).get("kv_transfer_params") or {}
+        return {"kv_transfer_params": HANDOVER} if asked.get("do_remote_decode") else {}
+
+
+async def test_rendered_pd_router_discovers_each_role_by_label_and_passes_the_handover(tmp_path):
+    """spec.prefill: the router runs in vLLM P/D mode, finds prefill and decode pods by their role
+    label, sends each request to a prefill engine first (one token, do_remote_decode) and then to a
+    decode engine with the prefill's kv_transfer_params as they were."""
+    manifests = render(load_example("tiered-pd"), GOLDEN_SETTINGS, NS)
+    by = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    container = by[("Deployment", "tiered-pd-router")]["spec"]["template"]["spec"]["containers"][0]
+    prefill_labels = by[("Deployment", "tiered-pd-prefill")]["spec"]["template"]["metadata"]["labels"]
+    decode_labels = by[("Deployment", "tiered-pd")]["spec"]["template"]["metadata"]["labels"]
+    assert prefill_labels["llm-d.ai/role"] == "prefill" and decode_labels["llm-d.ai/role"] == "decode"
+    other_prefill = {**prefill_labels, "app.kubernetes.io/instance": "other", "kvpool.dev/pool": "other"}
+
+    srv = apiserver_with_resources()
+    srv.resources["v1/pods"] = kmock.ResourceInfo(
+        kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "update", "delete"})
+    port = free_port()  # one port, two loopback addresses: the router reaches every pod on one port
+    async with srv, kmock.Server(srv), PrefillStub("127.0.0.1", port) as prefill, \
+            StubEngine("127.0.0.2", port) as decode, PrefillStub("127.0.0.3", port) as stranger:
+        kubeconfig = write_kubeconfig(tmp_path, srv)
+        await create_pods(srv, [pod("tiered-pd-prefill-a", prefill_labels, "127.0.0.1", ready=True),
+                                pod("tiered-pd-a", decode_labels, "127.0.0.2", ready=True),
+                                pod("other-prefill-a", other_prefill, "127.0.0.3", ready=True)])  # another pool's
+        router_port, metrics_port = free_port(), free_port()
+        args = replaced(container["args"], {
+            "--host": "127.0.0.1", "--port": str(router_port), "--prometheus-host": "127.0.0.1",
+            "--prometheus-port": str(metrics_port), "--service-discovery-port": str(port)})
+        base = f"http://127.0.0.1:{router_port}"
+        log = tmp_path / "router.log"
+        async with running(args, kubeconfig, log) as proc:
+            deadline = asyncio.get_running_loop().time() + 60
+            while True:
+                assert proc.returncode is None, log.read_text()[-3000:]
+                assert asyncio.get_running_loop().time() < deadline, log.read_text()[-3000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    status, body = await get_json(f"{base}/readiness")
+                    if status == 200:
+                        break
+                await asyncio.sleep(0.2)
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                 json={"model": "m", "max_tokens": 20,
+                                       "messages": [{"role": "user", "content": "hello"}]}) as resp:
+                assert resp.status == 200, await resp.text() + log.read_text()[-3000:]
+            prefill_calls = [b for path, b in prefill.bodies if path == "/v1/chat/completions"]
+            decode_calls = [b for path, b in decode.bodies if path == "/v1/chat/completions"]
+            router_calls = [r for r in requests(srv) if not r.headers.get("User-Agent", "").startswith("kmock/")]
+    assert_only_granted_calls(router_calls, ROUTER_DISCOVERY_RULES)  # P/D discovery needs no more RBAC
+    assert len(prefill_calls) == 1 and len(decode_calls) == 1, (prefill.bodies, decode.bodies)
+    assert prefill_calls[0]["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill_calls[0]["max_tokens"] == 1
+    assert decode_calls[0]["kv_transfer_params"] == HANDOVER  # passed on as the prefill engine wrote it
+    assert decode_calls[0]["max_tokens"] == 20
+    assert not stranger.bodies  # another pool's prefill pod is never used

@@ -25,6 +25,7 @@ from kvpool_operator.kube import Kube
 from kvpool_operator.naming import MANAGER, POOL_LABEL
 from kvpool_operator.reconcile.secrets import SecretAction, execute, is_ours, plan_secret
 from kvpool_operator.render import InvalidPool, Pool
+from kvpool_operator.render.roles import prefill_name, role_endpoints
 from kvpool_operator.render.router import router_name
 from kvpool_operator.render.secretrefs import referenced_secrets
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
@@ -252,6 +253,10 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
         if pool.spec.router is not None:
             kw["router"] = live.get(("apps/v1", "Deployment", router_name(pool)))
             kw["router_replicas"] = pool.spec.router.replicas
+        if pool.spec.prefill is not None:
+            kw["prefill"] = live.get(("apps/v1", "Deployment", prefill_name(pool)))
+            kw["prefill_replicas"] = pool.spec.prefill.replicas
+            kw["role_endpoints"] = role_endpoints(pool)
     return Observation(
         generation=meta.get("generation"),
         desired_replicas=desired,

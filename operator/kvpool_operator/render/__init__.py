@@ -16,6 +16,7 @@ from kvpool_operator.render.inferencepool import render_inference_pool
 from kvpool_operator.render.minio import render_minio
 from kvpool_operator.render.networkpolicy import render_networkpolicy
 from kvpool_operator.render.pdb import render_pdb
+from kvpool_operator.render.prefill import render_prefill
 from kvpool_operator.render.redis import render_redis
 from kvpool_operator.render.router import render_router
 from kvpool_operator.render.secrets import render_secrets
@@ -35,6 +36,7 @@ RENDERERS = (
     render_engine,
     render_service,
     render_pdb,
+    render_prefill,
     render_router,
     render_inference_pool,
 )

@@ -37,6 +37,7 @@ from kvpool_operator.render.connector import (
     secret_envs,
     store_namespace,
 )
+from kvpool_operator.render.roles import DECODE, role_labels
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
 # yet; after the deadline it starts anyway: the connector degrades to recompute, it never blocks.
@@ -354,7 +355,7 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
                 "selector": {"matchLabels": pool.selector("engine")},
                 "template": {
                     "metadata": {
-                        "labels": pool.labels("engine"),
+                        "labels": {**pool.labels("engine"), **role_labels(pool, DECODE)},
                         "annotations": {CHECKSUM_ANNOTATION: checksum(config_data(pool))},
                     },
                     "spec": engine_pod_spec(pool),

@@ -37,7 +37,8 @@ def _backends(pool: Pool) -> list[dict[str, Any]]:
         "matchLabels": {POOL_LABEL: pool.name},
         "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": components}],
     }
-    ingress = [{"from": [{"podSelector": {"matchLabels": pool.selector("engine")}}], "ports": ports}]
+    engines = ["engine", *(["prefill"] if pool.spec.prefill is not None else [])]  # spec.prefill: both roles
+    ingress = [{"from": [{"podSelector": {"matchLabels": pool.selector(c)}} for c in engines], "ports": ports}]
     return [_policy(pool, pool.network_policy, "backends", selector, ingress)]
 
 

@@ -22,6 +22,7 @@ from kvpool_operator import models
 from kvpool_operator.rbac import RBAC_GROUP
 from kvpool_operator.render.backends import RESTRICTED_CONTAINER, pod_security
 from kvpool_operator.render.common import HTTP_PORT, Pool, child_name, merge
+from kvpool_operator.render.roles import DECODE, PREFILL, role_selector
 
 ROUTER_PORT = 8000
 ROUTER_METRICS_PORT = 29000
@@ -34,11 +35,30 @@ def router_name(pool: Pool) -> str:
     return child_name(pool.name, "router")
 
 
+def _labels(selector: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in sorted(selector.items())]
+
+
+def _discovery(pool: Pool) -> list[str]:
+    """Which pods the router sends requests to. With spec.prefill, vllm-router's vLLM P/D mode
+    (`--vllm-pd-disaggregation`) with Kubernetes discovery by role: a pod matching
+    `--prefill-selector` is a prefill server, else one matching `--decode-selector` a decode server
+    (vllm-router 0.1.17, src/service_discovery.rs `PodInfo::should_include`/`from_pod`; `--selector`
+    is not read in P/D mode). `--kv-connector nixl` (its default, spelled out) is the protocol that
+    passes the prefill response's kv_transfer_params to the decode request unchanged
+    (src/routers/http/vllm_pd_router.rs: the prefill request gets {do_remote_decode: true} and
+    max_tokens 1), which kvpool's handover speaks; nothing NIXL itself runs."""
+    if pool.spec.prefill is None:
+        return ["--service-discovery", "--selector", *_labels(pool.selector("engine"))]
+    return ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--service-discovery",
+            "--prefill-selector", *_labels(role_selector(pool, PREFILL)),
+            "--decode-selector", *_labels(role_selector(pool, DECODE))]
+
+
 def router_args(pool: Pool, router: models.RouterSpec) -> list[str]:
     """vllm-router flags: service discovery of this pool's engine pods in its namespace."""
-    selector = [f"{k}={v}" for k, v in sorted(pool.selector("engine").items())]
     args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--policy", router.policy,
-            "--service-discovery", "--selector", *selector,
+            *_discovery(pool),
             "--service-discovery-port", str(HTTP_PORT),
             "--service-discovery-namespace", pool.namespace,
             "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_SECONDS),
