@@ -267,6 +267,10 @@ class SchedulerSide:
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
                 self.events.remember(request, c, key)
+            if record.tail_key is not None:
+                start = record.hit_chunks * self.blocks_per_chunk
+                self.events.remember_blocks(request, start, start + record.tail_blocks,
+                                            record.tail_key)
         self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
         # Chunks the store already holds need no save.
         record.next_save = max(record.next_save, record.hit_chunks)
@@ -494,6 +498,8 @@ class SchedulerSide:
         if key in self.index or key in self.inflight or key == record.tail_key:
             return None
         self.inflight.add(key)
+        if self.events is not None:
+            self.events.remember_blocks(req, start, n_blocks, key)
         decode = n_blocks * self.block_size > req.num_prompt_tokens  # holds generated tokens
         if decode:
             self.decode_keys.add(key)
