@@ -304,6 +304,38 @@ class TieredStore:
                     prefix += 1
         return prefix
 
+    def first_present(self, keys: Sequence[bytes]) -> int | None:
+        """The index of the first of `keys` some tier holds, each key asked on its own
+        (presence only, like contains_prefix), or None: unrelated keys, such as the
+        connector's tail candidates, longest first. A tier that answers every name of a call
+        (`Tier.answers_each`: Redis, cpu) is asked for all of them in one round trip; the
+        others key by key, in order, up to the first found."""
+        keys = self._check_keys(keys)
+        if not keys or self._closed:
+            return None
+        best = len(keys)  # the first key found so far
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        generations = list(self.keyring.generations())
+        each = [r for r in self.runners if r.tier.answers_each]
+        for pool_key in generations:
+            for runner in each:
+                if not best or self._remaining(deadline) <= 0:
+                    break
+                res = runner.contains([pool_key.object_name(k) for k in keys[:best]],
+                                      self._remaining(deadline))
+                best = next((i for i, ok in enumerate(res or ()) if ok), best)
+        others = [r for r in self.runners if not r.tier.answers_each]
+        for i in range(best if others else 0):
+            for pool_key in generations:
+                for runner in others:
+                    if self._remaining(deadline) <= 0:
+                        return best if best < len(keys) else None
+                    res = runner.contains([pool_key.object_name(keys[i])],
+                                          self._remaining(deadline))
+                    if res and res[0]:
+                        return i
+        return best if best < len(keys) else None
+
     def tier_names(self) -> list[str]:
         """The tiers' labels in stats and metrics, first tier first."""
         return [r.name for r in self.runners]

@@ -4,6 +4,7 @@ scheduler outputs and allocations vLLM would hand the connector."""
 from __future__ import annotations
 
 import random
+import threading
 
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
@@ -40,6 +41,25 @@ def allocate(side, req, n_external):
     side.test_blocks[req.request_id] = ids
     side.after_alloc(req, KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),)), n_external)
     return ids
+
+
+def held_then_answered(side, req, monkeypatch, store, method: str):
+    """Hold the real `store.method` call until released (a wrapper around the real
+    call, standing in for a slow network: loopback Redis cannot be slowed down otherwise);
+    check that the lookup answers None ("ask again next step") meanwhile, then release it
+    and return the answer once the job is done."""
+    gate = threading.Event()
+    real = getattr(store, method)
+    monkeypatch.setattr(store, method, lambda ks: (gate.wait(10), real(ks))[1])
+    assert side.num_matched(req, 0) == (None, False)  # in flight: the scheduler moves on
+    assert side.num_matched(req, 0) == (None, False)
+    gate.set()
+    for _ in range(500):
+        answer = side.num_matched(req, 0)
+        if answer[0] is not None:
+            return answer
+        threading.Event().wait(0.01)
+    return answer
 
 
 def report_stored(side, meta) -> None:

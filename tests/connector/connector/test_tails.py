@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
+from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.connector.tails import is_tail_key, request_options, tail_key
+from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
 from tests.connector.connector.helpers import (
     BPC,
+    BS,
     PREFIX,
     allocate,
+    held_then_answered,
     make_request,
     run_turn,
     scheduler_output,
@@ -95,6 +101,40 @@ def test_config_off_is_todays_behaviour(side):
     allocate(side, t1, 0)
     jobs = run_turn(side, t1, list(range(10, 210)))
     assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt"]
+
+
+def test_a_second_engine_sharing_redis_finds_the_tail_the_first_wrote(redis_server, namespace,
+                                                                       monkeypatch):
+    """Engine A's workers wrote a prompt's 2 chunks and its tail through their cpu tier to
+    Redis. Engine B (its own, empty cpu tier) finds both off the step loop: None while the
+    Redis job runs, then the chunks and the tail, up to the last full block, from Redis."""
+    monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
+    cfg = load_connector_config({"namespace": namespace, "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": "64Mi"},
+        {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
+    t1 = make_request("t1", 700)  # 5 blocks: 2 chunks + a 1-block tail
+    keys = [*chunk_keys(PREFIX, t1.block_hashes, BPC), tail_key(PREFIX, t1.block_hashes, 4, 1)]
+    with open_store(cfg.as_store_config(), layout="fp") as engine_a:
+        engine_a.put_many(keys, [b"x" * 64] * 3)
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+    b = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
+                      block_ids=lambda rid: b.test_blocks[rid], is_async=True)
+    b.test_blocks = {}
+    try:
+        t2 = with_prompt("t2", list(t1.prompt_token_ids) + [9] * 50)  # the next turn
+        # the tail probe (the real Redis call, after the chunks') held: a probe made inline
+        # would block the lookup instead of answering None
+        answer = held_then_answered(b, t2, monkeypatch, lower,
+                                    "first_present")
+        assert answer == (640, True)  # 2 chunks + the tail; tails off: 512
+        assert b.hit_sources(t2) == (0, 2) and not b.tail_hit_local(t2)
+        allocate(b, t2, 640)
+        (load,) = b.build_meta(scheduler_output({})).loads
+        assert [(c.key, c.kind) for c in load.chunks] == [
+            (keys[0], "prompt"), (keys[1], "prompt"), (keys[2], "prompt_tail")]
+    finally:
+        b.close()
+        lower.close()
 
 
 def test_request_options_parse_only_booleans():
