@@ -342,7 +342,10 @@ class DiskTier(Tier):
     def _write_file(self, tmp: str, parts: list, size: int, mode: int) -> None:
         fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
         try:
-            os.fchmod(fd, mode)  # the evict-first mark, whatever the umask
+            # the evict-first mark, whatever the umask; a filesystem without modes loses
+            # only the mark (the object is private by its directories either way)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, mode)
             if not (self._direct and self._write_direct(fd, parts, size)):
                 _writev_all(fd, parts)
             if self.cfg.fsync != "never":
