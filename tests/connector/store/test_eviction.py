@@ -234,3 +234,19 @@ def test_a_forged_mark_changes_only_the_eviction_order(tmp_path):
     assert present(again, [*data, "C"]) == {"A", "tail1", "C"}
     assert again.stats()["tiers"]["disk"]["corrupt"] == 0
     again.close()
+
+
+def test_a_tail_another_process_wrote_is_evicted_first_once_found(tmp_path):
+    """A store sharing the directory (the engine's scheduler and workers) learns a file's mark
+    when a presence check or a read finds it, before any rescan."""
+    reader = _disk_store(tmp_path, 3)  # opened first: its scan found nothing
+    writer = _disk_store(tmp_path, 8)
+    writer.set_evict_first(is_tail)
+    for n in ("A", "tail1", "B"):
+        writer.put_many([k(n)], [os.urandom(SLOT - 200)])
+    writer.close()
+    assert reader.contains_prefix([k("A"), k("tail1")]) == 2  # stat'ed: learned
+    assert reader.get(k("B")) is not None                     # read: learned
+    reader.put_many([k("C")], [os.urandom(SLOT - 200)])
+    assert present(reader, ["A", "B", "C", "tail1"]) == {"A", "B", "C"}
+    reader.close()
