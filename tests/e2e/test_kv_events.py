@@ -37,18 +37,20 @@ def engine(tiny_model, tmp_path_factory, namespace):
         sub = KVEventSubscriber(endpoint, topic="kvpool-test")
         eng.subscriber = sub
         # ZMQ's slow joiner: events published before the SUB socket joined are lost. Send
-        # new prompts of one vLLM block (less than a chunk: nothing for kvpool's tiers) until
-        # their paged-cache events arrive; the tests start from a clean slate after that.
+        # new prompts of one vLLM block (less than a chunk, tail objects off: nothing for
+        # kvpool's tiers) until their paged-cache events arrive; the tests start from a
+        # clean slate after that.
         seeds = iter(range(400, 500))
-        sub.wait_for(lambda ev: ev or complete(eng, token_prompt(200, seed=next(seeds))),
-                     60, "the subscription to join")
+        sub.wait_for(lambda ev: ev or complete(eng, {
+            "prompt_token_ids": token_prompt(200, seed=next(seeds)),
+            "kv_transfer_params": {"kvpool": {"tails": False}}}), 60, "the subscription to join")
         sub.events.clear()
         sub.seqs.clear()
         yield eng
         sub.close()
 
 
-def complete(engine, prompt: list[int]) -> None:
+def complete(engine, prompt: list[int] | dict) -> None:
     engine.generate([prompt], max_tokens=1, logprobs=0)
 
 
@@ -82,6 +84,26 @@ def test_cpu_and_disk_tiers_are_announced_like_the_paged_cache(engine):
     assert sorted(map(str, hashes(of(sub.events, "BlockStored", "STORAGE")))) == \
         sorted(map(str, hashes(cpu)))
     assert sub.seqs == sorted(sub.seqs)
+
+
+@pytest.mark.vllm
+def test_a_prompts_tail_object_is_announced_as_its_blocks(engine):
+    """700 tokens: 2 chunks and a tail object of one block (tokens 512-639), announced as
+    that block, named as the paged cache names it, its parent the last chunk's last block."""
+    sub = engine.subscriber
+    prompt = token_prompt(700, seed=551)
+
+    def mine(ev) -> list[dict]:
+        return [e for e in of(ev, "BlockStored", "CPU")
+                if e["token_ids"] in (prompt[:256], prompt[256:512], prompt[512:640])]
+
+    complete(engine, prompt)
+    sub.wait_for(lambda ev: len(mine(ev)) >= 3, 60, "2 chunks and a tail, CPU BlockStored")
+    c0, c1, tail = mine(sub.events)
+    assert [len(e["block_hashes"]) for e in (c0, c1, tail)] == [BPC, BPC, 1]
+    assert tail["parent_block_hash"] == c1["block_hashes"][-1]
+    gpu = hashes(of(sub.events, "BlockStored", "GPU"))
+    assert all(h in gpu for h in hashes([c0, c1, tail]))
 
 
 @pytest.mark.vllm

@@ -22,6 +22,14 @@ loads planned: a load from a lower tier is promoted into the cpu tier) and publi
 Each chunk is announced once per medium until it is removed. The snapshots are bounded;
 a chunk pushed out of them while announced is withdrawn (BlockRemoved), so a router never
 keeps believing in something this engine can no longer describe.
+
+Tail objects (tails.py: the blocks past a prompt's last full chunk) are announced the same
+way, as the blocks they cover. Objects may then cover the same blocks: a tail and the full
+chunk that later completes over it, two tails of different lengths after the same chunks.
+So blocks are counted per medium: a block is announced stored when the first object holding
+it lands in a medium, removed when the last one leaves it, and a BlockStored carries only
+the blocks that are new there (a contiguous run, with its own parent hash: a tail always
+starts at a chunk boundary, so the blocks one object shares with others are a prefix of it).
 """
 
 from __future__ import annotations
@@ -79,15 +87,23 @@ class KVEvents:
         self.capacity = max(1, min(capacity_chunks, MAX_CHUNKS))
         self.chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
         self.pending: list[KVCacheEvent] = []
+        # (medium, block hash) -> how many announced objects hold that block there
+        self.held: dict[tuple[str, Any], int] = {}
 
     # -- snapshots (while the request is alive) -----------------------------------------------
     def remember(self, request: Request, chunk: int, key: bytes) -> None:
+        """Snapshot full chunk `chunk` of the request, stored under `key`."""
+        lo = chunk * self.blocks_per_chunk
+        self.remember_blocks(request, lo, lo + self.blocks_per_chunk, key)
+
+    def remember_blocks(self, request: Request, lo: int, hi: int, key: bytes) -> None:
+        """Snapshot blocks [lo, hi) of the request, the object stored under `key` (a chunk,
+        or a tail object: the blocks past the last full chunk)."""
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return
-        lo, hi = chunk * self.blocks_per_chunk, (chunk + 1) * self.blocks_per_chunk
         raw = request.block_hashes
-        if hi > len(raw):
+        if not 0 <= lo < hi <= len(raw):
             return
         tok = self.block_size
         extra = [generate_block_hash_extra_keys(request, b * tok, (b + 1) * tok, 0)[0]
@@ -103,8 +119,7 @@ class KVEvents:
         while len(self.chunks) > self.capacity:
             _, old = self.chunks.popitem(last=False)
             for medium in sorted(old.media):  # withdrawn: we could not describe it again
-                self.pending.append(BlockRemoved(block_hashes=list(old.hashes), medium=medium,
-                                                 group_idx=0))
+                self._release(old, medium)
 
     # -- what the workers reported ------------------------------------------------------------
     def stored(self, key: bytes, medium: str | None) -> None:
@@ -112,19 +127,40 @@ class KVEvents:
         if c is None or medium is None or medium in c.media:
             return
         c.media.add(medium)
-        self.pending.append(BlockStored(
-            block_hashes=list(c.hashes), parent_block_hash=c.parent,
-            token_ids=c.tokens.tolist(), block_size=self.block_size, lora_id=c.lora_id,
-            medium=medium, lora_name=c.lora_name, extra_keys=c.extra_keys, group_idx=0,
-            session_id=c.session_id))
+        new = []  # indices of the blocks no other object holds in this medium
+        for i, h in enumerate(c.hashes):
+            n = self.held.get((medium, h), 0)
+            self.held[(medium, h)] = n + 1
+            if not n:
+                new.append(i)
+        for lo, hi in _runs(new):
+            tok = self.block_size
+            self.pending.append(BlockStored(
+                block_hashes=c.hashes[lo:hi],
+                parent_block_hash=c.hashes[lo - 1] if lo else c.parent,
+                token_ids=c.tokens[lo * tok:hi * tok].tolist(), block_size=tok,
+                lora_id=c.lora_id, medium=medium, lora_name=c.lora_name,
+                extra_keys=c.extra_keys[lo:hi] if c.extra_keys is not None else None,
+                group_idx=0, session_id=c.session_id))
 
     def removed(self, key: bytes, medium: str | None) -> None:
         c = self.chunks.get(key)
-        if c is None or medium not in c.media:
+        if c is None or medium is None or medium not in c.media:
             return
         c.media.discard(medium)
-        self.pending.append(BlockRemoved(block_hashes=list(c.hashes), medium=medium,
-                                         group_idx=0))
+        self._release(c, medium)
+
+    def _release(self, c: _Chunk, medium: str) -> None:
+        """`c` left `medium`: BlockRemoved for its blocks no other object holds there."""
+        gone = []
+        for h in c.hashes:
+            n = self.held.pop((medium, h), 0) - 1
+            if n > 0:
+                self.held[(medium, h)] = n
+            else:
+                gone.append(h)
+        if gone:
+            self.pending.append(BlockRemoved(block_hashes=gone, medium=medium, group_idx=0))
 
     def on_worker_meta(self, stored_keys: list[bytes], dropped_keys: list[bytes],
                        tier_events: list[tuple[str, bool, bytes]]) -> None:
@@ -138,6 +174,17 @@ class KVEvents:
     def take(self) -> list[KVCacheEvent]:
         out, self.pending = self.pending, []
         return out
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as [lo, hi) runs of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 def kv_events_enabled(vllm_config) -> bool:

@@ -15,11 +15,14 @@ Remote lookups never block the scheduler. When the lower tiers include Redis or 
 part of a lookup that needs them runs on a small thread pool and `num_matched` answers
 None ("ask again next step", which vLLM supports) until it is done; the in-memory index
 and local disk are answered inline. A step of the engine loop therefore never waits on a
-network round trip.
+network round trip. The same job then asks for the tail objects that could follow the
+chunks it found (tails.py), all candidates in one batch (one pipeline on Redis), so an
+engine finds the tails another engine of the pool wrote.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -56,13 +59,24 @@ class _RequestRecord:
     pending_copies: int = 0         # save jobs whose block copy is not confirmed
     load: LoadJob | None = None
     hit_local_index: int = 0        # of hit_chunks, how many came from the KeyIndex
-    # a remote lookup in flight: (n block hashes, local hits, Future of the remote hit count)
+    # a remote lookup in flight: (n block hashes, local hits, Future of a _RemoteAnswer)
     pending: tuple[int, int, Future] | None = None
+    remote_tail: _RemoteAnswer | None = None  # the last remote lookup's, for _lookup_tail
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
     load_async: bool = True         # the last match's load: between steps, or in the step
     prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
+
+
+@dataclass
+class _RemoteAnswer:
+    """What a remote lookup found: `more` leading chunks after the local ones, then (when
+    tails were asked for) the longest tail present right after chunk `tail_at`."""
+
+    more: int
+    tail_at: int = -1
+    tail_key: bytes | None = None
 
 
 class KeyIndex:
@@ -219,9 +233,11 @@ class SchedulerSide:
                 return None
             record.pending = None
             try:
-                more = fut.result()
+                answer = fut.result()
             except Exception:  # the store never raises; a broken pool is a miss
-                more = 0
+                answer = _RemoteAnswer(0)
+            record.remote_tail = answer
+            more = answer.more
             keys = chunk_keys(self.prefix, hashes[:n_hashes], self.blocks_per_chunk)
             hit = local + more
             if more:
@@ -232,8 +248,15 @@ class SchedulerSide:
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
+                tails = None
+                if self._options(record)[1]:  # the tails that could follow what is found
+                    tails = functools.partial(
+                        tail_candidates, self.prefix, list(hashes),
+                        blocks_per_chunk=self.blocks_per_chunk,
+                        max_blocks=self._claimable_blocks(record.request))
                 record.pending = (len(hashes), local,
-                                  self._lookup_pool.submit(self._remote_prefix, rest))
+                                  self._lookup_pool.submit(self._remote_lookup, rest, local,
+                                                           tails))
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 return None
             hit, record.hit_local_index = self._count_hits(keys)
@@ -242,6 +265,20 @@ class SchedulerSide:
         self.stats.inc("kvpool_lookups")
         record.lookup = (n_hashes, hit, now)
         return hit
+
+    def _remote_lookup(self, keys: list[bytes], local: int,
+                       tails: Callable[..., list[tuple[int, bytes]]] | None) -> _RemoteAnswer:
+        """On the lookup pool: the leading chunks in the lower tiers, then the longest
+        tail object after them (the candidates in one batch: one round trip on Redis)."""
+        more = self._remote_prefix(keys)
+        answer = _RemoteAnswer(more)
+        if tails is not None:
+            answer.tail_at = local + more
+            cands = tails(full_chunks=answer.tail_at)
+            i = self.lower.first_present([k for _, k in cands]) if cands else None
+            if i is not None:
+                answer.tail_key = cands[i][1]
+        return answer
 
     def _remote_prefix(self, keys: list[bytes]) -> int:
         """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier
@@ -279,6 +316,10 @@ class SchedulerSide:
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
                 self.events.remember(request, c, key)
+            if record.tail_key is not None:
+                start = record.hit_chunks * self.blocks_per_chunk
+                self.events.remember_blocks(request, start, start + record.tail_blocks,
+                                            record.tail_key)
         self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
         # Chunks the store already holds need no save.
         record.next_save = max(record.next_save, record.hit_chunks)
@@ -444,12 +485,14 @@ class SchedulerSide:
         return min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
                    limit)
 
-    def _tail_present(self, key: bytes) -> tuple[bool, bool]:
+    def _tail_present(self, key: bytes, remote: bytes | None) -> tuple[bool, bool]:
         """(present, in the KeyIndex). Lower tiers are asked inline only when they are all
-        local (disk): a remote pool's lookups never block the scheduler, so there a tail is
-        found only in the workers' local first tier."""
+        local (disk); with Redis or S3 the remote lookup job asked them (`remote`: the
+        longest tail it found there, off the step loop)."""
         if key in self.index:
             return True, True
+        if key == remote:
+            return True, False
         if self.lower is not None and self._lookup_pool is None:
             return bool(self.lower.contains_prefix([key])), False
         return False, False
@@ -457,6 +500,10 @@ class SchedulerSide:
     def _lookup_tail(self, record: _RequestRecord, hit: int) -> None:
         """The longest tail object right after the `hit` leading full chunks, if any."""
         record.tail_blocks, record.tail_key, record.tail_local = 0, None, False
+        answer, record.remote_tail = record.remote_tail, None
+        # the remote job's tail, if it asked after the same chunks (the KeyIndex may have
+        # extended the remote prefix: then only the index's tails count)
+        remote = answer.tail_key if answer is not None and answer.tail_at == hit else None
         request = record.request
         if not self._options(record)[1]:
             return
@@ -467,7 +514,7 @@ class SchedulerSide:
         local: list[bool] = []
 
         def present(key: bytes) -> bool:
-            found, in_index = self._tail_present(key)
+            found, in_index = self._tail_present(key, remote)
             if found:
                 local.append(in_index)
             return found
@@ -506,6 +553,8 @@ class SchedulerSide:
         if key in self.index or key in self.inflight or key == record.tail_key:
             return None
         self.inflight.add(key)
+        if self.events is not None:
+            self.events.remember_blocks(req, start, n_blocks, key)
         decode = n_blocks * self.block_size > req.num_prompt_tokens  # holds generated tokens
         if decode:
             self.decode_keys.add(key)

@@ -9,6 +9,7 @@
                                      # (served_by=[None] * n: filled with the serving tiers)
     store.set_evict_first(predicate)             # keys the cpu/disk tiers evict first
     store.contains_prefix(keys) -> int           # leading keys present in some tier
+    store.first_present(keys) -> int | None      # the first key some tier holds, each alone
     store.flush(); store.stats(); store.close()
 
 config: a dict, a YAML/JSON path or a `kvpool_connector.config.StoreConfig`. A store with a

@@ -304,6 +304,36 @@ class TieredStore:
                     prefix += 1
         return prefix
 
+    def first_present(self, keys: Sequence[bytes]) -> int | None:
+        """The index of the first of `keys` some tier holds, each key asked on its own
+        (presence only, like contains_prefix), or None: unrelated keys, such as the
+        connector's tail candidates, longest first. Each tier is asked for all the keys
+        before the first one found so far; a tier that answers every name of a call
+        (`Tier.answers_each`: Redis, one pipeline; cpu) answers in that one call. Another
+        (disk, S3) may stop at its first missing name: its yes answers count, and it is
+        asked again from the name after that miss (S3 answers a wave of names at once and
+        remembers them, so the next calls cost no request)."""
+        keys = self._check_keys(keys)
+        if not keys or self._closed:
+            return None
+        best = len(keys)  # the first key found so far
+        deadline = time.monotonic() + self.cfg.timeout_seconds
+        for pool_key in self.keyring.generations():
+            names = [pool_key.object_name(k) for k in keys]
+            for runner in self.runners:
+                i = 0
+                while i < best and self._remaining(deadline) > 0:
+                    res = runner.contains(names[i:best], self._remaining(deadline))
+                    if res is None:  # failing or backing off: the next tier
+                        break
+                    found = next((j for j, ok in enumerate(res) if ok), None)
+                    if found is not None:
+                        best = i + found
+                    if runner.tier.answers_each or found == 0:
+                        break
+                    i += 1  # names[i] is missing there; what came after it may be unknown
+        return best if best < len(keys) else None
+
     def tier_names(self) -> list[str]:
         """The tiers' labels in stats and metrics, first tier first."""
         return [r.name for r in self.runners]

@@ -14,6 +14,7 @@ from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
+from kvpool_connector.connector.tails import tail_key
 from kvpool_connector.store import open_store
 from kvpool_dev.testbed.kv_events import decode_batch
 from tests.conftest import SECURITY
@@ -23,6 +24,7 @@ from tests.connector.connector.helpers import (
     PREFIX,
     allocate,
     make_request,
+    run_turn,
     scheduler_output,
 )
 
@@ -72,8 +74,9 @@ def _saved_keys(sched, req) -> list[bytes]:
     sched.num_matched(req, 0)
     allocate(sched, req, 0)
     saves = sched.build_meta(scheduler_output({req.request_id: req.num_tokens})).saves
-    # the chunks, not the prompt's tail object (not announced: no vLLM block maps to it)
-    return [k for s in saves for k, kind in zip(s.keys, s.kinds, strict=True) if kind != "tail"]
+    # the chunks, not the prompt's tail object (tails are off in this fixture unless asked)
+    return [k for s in saves for k, kind in zip(s.keys, s.kinds, strict=True)
+            if not kind.endswith("tail")]
 
 
 def test_a_saved_chunk_is_announced_like_vllms_own_blocks(sched):
@@ -134,6 +137,55 @@ def test_snapshots_are_bounded_and_what_falls_out_is_withdrawn(sched):
     _saved_keys(sched, other)  # a third snapshot pushes out the oldest announced chunk
     (withdrawn,) = sched.events.take()
     assert isinstance(withdrawn, BlockRemoved) and withdrawn.block_hashes == ext(req.block_hashes[:2])
+
+
+@pytest.mark.parametrize("side", [{"tail_objects": True}], indirect=True)
+def test_tails_are_announced_as_their_blocks_and_no_block_twice(sched):
+    """A chat turn saves chunks, the prompt's tail (block 4), the chunk the answer completes
+    over it (blocks 4-5) and the finish tail (block 6): each block is announced once per
+    medium, and removed only when the last object holding it there leaves."""
+    t1 = make_request("t1", 700)  # 5 blocks: 2 chunks + a 1-block tail
+    sched.num_matched(t1, 0)
+    allocate(sched, t1, 0)
+    run_turn(sched, t1, list(range(10, 210)))  # 899 tokens computed, all reported stored
+    h = t1.block_hashes
+    stored = sched.events.take()
+    assert {(type(e), e.medium) for e in stored} == {(BlockStored, "CPU")}
+    assert [e.block_hashes for e in stored] == [ext(h[0:2]), ext(h[2:4]), ext(h[4:5]),
+                                                ext(h[5:6]), ext(h[6:7])]
+    assert [e.parent_block_hash for e in stored] == [None, *ext([h[1], h[3], h[4], h[5]])]
+    assert [e.token_ids for e in stored[2:]] == [t1.all_token_ids[b * BS:(b + 1) * BS]
+                                                 for b in (4, 5, 6)]
+    assert [len(e.extra_keys) for e in stored] == [2, 2, 1, 1, 1]
+    prompt_tail, finish_tail = tail_key(PREFIX, h, 4, 1), tail_key(PREFIX, h, 6, 1)
+    chunk2 = chunk_keys(PREFIX, h, BPC)[2]
+
+    def events(*tier_events):
+        sched.on_worker_meta(KVPoolWorkerMetadata(tier_events=list(tier_events)))
+        return [(type(e).__name__, e.medium, e.block_hashes) for e in sched.events.take()]
+
+    # cpu: the tail leaves first, its block is still in chunk 2
+    assert events(("cpu", False, prompt_tail)) == []
+    assert events(("cpu", False, chunk2)) == [("BlockRemoved", "CPU", ext(h[4:6]))]
+    assert events(("cpu", False, finish_tail)) == [("BlockRemoved", "CPU", ext(h[6:7]))]
+    # disk: the tail comes first; the chunk over it adds block 5 only and leaves block 4
+    assert events(("disk", True, prompt_tail), ("disk", True, chunk2)) == [
+        ("BlockStored", "STORAGE", ext(h[4:5])), ("BlockStored", "STORAGE", ext(h[5:6]))]
+    assert events(("disk", False, chunk2)) == [("BlockRemoved", "STORAGE", ext(h[5:6]))]
+    assert events(("disk", False, prompt_tail)) == [("BlockRemoved", "STORAGE", ext(h[4:5]))]
+
+
+@pytest.mark.parametrize("side", [{"tail_objects": True}], indirect=True)
+def test_a_tail_loaded_from_a_lower_tier_is_announced_when_promoted(sched):
+    t1 = make_request("t1", 700)
+    h = t1.block_hashes
+    keys = chunk_keys(PREFIX, h, BPC)
+    tail = tail_key(PREFIX, h, 4, 1)
+    sched.lower.put_many([*keys, tail], [b"x" * 64] * 3)  # another engine wrote them
+    assert sched.num_matched(t1, 0) == (640, True)
+    allocate(sched, t1, 640)
+    sched.on_worker_meta(KVPoolWorkerMetadata(tier_events=[("cpu", True, k) for k in [*keys, tail]]))
+    assert [e.block_hashes for e in sched.events.take()] == [ext(h[0:2]), ext(h[2:4]), ext(h[4:5])]
 
 
 def test_events_go_out_in_vllms_wire_format(sched):

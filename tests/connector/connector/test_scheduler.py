@@ -16,6 +16,7 @@ from tests.connector.connector.helpers import (
     BS,
     PREFIX,
     allocate,
+    held_then_answered,
     make_request,
     scheduler_output,
 )
@@ -164,8 +165,6 @@ def test_cache_salt_isolates_tenants_and_can_be_required(side):
 def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
     """With Redis below the cpu tier, a lookup answers None ("ask again next step") while
     the Redis round trip runs on a thread, then the hit count once it is back."""
-    import threading
-
     monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
     cfg = load_connector_config({"namespace": "async-lookup", "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"},
@@ -178,19 +177,8 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
         keys = chunk_keys(PREFIX, req.block_hashes, BPC)
         lower.put_many(keys[:2], [b"x" * 64] * 2)
         lower.flush()
-        # Hold the real Redis lookup until released, standing in for a slow network (a
-        # wrapper around the real call: no way to slow loopback Redis down otherwise).
-        gate = threading.Event()
-        real = lower.contains_prefix
-        monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
-        assert s.num_matched(req, 0) == (None, False)  # in flight: the scheduler moves on
-        assert s.num_matched(req, 0) == (None, False)
-        gate.set()
-        for _ in range(200):
-            answer = s.num_matched(req, 0)
-            if answer[0] is not None:
-                break
-            threading.Event().wait(0.01)
+        answer = held_then_answered(s, req, monkeypatch, lower,
+                                    "contains_prefix")
         assert answer == (2 * 256, True)
         assert s.hit_sources(req) == (0, 2)
         s.close()

@@ -180,3 +180,73 @@ def test_a_tail_promoted_from_disk_into_cpu_stays_evict_first(tmp_path):
     assert cpu.contains_many(s.object_names([k("B"), k("C"), k("tail1")])) == [
         True, True, False]
     s.close()
+
+
+def _disk_store(path, slots: int):
+    return open_store({"namespace": "ev", "metrics": False, "security": SECURITY, "tiers": [
+        {"type": "disk", "path": str(path), "size": slots * SLOT, "rescan_seconds": 0}]})
+
+
+def _paths(store, names) -> dict[str, str]:
+    """name -> the disk tier's file of it."""
+    tier = store.runners[0].tier
+    return {n: tier.path(store.object_names([k(n)])[0]) for n in names}
+
+
+def test_a_reopened_disk_tier_still_evicts_tails_first(tmp_path):
+    """The mark lives with the file (its mode), so a restarted engine's scan finds it: the
+    tails, the most recent files here, go before the older chunks."""
+    s = _disk_store(tmp_path, 4)
+    s.set_evict_first(is_tail)
+    names = ["A", "B", "tail1", "tail2"]
+    for n in names:
+        s.put_many([k(n)], [os.urandom(SLOT - 200)])
+    paths = _paths(s, names)
+    s.close()
+    for age, n in enumerate(names):  # oldest first, whatever the clock's resolution
+        os.utime(paths[n], (1_000_000 + age, 1_000_000 + age))
+    again = _disk_store(tmp_path, 4)  # no predicate: the files alone say what goes first
+    again.put_many([k("C")], [os.urandom(SLOT - 200)])
+    assert present(again, names + ["C"]) == {"A", "B", "tail2", "C"}
+    again.put_many([k("D")], [os.urandom(SLOT - 200)])
+    assert present(again, names + ["C", "D"]) == {"A", "B", "C", "D"}
+    assert again.get_many([k("A")])[0] is not None
+    again.close()
+
+
+def test_a_forged_mark_changes_only_the_eviction_order(tmp_path):
+    """Anyone who can write the directory can flip an object's mode: the object then goes
+    first (or last), and is still served only if its tag checks out, like any other."""
+    s = _disk_store(tmp_path, 3)
+    s.set_evict_first(is_tail)
+    data = {n: os.urandom(SLOT - 200) for n in ("A", "tail1", "B")}
+    for n, payload in data.items():
+        s.put_many([k(n)], [payload])
+    path = _paths(s, data)
+    s.close()
+    for age, n in enumerate(data):
+        os.utime(path[n], (1_000_000 + age, 1_000_000 + age))
+    os.chmod(path["tail1"], 0o600)  # unmarked: now a plain, newer object than A
+    os.chmod(path["B"], 0o400)      # marked: a chunk made to go first
+    again = _disk_store(tmp_path, 3)
+    assert [bytes(again.get(k(n))) for n in data] == list(data.values())  # all still served
+    again.put_many([k("C")], [os.urandom(SLOT - 200)])
+    assert present(again, [*data, "C"]) == {"A", "tail1", "C"}
+    assert again.stats()["tiers"]["disk"]["corrupt"] == 0
+    again.close()
+
+
+def test_a_tail_another_process_wrote_is_evicted_first_once_found(tmp_path):
+    """A store sharing the directory (the engine's scheduler and workers) learns a file's mark
+    when a presence check or a read finds it, before any rescan."""
+    reader = _disk_store(tmp_path, 3)  # opened first: its scan found nothing
+    writer = _disk_store(tmp_path, 8)
+    writer.set_evict_first(is_tail)
+    for n in ("A", "tail1", "B"):
+        writer.put_many([k(n)], [os.urandom(SLOT - 200)])
+    writer.close()
+    assert reader.contains_prefix([k("A"), k("tail1")]) == 2  # stat'ed: learned
+    assert reader.get(k("B")) is not None                     # read: learned
+    reader.put_many([k("C")], [os.urandom(SLOT - 200)])
+    assert present(reader, ["A", "B", "C", "tail1"]) == {"A", "B", "C"}
+    reader.close()

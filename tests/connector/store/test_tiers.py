@@ -182,6 +182,44 @@ def test_contains_prefix_unions_tiers(tier_cfgs, namespace):
     s.close()
 
 
+@pytest.mark.parametrize("kinds", [("cpu",), ("disk",), ("redis",), ("s3",), ("disk", "redis"),
+                                   ("disk", "s3")])
+def test_first_present_asks_each_key_on_its_own(kinds, tier_cfgs, namespace, monkeypatch):
+    """Unrelated keys (the connector's tail candidates, longest first): the first one some
+    tier holds, whatever is missing before it; a tier that answers every name (Redis) is
+    asked for all of them in one call."""
+    s = build(namespace, *(tier_cfgs[k] for k in kinds))
+    keys = rand_keys(6)
+    assert s.first_present(keys) is None and s.first_present([]) is None
+    s.put_many([keys[3], keys[5]], [b"v"] * 2)
+    assert s.flush(10)
+    assert s.contains_prefix(keys) == 0
+    calls: list[int] = []
+    for r in s.runners:
+        real = r.tier.contains_many
+        monkeypatch.setattr(r.tier, "contains_many",
+                            functools.partial(lambda real, names: (calls.append(len(names)),
+                                                                   real(names))[1], real))
+    assert s.first_present(keys) == 3
+    assert calls[0] == 6  # every name in the first call (S3: one wave of HEADs)
+    if kinds == ("redis",):
+        assert calls == [6]  # one pipeline of EXISTS
+    s.close()
+
+
+def test_first_present_unions_tiers(tier_cfgs, namespace):
+    """Key 1 only in Redis, key 2 on disk: Redis's answer wins, being first."""
+    keys = rand_keys(4)
+    for kind, key in (("redis", keys[1]), ("disk", keys[2])):
+        one = build(namespace, tier_cfgs[kind])
+        one.put_many([key], [b"v"])
+        one.close()
+    s = build(namespace, tier_cfgs["disk"], tier_cfgs["redis"], promote=False)
+    assert s.first_present(keys) == 1
+    assert s.first_present(keys[2:]) == 0
+    s.close()
+
+
 def _rec(name, payload, layout):
     from kvpool_connector.store.format import Record
 

@@ -57,6 +57,11 @@ class Tier(abc.ABC):
     blocking: ClassVar[bool] = False
     #: put_many needs Record.blob (one contiguous sealed buffer)
     needs_blob: ClassVar[bool] = True
+    #: contains_many answers every name on its own, in one round trip (never False for a
+    #: name only because an earlier one is missing): TieredStore.first_present asks it for
+    #: unrelated names (the connector's tail candidates) once; any other tier is asked
+    #: again from the name after each miss it reports
+    answers_each: ClassVar[bool] = False
     #: (stored, object name) of what a local tier took in (True) or let go (False), while
     #: someone listens (TieredStore.enable_events); None: nothing is recorded
     events: deque | None = None

@@ -73,6 +73,7 @@ class CpuTier(Tier):
     shared = False  # the arena lives in the engine's own process
     hit_source = "host"
     needs_blob = False
+    answers_each = True  # its index, in memory
 
     def __init__(self, cfg, namespace, stats, **kw) -> None:
         super().__init__(cfg, namespace, stats, **kw)

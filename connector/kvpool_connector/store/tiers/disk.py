@@ -3,7 +3,12 @@
 - Hard capacity: an in-memory index (name -> size, LRU order) is charged before each write
   and evicts the least recently used files until the new object fits; objects this process
   wrote with `Record.evict_first` (the connector's tails) go first. Names are sealed, so
-  that mark is this process's memory only: files found by a scan are plain LRU.
+  the mark is kept in the file's mode: an evict-first object is 0400, any other 0600 (both
+  private; objects are never written in place, only replaced by a rename). The scan reads
+  it from the lstat it makes anyway, so a restarted engine, or another process sharing the
+  directory, still evicts tails first. The mode is trusted for eviction order only: a
+  forged one moves an object up or down the eviction order, nothing else (every read
+  checks the object's tag).
 - Atomic: objects are written to <namespace>/.tmp/ and renamed into place, so readers (in
   this or another process) see a whole object or none; fsync as configured.
 - Hostile directories: the namespace, temp and shard directories are real directories
@@ -11,7 +16,8 @@
   every file operation is relative to those descriptors and never follows a link. Objects
   are opened with O_NOFOLLOW | O_NONBLOCK and must be regular files (a symlink or FIFO
   planted at an object's path is a miss and is removed); temp files are created with
-  O_EXCL | O_NOFOLLOW, mode 0600, under random names. The tier is `blocking`: its calls run
+  O_EXCL | O_NOFOLLOW, mode 0600 (0400 when evict-first, set by fchmod, whatever the
+  umask), under random names. The tier is `blocking`: its calls run
   with the store's deadline, so a hung mount costs a miss, never a stuck caller.
 - Large I/O: a single writev of header + payload + tag; reads go in 512 KiB pieces through
   a per-thread scratch buffer, each piece authenticated while cache-hot and then copied to
@@ -51,6 +57,7 @@ _PIECE = 512 * 1024  # fits in L2: the MAC reads what the copy just brought in
 _STALE_TMP_SECONDS = 600
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
+_FIRST_MODE = 0o400  # an evict-first object (a tail): the mark that survives a restart
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -150,8 +157,9 @@ class DiskTier(Tier):
                     self._shards[shard] = fd
         return fd
 
-    def _scan(self) -> list[tuple[float, bytes, int]]:
-        found: list[tuple[float, bytes, int]] = []
+    def _scan(self) -> list[tuple[float, bytes, int, bool]]:
+        """(mtime, name, size, evict-first) of every object file, oldest first."""
+        found: list[tuple[float, bytes, int, bool]] = []
         now = time.time()
         self._clean_tmp(now)
         try:
@@ -174,7 +182,8 @@ class DiskTier(Tier):
                         except (ValueError, OSError):
                             continue
                         if stat.S_ISREG(info.st_mode):
-                            found.append((info.st_mtime, key, info.st_size))
+                            found.append((info.st_mtime, key, info.st_size,
+                                          _marked_first(info.st_mode)))
             except (OSError, UnsafeDirectory) as e:
                 log.warning("disk tier: shard %s skipped: %s", shard, e)
         found.sort()
@@ -194,16 +203,21 @@ class DiskTier(Tier):
             pass
 
     def rescan(self) -> None:
-        """Rebuild the index from the directory, keeping our recency order for known names."""
+        """Rebuild the index from the directory, keeping our recency order for known names;
+        the evict-first marks are the files' (their modes), as this process wrote them."""
         found = self._scan()
         with self._lock:
             old = self._index
-            new: OrderedDict[bytes, int] = OrderedDict((k, size) for _, k, size in found)
+            new: OrderedDict[bytes, int] = OrderedDict((k, size) for _, k, size, _ in found)
             for k in old:  # our recency order wins for the names we know
                 if k in new:
                     new.move_to_end(k)
+            first = OrderedDict((k, None) for _, k, _, mark in found if mark)
+            for k in self._first:
+                if k in first:
+                    first.move_to_end(k)
             self._index = new
-            self._first = OrderedDict((k, None) for k in self._first if k in new)
+            self._first = first
             self._written = {k: c for k, c in self._written.items() if k in new}
             self._used = sum(new.values())
             victims = self._evict_locked(0)
@@ -260,11 +274,15 @@ class DiskTier(Tier):
             if size is not None:
                 self._used -= size
 
-    def _learn(self, name: bytes, size: int) -> None:
+    def _learn(self, name: bytes, size: int, mode: int) -> None:
+        """A file found present (read, or stat'ed for a presence check) is the most recent;
+        a name the index lacked takes its evict-first mark from the file's mode."""
         with self._lock:
             old = self._index.pop(name, None)
             self._used += size - (old or 0)
             self._index[name] = size
+            if old is None and _marked_first(mode):
+                self._first[name] = None
             if name in self._first:
                 self._first.move_to_end(name)
 
@@ -288,7 +306,8 @@ class DiskTier(Tier):
             return False
         same = xxhash.xxh3_64_intdigest(rec.payload)
         with self._lock:
-            if rec.name in self._index and self._written.get(rec.name) == same:
+            if rec.name in self._index and self._written.get(rec.name) == same \
+                    and (rec.name in self._first) == rec.evict_first:
                 self._index.move_to_end(rec.name)  # the same bytes are on disk already
                 self._mark_first(rec)
                 return True
@@ -305,7 +324,8 @@ class DiskTier(Tier):
         try:
             shard_fd = self._shard_fd(shard, create=True)
             assert shard_fd is not None  # create=True makes it or raises
-            self._write_file(tmp, [hdr, body, tag], size)
+            self._write_file(tmp, [hdr, body, tag], size,
+                             _FIRST_MODE if rec.evict_first else _FILE_MODE)
             os.rename(tmp, fname, src_dir_fd=self._tmp_fd, dst_dir_fd=shard_fd)
             if self.cfg.fsync == "always":
                 os.fsync(shard_fd)
@@ -319,9 +339,13 @@ class DiskTier(Tier):
         self.note(True, (rec.name,))
         return True
 
-    def _write_file(self, tmp: str, parts: list, size: int) -> None:
+    def _write_file(self, tmp: str, parts: list, size: int, mode: int) -> None:
         fd = os.open(tmp, _O_CREATE, _FILE_MODE, dir_fd=self._tmp_fd)
         try:
+            # the evict-first mark, whatever the umask; a filesystem without modes loses
+            # only the mark (the object is private by its directories either way)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, mode)
             if not (self._direct and self._write_direct(fd, parts, size)):
                 _writev_all(fd, parts)
             if self.cfg.fsync != "never":
@@ -402,7 +426,8 @@ class DiskTier(Tier):
             return None
         target = None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            size = info.st_size
             if size > self.read_limit(name, out):
                 self.stats.inc("rejected")  # never read whole what cannot be ours
                 return None
@@ -429,7 +454,7 @@ class DiskTier(Tier):
                 self.reject(name, status)
             return None
         assert target is not None  # set when the header was OK
-        self._learn(name, size)
+        self._learn(name, size, info.st_mode)
         self.stats.inc("bytes_out", len(target))
         return Record(name, layout, target, key=key, encrypt=h.encrypted)
 
@@ -502,7 +527,7 @@ class DiskTier(Tier):
                     break
                 if not stat.S_ISREG(info.st_mode):
                     break
-                self._learn(k, info.st_size)
+                self._learn(k, info.st_size, info.st_mode)
             out.append(True)
         return out + [False] * (len(names) - len(out))
 
@@ -529,6 +554,11 @@ class DiskTier(Tier):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _marked_first(mode: int) -> bool:
+    """An evict-first object's file: the owner may not write it (mode 0400)."""
+    return not mode & stat.S_IWUSR
 
 
 def _writev_all(fd: int, bufs: list) -> None:

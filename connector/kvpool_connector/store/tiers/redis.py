@@ -331,6 +331,8 @@ class RedisTier(Tier):
             return Status.CORRUPT
         return h.status
 
+    answers_each = True  # one pipeline of EXISTS, one reply per name
+
     def contains_many(self, names: list[bytes]) -> list[bool]:
         keys = [self.object_key(n) for n in names]
         return [bool(n) for n in self._exchange(keys, lambda i: [resp(b"EXISTS", keys[i])])]
