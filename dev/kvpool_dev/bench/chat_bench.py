@@ -8,8 +8,11 @@ token-exact: each turn's prompt is the previous prompt + every generated token i
 tokens, sent as prompt token ids through the completions API (what agent frameworks do), so
 no re-tokenization changes an id. Arms, one server each, one after another:
   plain    vLLM alone (its prefix cache)
-  chunks   kvpool, full prompt chunks only (save_decode_tokens and tail_objects off)
-  tails    kvpool with tail objects and decode KV (the defaults)
+  chunks   kvpool as issue 24 found it, the arm its goal compares with: full prompt chunks
+           only, each hit waiting a step for its load (save_decode_tokens, tail_objects and
+           sync_local_loads off)
+  tails    kvpool's defaults: tail objects, decode KV, hits in the cpu tier loaded within
+           the step
   native   vLLM's native offloading (OffloadingConnector, kvpool's spec), the anchor
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
 TTFT p50 (first streamed token); per arm the cached tokens by vLLM's hit source. A
@@ -288,7 +291,7 @@ def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
         return None
     if arm == "chunks":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens, save_decode_tokens=False,
-                                        tail_objects=False)
+                                        tail_objects=False, sync_local_loads=False)
     if arm == "tails":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens)
     if arm == "native":
