@@ -57,7 +57,9 @@ def test_crd_names_columns_and_subresources():
     spec = crd.build_crd()["spec"]
     assert spec["names"]["shortNames"] == ["kvp"] and spec["scope"] == "Namespaced"
     version = spec["versions"][0]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Mode", "Replicas", "Ready", "Phase", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Mode", "Desired", "Ready", "Phase", "Age"]
+    # desired from status: spec.replicas, or what the autoscaler chose when spec.autoscaling is set
+    assert version["additionalPrinterColumns"][1]["jsonPath"] == ".status.desiredReplicas"
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
@@ -150,6 +152,15 @@ INVALID = [
     ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0#pw", "no fragment"),
     ("tiered-external", "spec.tiers.s3.external.endpoint", "https://ak:sk@s3.example", "must not contain credentials"),
     ("tiered-external", "spec.tiers.s3.external.endpoint", "https://s3.example?username=u", "no query"),
+    # autoscaling: a range, at least one trigger, zero engines only where a shared tier keeps the cache
+    ("tiered-autoscaling", "spec.autoscaling.minReplicas", 9, "minReplicas must not exceed maxReplicas"),
+    ("tiered-autoscaling", "spec.autoscaling.triggers", {}, "at least one trigger is required"),
+    ("tiered-keda", "spec.tiers.s3", _DELETE, "scale to zero) needs a shared tier"),
+    ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 0,
+     ("less than the minimum of 0.001", "greater than or equal to 0.001")),
+    ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1.5,
+     ("greater than the maximum of 1", "less than or equal to 1")),
+    ("tiered-keda", "spec.autoscaling.rateWindow", "2 minutes", ("does not match", "should match pattern")),
 ]
 
 
@@ -181,6 +192,9 @@ def test_valid_variations_pass_both():
         ("tiered-full", "spec.model.gpus", 0),
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
         ("tiered-full", "spec.replicas", 0),
+        ("tiered-autoscaling", "spec.autoscaling.minReplicas", 8),
+        ("tiered-autoscaling", "spec.autoscaling.triggers", {"promptTokensComputed": 0.5}),
+        ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1),
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)

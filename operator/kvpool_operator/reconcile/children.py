@@ -242,8 +242,11 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
     backends = {}
     endpoints = {}
     desired = body.get("spec", {}).get("replicas", 1)
+    deployment = live.get(("apps/v1", "Deployment", name))
     if pool is not None:
         desired = pool.spec.replicas
+        if pool.spec.autoscaling is not None:  # the autoscaler's choice (a Deployment without one has 1)
+            desired = ((deployment or {}).get("spec") or {}).get("replicas", 1)
         for component, managed in (("redis", pool.managed_redis), ("minio", pool.managed_s3)):
             if managed is not None:
                 backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
@@ -256,7 +259,7 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
         generation=meta.get("generation"),
         desired_replicas=desired,
         selector=selector_string(name),
-        deployment=live.get(("apps/v1", "Deployment", name)),
+        deployment=deployment,
         backends=backends,
         endpoints=endpoints,
         previous=body.get("status") or {},
