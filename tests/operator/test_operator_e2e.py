@@ -317,6 +317,23 @@ async def test_autoscaling_leaves_the_engines_replicas_to_the_autoscaler(server,
                          message="replicas applied")
         await eventually(lambda: pool_obj(server)["status"].get("desiredReplicas") == 2, message="desired 2")
 
+        # on again, with replicas owned by the operator alone (managedFields as a real API server
+        # keeps them; the emulator keeps none): the count is handed over before an apply drops it
+        owned = [{"manager": MANAGER, "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                  "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
+        await send(server, "patch", deployment, {"metadata": {"managedFields": owned}})
+        before = len(child_writes(server))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"autoscaling": {
+            "maxReplicas": 6, "triggers": {"waitingRequests": 3}}}})
+        await eventually(lambda: child(server, HPAS, "tiered-full"), message="HPA again")
+        writes = [r for r in child_writes(server)[before:] if r.resource.plural == "deployments"]
+        handover = [i for i, r in enumerate(writes) if "fieldManager=kvpool-operator-handover" in str(r.url)]
+        dropped = [i for i, r in enumerate(writes) if "fieldManager=kvpool-operator&" in str(r.url) + "&"
+                   and "replicas" not in r.data["spec"]]
+        assert handover and writes[handover[0]].data["spec"] == {"replicas": 2}
+        assert not dropped or handover[0] < dropped[0]
+        assert child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 2
+
 
 async def test_scale_to_zero_without_keda_is_refused_naming_the_field(server, op_settings):
     pool = load_example("tiered-full")
