@@ -57,9 +57,10 @@ def test_the_python_module_entry_is_the_cli():
 
 
 def test_validate_accepts_every_example(capsys, monkeypatch):
-    """Under the operator settings the examples name (hostPath under /mnt, InferencePools)."""
+    """Under the operator settings the examples name (hostPath under /mnt, InferencePools, KEDA)."""
     monkeypatch.setenv("KVPOOL_ALLOWED_HOST_PATH_PREFIXES", "/mnt")
     monkeypatch.setenv("KVPOOL_INFERENCE_POOLS", "true")
+    monkeypatch.setenv("KVPOOL_KEDA", "true")
     examples = sorted(str(p) for p in (REPO / "examples").glob("*.yaml"))
     assert examples
     assert cli.main(["validate", *examples]) == 0

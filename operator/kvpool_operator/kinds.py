@@ -43,6 +43,8 @@ CHILD_KINDS: tuple[ChildKind, ...] = (
     ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     ChildKind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", setting="inference_pools"),
+    ChildKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    ChildKind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", setting="keda"),
 )
 
 SECRET = ("v1", "Secret")

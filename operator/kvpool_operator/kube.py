@@ -77,10 +77,10 @@ class Kube:
             _request_timeout=TIMEOUT,
         )
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, manifest: dict[str, Any], manager: str = MANAGER) -> dict[str, Any]:
         meta = manifest["metadata"]
         url = path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
-        query = [("fieldManager", MANAGER), ("force", "true")]
+        query = [("fieldManager", manager), ("force", "true")]
         return self._call("PATCH", url, query=query, body=manifest, content_type=APPLY)
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:

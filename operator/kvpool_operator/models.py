@@ -856,6 +856,88 @@ _PREFILL_RULES = (
 )
 
 
+# Autoscaling (render/autoscaling.py): one model, shaped so that each engine role can carry its own.
+AUTOSCALING_RANGE_MESSAGE = "minReplicas must not exceed maxReplicas"
+TRIGGER_MESSAGE = "at least one trigger is required (waitingRequests, kvCacheUsage, promptTokensComputed)"
+SCALE_TO_ZERO_MESSAGE = ("autoscaling.minReplicas 0 (scale to zero) needs a shared tier (tiers.redis or tiers.s3) "
+                         "that keeps the cache while no engine runs")
+RATE_WINDOW_PATTERN = r"^[1-9][0-9]{0,3}[smh]$"
+
+
+def scale_to_zero_rule(path: str) -> tuple[str, str, str]:
+    """The spec-level rule for an Autoscaling at `path` (`autoscaling`; a role's later): zero engines
+    only where a shared tier keeps the cache for the next ones."""
+    return (f"!has(self.{path}) || self.{path}.minReplicas > 0 || has(self.tiers.redis) || has(self.tiers.s3)",
+            SCALE_TO_ZERO_MESSAGE, f".{path}.minReplicas")
+
+
+class ScalingTriggers(_Model):
+    """Per-engine targets (to the thousandth: HPA targets are quantities); the autoscaler picks the
+    smallest replica count that keeps every trigger set at or under its target (the largest of
+    their proposals)."""
+
+    waiting_requests: float | None = Field(
+        None, ge=0.001, le=100_000,
+        description="Average vllm:num_requests_waiting per engine (requests queued, not yet scheduled). Starting "
+        "point 3: llm-d's saturation detector and WVA count an engine saturated at 5 waiting, WVA scales up "
+        "when fewer than 3 of those are spare.",
+    )
+    kv_cache_usage: float | None = Field(
+        None, ge=0.001, le=1,
+        description="Average vllm:kv_cache_usage_perc per engine (0-1, the paged KV cache in use). Starting point "
+        "0.7: WVA's kvCacheThreshold 0.8 less its kvSpareTrigger 0.1.",
+    )
+    prompt_tokens_computed: float | None = Field(
+        None, ge=0.001, le=1_000_000_000,
+        description="Prompt tokens per second per engine that neither vLLM's prefix cache nor any kvpool tier "
+        "served (rate of kvpool_prompt_tokens_computed_total; native mode: of vllm:prompt_tokens_by_source_total"
+        "{source=\"local_compute\"}): the prefill work left, so tier hits count as capacity. Start near half "
+        "the prefill throughput one engine sustains.",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("has(self.waitingRequests) || has(self.kvCacheUsage) || has(self.promptTokensComputed)",
+         TRIGGER_MESSAGE, None)))
+
+    @model_validator(mode="after")
+    def _any(self) -> ScalingTriggers:
+        if self.waiting_requests is None and self.kv_cache_usage is None and self.prompt_tokens_computed is None:
+            raise ValueError(TRIGGER_MESSAGE)
+        return self
+
+
+class Autoscaling(_Model):
+    """A horizontal autoscaler of a Deployment of engines: a KEDA ScaledObject where the operator's
+    setting `keda` says KEDA is installed, else an autoscaling/v2 HorizontalPodAutoscaler on Pods
+    metrics (served by prometheus-adapter). The operator then leaves the Deployment's replicas to it."""
+
+    min_replicas: int = Field(
+        1, ge=0, le=1000,
+        description="Fewest engines. 0 (scale to zero) needs KEDA (the operator setting keda) and a shared tier "
+        "(redis or s3) that keeps the cache meanwhile.",
+    )
+    max_replicas: int = Field(ge=1, le=1000, description="Most engines.")
+    triggers: ScalingTriggers = Field(description="What to scale on: per-engine targets, at least one.")
+    rate_window: str = Field(
+        "2m", pattern=RATE_WINDOW_PATTERN,
+        description="Prometheus range of the rate() of promptTokensComputed: at least four scrape intervals.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, le=3600,
+        description="Scale down only to the highest recommendation of this many seconds (an engine that goes "
+        "takes its CPU and disk tiers with it; a new one loads the model again).",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.minReplicas <= self.maxReplicas", AUTOSCALING_RANGE_MESSAGE, ".minReplicas")))
+
+    @model_validator(mode="after")
+    def _range(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(AUTOSCALING_RANGE_MESSAGE)
+        return self
+
+
 _SPEC_RULES = (
     (
         "self.connector != 'native' || has(self.tiers.cpu)",
@@ -891,13 +973,17 @@ _SPEC_RULES = (
         "unsalted requests)",
         ".security.requireCacheSalt",
     ),
+    scale_to_zero_rule("autoscaling"),
 )
 
 
 class KVCachePoolSpec(_Model):
     """Desired state: a vLLM fleet with KV offloading tiers and their backends."""
 
-    replicas: int = Field(1, ge=0, le=1000, description="Engine replicas (scale subresource).")
+    replicas: int = Field(
+        1, ge=0, le=1000,
+        description="Engine replicas (scale subresource); ignored with autoscaling, whose autoscaler sets them.",
+    )
     model: ModelSpec = Field(description="The model and engine container.")
     connector: Literal["tiered", "native"] = Field(
         "tiered",
@@ -938,6 +1024,11 @@ class KVCachePoolSpec(_Model):
         "which then decode (pod labels llm-d.ai/role: prefill and decode); the router runs in P/D mode. "
         "Needs spec.router and a tier both roles reach (Redis, S3, or a disk on a shared claim).",
     )
+    autoscaling: Autoscaling | None = Field(
+        None,
+        description="Scale the engines between minReplicas and maxReplicas on queue depth, KV cache usage and "
+        "the prefill work tiers do not save (docs/scaling.md). Absent: replicas is the engine count.",
+    )
 
     model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES, *_PREFILL_RULES))
 
@@ -961,6 +1052,9 @@ class KVCachePoolSpec(_Model):
             raise ValueError(_SPEC_RULES[4][1])
         if self.connector != "tiered" and self.security.require_cache_salt:
             raise ValueError(_SPEC_RULES[5][1])
+        if self.autoscaling is not None and self.autoscaling.min_replicas == 0 and not (
+                self.tiers.redis or self.tiers.s3):
+            raise ValueError(_SPEC_RULES[6][1])
         return self
 
     @field_validator("prefill")
@@ -1025,6 +1119,9 @@ class KVCachePoolStatus(_Model):
         None, description="Summary: Pending, Progressing, Ready, Degraded or Invalid."
     )
     replicas: int | None = Field(None, description="Engine pods (scale subresource).")
+    desired_replicas: int | None = Field(
+        None, description="Engines wanted now: spec.replicas, or the autoscaler's choice with spec.autoscaling."
+    )
     ready_replicas: int | None = Field(None, description="Engine pods passing readiness.")
     selector: str | None = Field(None, description="Label selector of engine pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, description="metav1.Conditions.")

@@ -107,6 +107,17 @@ class Settings(BaseModel):
         description="Whether pools may render an InferencePool (inference.networking.k8s.io/v1). Off: the "
         "operator never lists or writes InferencePools (it holds no RBAC for them, the CRD may be absent).",
     )
+    keda: bool = Field(
+        False,
+        description="Whether KEDA is installed: pools with spec.autoscaling get a KEDA ScaledObject (Prometheus "
+        "triggers; scale to zero allowed) instead of an autoscaling/v2 HorizontalPodAutoscaler on Pods metrics "
+        "(served by prometheus-adapter). Off: the operator never lists or writes ScaledObjects (no RBAC for them).",
+    )
+    keda_prometheus_address: str = Field(
+        "http://prometheus-operated.monitoring.svc:9090", pattern=r"^https?://[^\s?#@]+$",
+        description="The Prometheus KEDA's triggers query (serverAddress), which scrapes the engines with the "
+        "chart's PodMonitor (their series carry namespace and kvpool_dev_pool).",
+    )
     router_discovery_role: str = Field(
         "kvpool-router-discovery", min_length=1, max_length=253,
         description="ClusterRole (pods list/watch) a pool's router is bound to in its namespace; the chart ships "

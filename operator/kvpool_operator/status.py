@@ -20,7 +20,7 @@ class Observation:
     """Everything status depends on; gathered by the reconciler, no I/O here."""
 
     generation: int | None
-    desired_replicas: int
+    desired_replicas: int  # spec.replicas, or the autoscaler's (the engine Deployment's spec.replicas)
     selector: str
     invalid: str | None = None  # why the spec cannot be applied (ConfigValid=False)
     apply_errors: tuple[str, ...] = ()
@@ -148,6 +148,7 @@ def compute_status(obs: Observation, now: str) -> dict[str, Any]:
     status: dict[str, Any] = {
         "phase": phase,
         "replicas": dep_status.get("replicas", 0) or 0,
+        "desiredReplicas": want,
         "readyReplicas": ready,
         "selector": obs.selector,
         "conditions": conditions,

@@ -16,7 +16,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-EXAMPLE_SETTINGS = {"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt", "KVPOOL_INFERENCE_POOLS": "true"}
+EXAMPLE_SETTINGS = {"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt", "KVPOOL_INFERENCE_POOLS": "true",
+                    "KVPOOL_KEDA": "true"}
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_") or k == "KVPOOL_DTYPE"}
 
 POOL = {

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import celpy
 import jsonschema
 import kubernetes_validate
+import yaml
 from kubernetes_validate.utils import latest_version
 
 from kvpool_operator.crd import build_crd
@@ -19,11 +21,58 @@ from tests.operator import inferencepool_schema
 K8S_VERSION = latest_version()  # the newest schema kubernetes-validate ships (offline)
 
 
+# KEDA's own CRD at a pinned release (the file's header names it), and what its Prometheus scaler
+# reads from a trigger's metadata at that release (pkg/scalers/prometheus_scaler.go, prometheusMetadata).
+KEDA_CRD = Path(__file__).parent / "crds" / "keda.sh_scaledobjects.yaml"
+KEDA_PROMETHEUS_REQUIRED = {"serverAddress", "query", "threshold"}
+KEDA_PROMETHEUS_OPTIONAL = {"queryParameters", "activationThreshold", "namespace", "customHeaders", "ignoreNullValues",
+                            "unsafeSsl", "awsRegion", "timeout", "identityOwner"}
+
+
+@cache
+def keda_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(KEDA_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def closed(schema: Any) -> Any:
+    """A CRD schema whose objects with listed properties admit no others: the API server would
+    prune a misspelled field silently; here it fails."""
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def validate_scaled_object(manifest: dict[str, Any]) -> None:
+    """KEDA's CRD (OpenAPI, closed, and its CEL rules), then each Prometheus trigger's metadata as
+    KEDA's scaler parses it: the required keys, no unknown ones, decimal thresholds."""
+    schema = keda_schema()
+    jsonschema.Draft7Validator(openapi_to_jsonschema(closed(schema))).validate(manifest)
+    problems = cel_errors(schema, apply_defaults(schema, manifest))
+    assert not problems, problems
+    for trigger in manifest["spec"]["triggers"]:
+        assert trigger["type"] == "prometheus", trigger
+        metadata = trigger["metadata"]
+        assert KEDA_PROMETHEUS_REQUIRED <= set(metadata) <= KEDA_PROMETHEUS_REQUIRED | KEDA_PROMETHEUS_OPTIONAL
+        for key in ("threshold", "activationThreshold"):
+            if key in metadata:
+                float(metadata[key])
+
+
 def validate_child(manifest: dict[str, Any]) -> None:
     """A rendered child against its schema, strictly: the Kubernetes OpenAPI (kubernetes-validate)
-    for built-in kinds, the Inference Extension's v1 schema for an InferencePool."""
+    for built-in kinds, the Inference Extension's v1 schema for an InferencePool, KEDA's CRD for a
+    ScaledObject."""
     if (manifest["apiVersion"], manifest["kind"]) == (inferencepool_schema.API_VERSION, inferencepool_schema.KIND):
         inferencepool_schema.validate(manifest)
+    elif (manifest["apiVersion"], manifest["kind"]) == ("keda.sh/v1alpha1", "ScaledObject"):
+        validate_scaled_object(manifest)
     else:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 

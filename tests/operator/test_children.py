@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import base64
 
-from kvpool_operator.reconcile.children import is_subset, key_of, owner_reference, plan, with_owner
+from kvpool_operator.reconcile.children import (
+    HANDOVER_MANAGER,
+    is_subset,
+    key_of,
+    owner_reference,
+    plan,
+    replicas_handover,
+    with_owner,
+)
 from kvpool_operator.reconcile.secrets import SecretAction, generated_values, plan_secret
 from kvpool_operator.render import render
 from kvpool_operator.render.secrets import generate_keys, generated_secret_names
@@ -231,3 +239,32 @@ def test_every_api_call_is_bounded_in_time():
 
     Kube(Recorder()).get("v1", "Secret", "ml", "x")
     assert seen["_request_timeout"] == TIMEOUT and all(0 < t <= 30 for t in TIMEOUT)
+
+
+def _managed(*managers: str) -> list[dict]:
+    """metadata.managedFields as the API server writes them, each manager owning spec.replicas."""
+    return [{"manager": m, "operation": "Apply" if m != "kube-controller-manager" else "Update",
+             "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}}} for m in managers]
+
+
+def test_replicas_are_handed_to_the_autoscaler_before_the_operator_stops_applying_them(settings):
+    """spec.autoscaling turned on for a running pool: while the operator is the one owner of the
+    Deployment's replicas, a co-owner (HANDOVER_MANAGER) applies the live count first, so that
+    the operator's apply without replicas does not reset them to 1. Nothing to hand over when
+    someone else owns them too, nor while the operator still applies replicas."""
+    pool = load_example("tiered-autoscaling")
+    (scaled,) = [m for m in render(pool, settings, "ml") if m["kind"] == "Deployment"]
+    assert "replicas" not in scaled["spec"]
+    live = {"metadata": {"name": scaled["metadata"]["name"], "managedFields": _managed("kvpool-operator")},
+            "spec": {"replicas": 3}}
+    assert replicas_handover(scaled, live) == {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "tiered-autoscaling", "namespace": "ml"}, "spec": {"replicas": 3}}
+    for others in (_managed("kvpool-operator", HANDOVER_MANAGER), _managed(HANDOVER_MANAGER), [],
+                   _managed("kvpool-operator", "kube-controller-manager")):
+        assert replicas_handover(scaled, {**live, "metadata": {"managedFields": others}}) is None
+    assert replicas_handover(scaled, None) is None  # created without replicas: nothing to keep
+    pool["spec"].pop("autoscaling")
+    (fixed,) = [m for m in render(pool, settings, "ml") if m["kind"] == "Deployment"]
+    assert replicas_handover(fixed, live) is None  # the operator applies replicas itself

@@ -58,7 +58,9 @@ def test_crd_names_columns_and_subresources():
     assert spec["names"]["shortNames"] == ["kvp"] and spec["scope"] == "Namespaced"
     version = spec["versions"][0]
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns if not c.get("priority")] == ["Mode", "Replicas", "Ready", "Phase", "Age"]
+    assert [c["name"] for c in columns if not c.get("priority")] == ["Mode", "Desired", "Ready", "Phase", "Age"]
+    # desired from status: spec.replicas, or what the autoscaler chose when spec.autoscaling is set
+    assert columns[1]["jsonPath"] == ".status.desiredReplicas"
     # -o wide adds the prefill role's, on paths the schema has
     assert [(c["name"], c["jsonPath"]) for c in columns if c.get("priority") == 1] == [
         ("Prefill", ".spec.prefill.replicas"), ("Prefill-Ready", ".status.roles.prefill.readyReplicas")]
@@ -164,6 +166,15 @@ INVALID = [
     ("tiered-pd", "spec.prefill.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
     ("tiered-pd", "spec.prefill.replicas", 0, ("is less than the minimum of 1",
                                                 "Input should be greater than or equal to 1")),
+    # autoscaling: a range, at least one trigger, zero engines only where a shared tier keeps the cache
+    ("tiered-autoscaling", "spec.autoscaling.minReplicas", 9, "minReplicas must not exceed maxReplicas"),
+    ("tiered-autoscaling", "spec.autoscaling.triggers", {}, "at least one trigger is required"),
+    ("tiered-keda", "spec.tiers.s3", _DELETE, "scale to zero) needs a shared tier"),
+    ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 0,
+     ("less than the minimum of 0.001", "greater than or equal to 0.001")),
+    ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1.5,
+     ("greater than the maximum of 1", "less than or equal to 1")),
+    ("tiered-keda", "spec.autoscaling.rateWindow", "2 minutes", ("does not match", "should match pattern")),
 ]
 
 
@@ -196,6 +207,9 @@ def test_valid_variations_pass_both():
         ("tiered-full", "spec.tiers.cpu.size", "1.5Gi"),
         ("tiered-full", "spec.replicas", 0),
         ("tiered-router", "spec.prefill", {"replicas": 2}),  # a Redis Cluster both roles reach
+        ("tiered-autoscaling", "spec.autoscaling.minReplicas", 8),
+        ("tiered-autoscaling", "spec.autoscaling.triggers", {"promptTokensComputed": 0.5}),
+        ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1),
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)

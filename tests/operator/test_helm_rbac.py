@@ -147,7 +147,8 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 def test_watched_namespace_role_covers_every_child_the_operator_renders(example: Path):
     """What the operator server-side applies and prunes in a watched namespace, the Role allows."""
     # the chart's opt-in rules follow the operator setting that lets pools render those kinds
-    values = {"watch.namespaces": WATCHED, "operator.settings.inferencePools": GOLDEN_SETTINGS.inference_pools}
+    values = {"watch.namespaces": WATCHED, "operator.settings.inferencePools": GOLDEN_SETTINGS.inference_pools,
+              "operator.settings.keda": GOLDEN_SETTINGS.keda}
     role = by_kind(render(values), "Role")[0]
     grants = triples(role["rules"])
     for pool in yaml.safe_load_all(example.read_text()):
@@ -198,7 +199,7 @@ def test_docs_rbac_table_is_what_the_operator_is_granted():
     """Every resource and verb docs/helm.md lists is granted, and every grant is listed; the one
     named grant says which name, the opt-in one which setting."""
     table = docs_rbac_table()
-    rules = rbac.rules_for(Settings(inference_pools=True))
+    rules = rbac.rules_for(Settings(inference_pools=True, keda=True))
     granted: dict[str, set[str]] = {}
     for _, resource, verb, _ in triples(rules):
         granted.setdefault(resource, set()).add(verb)

@@ -13,7 +13,7 @@ from kvpool_operator.settings import Settings
 from tests.operator.schema_check import api_server_errors, validate_child
 from tests.operator.secret_leaks import SENTINEL, assert_no_secret_values
 
-SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",), inference_pools=True)  # what the specs below may ask
+SETTINGS = Settings(allowed_host_path_prefixes=("/mnt",), inference_pools=True, keda=True)  # what the specs may ask
 SIZES = st.sampled_from(["1Gi", "64Gi", "500G", "1.5Ti", "10", "0Gi", "0.0", "-1Gi", "1e3",
                          "1.5", "0.3Ki", "1.0000001k", "0.5Ki"])  # the middle three: fractions of a byte
 VOLUMES = st.fixed_dictionaries({}, optional={
@@ -124,6 +124,19 @@ SPECS = st.fixed_dictionaries(
                 "resources": st.just({"requests": {"cpu": "8"}}),
             },
         ),
+        "autoscaling": st.fixed_dictionaries(
+            {"maxReplicas": st.integers(0, 9)},
+            optional={
+                "minReplicas": st.integers(-1, 9),
+                "triggers": st.fixed_dictionaries({}, optional={
+                    "waitingRequests": st.sampled_from([0, 0.0005, 3, 2000.5]),
+                    "kvCacheUsage": st.sampled_from([0.001, 0.7, 1, 1.5]),
+                    "promptTokensComputed": st.sampled_from([1500, -1]),
+                }),
+                "rateWindow": st.sampled_from(["2m", "30s", "0m", "1d", "2 m"]),
+                "scaleDownStabilizationSeconds": st.sampled_from([0, 300, 3601]),
+            },
+        ),
         "kvEvents": st.fixed_dictionaries(
             {"enabled": st.booleans()},
             optional={
@@ -158,6 +171,7 @@ def test_model_and_crd_agree_and_accepted_specs_render_valid_manifests(spec):
     assert kinds.count("Deployment") == workloads and kinds.count("Service") == workloads + sum(
         m["kind"] == "StatefulSet" for m in manifests)
     assert kinds.count("InferencePool") == int(spec.get("inferencePool", {}).get("enabled", False))
+    assert kinds.count("ScaledObject") == int("autoscaling" in spec)  # SETTINGS say KEDA is installed
     for manifest in manifests:
         validate_child(manifest)
     assert_no_secret_values(obj, manifests, SETTINGS)

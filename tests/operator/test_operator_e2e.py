@@ -185,6 +185,8 @@ ROUTER_CHILDREN = [
     ("apps/v1/deployments", "tiered-full-router"), ("v1/services", "tiered-full-router"),
 ]
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+HPAS = "autoscaling/v2/horizontalpodautoscalers"
+SCALED_OBJECTS = "keda.sh/v1alpha1/scaledobjects"
 
 
 async def set_status(server, resource: str, name: str, replicas: int, ready: int) -> None:
@@ -345,6 +347,90 @@ async def test_prefill_role_children_router_status_refusal_and_pruning(server, o
         # The engines' pods keep llm-d.ai/role: decode here: the live template holds all that is
         # rendered, so the operator applies nothing (a real API server would also drop the label
         # only on an apply); the label goes at the engines' next template change.
+
+
+def applies(server, resource: str, name: str) -> list[dict[str, Any]]:
+    """The bodies of the operator's server-side applies to one child, in order (not the test's own)."""
+    return [r.data for r in child_writes(server) if r.method == "PATCH" and r.resource.plural == resource
+            and r.name == name and r.headers.get("Content-Type", "").startswith(APPLY)
+            and not r.headers.get("User-Agent", "").startswith("kmock/")]
+
+
+async def test_autoscaling_leaves_the_engines_replicas_to_the_autoscaler(server, op_settings):
+    """spec.autoscaling: an HPA targets the engine Deployment, whose applies never carry replicas,
+    so what the autoscaler writes (here with its own field manager) survives the operator's next
+    reconcile; status shows the autoscaler's desired count against the ready one; without
+    autoscaling the operator owns replicas again and prunes the HPA. (The emulator keeps fields a
+    manager stops applying, where a real API server removes the ones only that manager owned:
+    the test asserts the applied bodies, which decide that, and the stored object.)"""
+    pool = load_example("tiered-full")
+    pool["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 6, "triggers": {"waitingRequests": 3}}
+    deployment = f"/apis/apps/v1/namespaces/{NS}/deployments/tiered-full"
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        hpa = await eventually(lambda: child(server, HPAS, "tiered-full"), message="HPA")
+        assert hpa["spec"]["scaleTargetRef"]["name"] == "tiered-full" and hpa["spec"]["maxReplicas"] == 6
+        dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full"), message="Deployment")
+        assert "replicas" not in dep["spec"]
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+
+        # the autoscaler scales the Deployment out, under its own field manager
+        async with server.request("patch", f"{deployment}?fieldManager=horizontal-pod-autoscaler&force=true",
+                                  json={"apiVersion": "apps/v1", "kind": "Deployment",
+                                        "metadata": {"name": "tiered-full", "namespace": NS},
+                                        "spec": {"replicas": 5}},
+                                  headers={"Content-Type": APPLY, "Connection": "close"}) as resp:
+            assert resp.status < 300
+        await set_status(server, "deployments", "tiered-full", 5, 3)
+        status = await eventually(lambda: pool_obj(server)["status"].get("desiredReplicas") == 5
+                                  and pool_obj(server)["status"], message="desired from the autoscaler")
+        assert status["readyReplicas"] == 3 and "3/5 engines ready" in conditions(server)["Progressing"]["message"]
+
+        # a spec change makes the operator apply the Deployment again: replicas stay the autoscaler's
+        before = len(applies(server, "deployments", "tiered-full"))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"replicas": 2, "model": {"env": [{"name": "SCALE_TEST", "value": "1"}]}}})
+        await eventually(lambda: len(applies(server, "deployments", "tiered-full")) > before, message="re-applied")
+        bodies = applies(server, "deployments", "tiered-full")
+        assert bodies and all("replicas" not in body["spec"] for body in bodies)
+        assert child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 5
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 2, message="reconciled")
+        assert pool_obj(server)["status"]["desiredReplicas"] == 5  # spec.replicas 2 is ignored meanwhile
+
+        # autoscaling off: the operator owns replicas again, the HPA is pruned
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"autoscaling": None}})
+        await eventually(lambda: child(server, HPAS, "tiered-full") is None, message="HPA pruned")
+        await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 2,
+                         message="replicas applied")
+        await eventually(lambda: pool_obj(server)["status"].get("desiredReplicas") == 2, message="desired 2")
+
+        # on again, with replicas owned by the operator alone (managedFields as a real API server
+        # keeps them; the emulator keeps none): the count is handed over before an apply drops it
+        owned = [{"manager": MANAGER, "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+                  "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
+        await send(server, "patch", deployment, {"metadata": {"managedFields": owned}})
+        before = len(child_writes(server))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {"autoscaling": {
+            "maxReplicas": 6, "triggers": {"waitingRequests": 3}}}})
+        await eventually(lambda: child(server, HPAS, "tiered-full"), message="HPA again")
+        writes = [r for r in child_writes(server)[before:] if r.resource.plural == "deployments"]
+        handover = [i for i, r in enumerate(writes) if "fieldManager=kvpool-operator-handover" in str(r.url)]
+        dropped = [i for i, r in enumerate(writes) if "fieldManager=kvpool-operator&" in str(r.url) + "&"
+                   and "replicas" not in r.data["spec"]]
+        assert handover and writes[handover[0]].data["spec"] == {"replicas": 2}
+        assert not dropped or handover[0] < dropped[0]
+        assert child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 2
+
+
+async def test_scale_to_zero_without_keda_is_refused_naming_the_field(server, op_settings):
+    pool = load_example("tiered-full")
+    pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2, "triggers": {"kvCacheUsage": 0.7}}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        cond = await eventually(lambda: conditions(server).get("ConfigValid", {}).get("status") == "False"
+                                and conditions(server)["ConfigValid"], message="refused")
+        assert cond["message"].startswith("spec.autoscaling.minReplicas: 0 needs KEDA")
+        assert child(server, "apps/v1/deployments", "tiered-full") is None
 
 
 def gateway_pool() -> dict[str, Any]:
@@ -706,19 +792,22 @@ NOT_EXERCISED = {
 }
 
 
-@pytest.mark.parametrize("inference_pools", [False, True], ids=["default", "inference-pools"])
+@pytest.mark.parametrize("inference_pools", [False, True], ids=["default", "opt-in"])
 async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference_pools):
-    """With the default settings and with the opt-in inferencePools (then with its extra rule):
-    a pool with a router and (opted in) an InferencePool is created, shrunk and deleted."""
+    """With the default settings and with the opt-ins inferencePools and keda (then with their extra
+    rules): a pool with a router, an autoscaler (an HPA, or with keda a ScaledObject) and (opted in)
+    an InferencePool is created, shrunk and deleted."""
     from kvpool_operator.rbac import rules_for
 
     op_settings = Settings(connector_image="kvpool-vllm:test", allowed_host_path_prefixes=("/mnt",),
-                           reconcile_interval=300, inference_pools=inference_pools)
+                           reconcile_interval=300, inference_pools=inference_pools, keda=inference_pools)
     granted = {(g, r, v) for rule in rules_for(op_settings) for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
     pool = load_example("tiered-full")
     pool["spec"]["router"] = {"policy": "consistent_hash"}
-    children = ALL_CHILDREN + ROUTER_CHILDREN
+    pool["spec"]["autoscaling"] = {"maxReplicas": 4, "triggers": {"waitingRequests": 3}}
+    scaler = (SCALED_OBJECTS if inference_pools else HPAS, "tiered-full")
+    children = ALL_CHILDREN + ROUTER_CHILDREN + [scaler]
     if inference_pools:
         pool["spec"]["inferencePool"] = {
             "enabled": True,
@@ -750,9 +839,9 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference
         # among them) and the InferencePool are pruned
         await send(server, "patch", f"{POOLS_URL}/tiered-full", {"spec": {
             "replicas": 1, "networkPolicy": {"enabled": False}, "tiers": {"redis": None}, "router": None,
-            "inferencePool": None}})
+            "inferencePool": None, "autoscaling": None}})
         pruned = [("policy/v1/poddisruptionbudgets", "tiered-full"), ("v1/secrets", "tiered-full-redis"),
-                  ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"), *ROUTER_CHILDREN]
+                  ("networking.k8s.io/v1/networkpolicies", "tiered-full-backends"), *ROUTER_CHILDREN, scaler]
         for resource, name in pruned + ([(INFERENCE_POOLS, "tiered-full")] if inference_pools else []):
             await eventually(
                 lambda resource=resource, name=name: child(server, resource, name) is None, message=f"prune {resource}"
@@ -763,7 +852,10 @@ async def test_the_operator_uses_exactly_the_verbs_rbac_grants(server, inference
     test_client = "kmock/"  # the test's own requests (creating, editing, deleting the pool)
     used = verbs_used([r for r in requests(server) if not r.headers.get("User-Agent", "").startswith(test_client)])
     assert used <= granted, f"used but not granted: {sorted(used - granted)}"
-    assert granted - used == NOT_EXERCISED, f"granted but never used: {sorted(granted - used - NOT_EXERCISED)}"
+    # with keda the pool's autoscaler is a ScaledObject: HPAs are only listed (to prune one left from before)
+    not_exercised = NOT_EXERCISED | ({("autoscaling", "horizontalpodautoscalers", verb)
+                                      for verb in ("get", "create", "patch", "delete")} if inference_pools else set())
+    assert granted - used == not_exercised, f"granted but never used: {sorted(granted - used - not_exercised)}"
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,6 +31,9 @@ EXPECTED = {
     ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
+    # the engines' HorizontalPodAutoscaler (spec.autoscaling without KEDA); listed in every pass so that
+    # one left from before the operator's keda setting was turned on is pruned
+    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "create", "patch", "delete"},
     ("", "events"): {"create"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
@@ -41,6 +44,7 @@ EXPECTED = {
 EXPECTED_OPTIONAL = {
     "inference_pools": {("inference.networking.k8s.io", "inferencepools"): {"get", "list", "create", "patch",
                                                                             "delete"}},
+    "keda": {("keda.sh", "scaledobjects"): {"get", "list", "create", "patch", "delete"}},
 }
 
 
@@ -71,6 +75,7 @@ def test_rules_grant_exactly_the_expected_verbs():
     assert {key: grants(rules) for key, rules in OPTIONAL_RULES.items()} == EXPECTED_OPTIONAL
     assert grants(rules_for(Settings())) == EXPECTED | BIND
     assert grants(rules_for(Settings(inference_pools=True))) == EXPECTED | BIND | EXPECTED_OPTIONAL["inference_pools"]
+    assert grants(rules_for(Settings(keda=True))) == EXPECTED | BIND | EXPECTED_OPTIONAL["keda"]
 
 
 def test_the_router_is_bound_to_the_one_clusterrole_the_operator_may_bind():
@@ -97,7 +102,7 @@ def test_optional_kinds_follow_their_setting():
     always = {k for k in CHILD_KINDS if k.setting is None}
     optional = {k for k in CHILD_KINDS if k.setting is not None}
     assert optional and set(enabled(Settings())) == always
-    assert set(enabled(Settings(inference_pools=True))) == always | optional
+    assert set(enabled(Settings(inference_pools=True, keda=True))) == always | optional
     assert {k.setting for k in optional} == set(OPTIONAL_RULES)
     for kind in optional:  # every optional kind has the optional rule of its setting, and only that
         assert not allows(kind.group, kind.plural, "list")
@@ -120,8 +125,8 @@ def test_secrets_are_never_listed_or_watched_and_nothing_is_updated():
 
 
 def test_every_child_kind_can_be_applied_and_pruned():
-    everything = rules_for(Settings(inference_pools=True))
-    for kind in enabled(Settings(inference_pools=True)):
+    everything = rules_for(Settings(inference_pools=True, keda=True))
+    for kind in enabled(Settings(inference_pools=True, keda=True)):
         reads = ["get"] if kind.by_name else ["get", "list"]
         for verb in (*reads, "create", "patch", "delete", *(["watch"] if kind.watched else [])):
             assert allows(kind.group, kind.plural, verb, everything), (kind.kind, verb)
@@ -129,9 +134,10 @@ def test_every_child_kind_can_be_applied_and_pruned():
 
 def test_every_kind_a_renderer_produces_is_a_child_kind():
     """A new rendered kind must enter kinds.CHILD_KINDS (its RBAC, listing and pruning follow)."""
-    from kvpool_dev.golden import GOLDEN_SETTINGS  # inference_pools on: every example renders
+    # inference_pools and keda on, or off where an example shows that
+    from kvpool_dev.golden import golden_settings
     from tests.operator.conftest import example_ids
 
     rendered = {(m["apiVersion"], m["kind"]) for name in example_ids()
-                for m in render(load_example(name), GOLDEN_SETTINGS)}
+                for m in render(load_example(name), golden_settings(name))}
     assert rendered == {k.key for k in CHILD_KINDS}

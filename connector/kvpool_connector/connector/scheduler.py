@@ -62,6 +62,7 @@ class _RequestRecord:
     # a remote lookup in flight: (n block hashes, local hits, Future of a _RemoteAnswer)
     pending: tuple[int, int, Future] | None = None
     remote_tail: _RemoteAnswer | None = None  # the last remote lookup's, for _lookup_tail
+    local_tokens: int = 0           # tokens vLLM's prefix cache held at the latest lookup
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
@@ -197,6 +198,7 @@ class SchedulerSide:
 
     def num_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.request_record(request)
+        record.local_tokens = num_computed_tokens  # after_alloc counts what neither cache held
         if not self.load_enabled or self._isolated(request):
             return 0, False
         hashes = request.block_hashes
@@ -294,6 +296,12 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         record = self.request_record(request)
+        # vLLM calls this once per admission (a new request, or one resumed after a preemption):
+        # what the engine now prefills is what neither its prefix cache nor the pool held. The
+        # autoscaling trigger on this counter credits pool hits, which queue depth does not.
+        computed = request.num_tokens - record.local_tokens - max(num_external_tokens, 0)
+        if computed > 0:
+            self.stats.inc("kvpool_prompt_tokens_computed", computed)
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]

@@ -57,6 +57,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", ()),
     "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", ()),
     "kvpool_lookup_hit_tokens": ("Prompt tokens the scheduler found in the pool", ()),
+    "kvpool_prompt_tokens_computed": ("Tokens the engine prefills at a request's admission "
+                                      "(again after a preemption): neither vLLM's prefix "
+                                      "cache nor any kvpool tier served them", ()),
     "kvpool_saved_objects": ("Objects saved into the first tier (the lower tiers are written "
                              "behind it), by kind: prompt and decode chunks (decode: completed "
                              "by generated tokens), prompt_tail and decode_tail (the blocks "

@@ -153,6 +153,32 @@ def plan(desired: list[dict[str, Any]], live: dict[Key, dict[str, Any]], owner_u
     return out
 
 
+HANDOVER_MANAGER = "kvpool-operator-handover"  # co-owns a Deployment's replicas handed to an autoscaler
+
+
+def _owns_replicas(entry: dict[str, Any]) -> bool:
+    return "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+
+
+def replicas_handover(manifest: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Pure: the apply that hands a Deployment's replicas to its autoscaler, or None.
+
+    Server-side apply removes a field whose only manager stops applying it: the operator's first
+    apply of the Deployment without `replicas` (spec.autoscaling just turned on) would reset it to
+    Kubernetes' default 1. Applied first under HANDOVER_MANAGER with the live count, the field has
+    a second owner and keeps its value. Only while the operator is its one owner (it applied
+    replicas before): once anyone else owns it too, nothing is to be handed over."""
+    if manifest["kind"] != "Deployment" or "replicas" in manifest.get("spec", {}) or live is None:
+        return None
+    owners = [e.get("manager") for e in (live.get("metadata") or {}).get("managedFields") or [] if _owns_replicas(e)]
+    replicas = (live.get("spec") or {}).get("replicas")
+    if set(owners) != {MANAGER} or replicas is None:
+        return None
+    meta = manifest["metadata"]
+    return {"apiVersion": manifest["apiVersion"], "kind": "Deployment",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "spec": {"replicas": replicas}}
+
+
 @dataclass
 class Outcome:
     status: dict[str, Any]
@@ -243,8 +269,11 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
     backends = {}
     endpoints = {}
     desired = body.get("spec", {}).get("replicas", 1)
+    deployment = live.get(("apps/v1", "Deployment", name))
     if pool is not None:
         desired = pool.spec.replicas
+        if pool.spec.autoscaling is not None:  # the autoscaler's choice (a Deployment without one has 1)
+            desired = ((deployment or {}).get("spec") or {}).get("replicas", 1)
         for component, managed in (("redis", pool.managed_redis), ("minio", pool.managed_s3)):
             if managed is not None:
                 backends[component] = live.get(("apps/v1", "StatefulSet", f"{name}-{component}"))
@@ -261,7 +290,7 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
         generation=meta.get("generation"),
         desired_replicas=desired,
         selector=selector_string(name),
-        deployment=live.get(("apps/v1", "Deployment", name)),
+        deployment=deployment,
         backends=backends,
         endpoints=endpoints,
         previous=body.get("status") or {},
@@ -309,6 +338,14 @@ def reconcile(kube: Kube, body: dict[str, Any], settings: Settings, now: str) ->
                 # or its owner): never overwritten, planned again from what the next pass reads
                 continue
             outcome.errors.append(f"Secret/{action.name}: {exc.status} {exc.reason}: {_api_message(exc)}")
+    for manifest in [*steps.apply, *(m for m in desired if key_of(m) in steps.unchanged)]:
+        handover = replicas_handover(manifest, live.get(key_of(manifest)))
+        if handover is not None:  # before the first apply without replicas (even a later one)
+            try:
+                kube.apply(handover, manager=HANDOVER_MANAGER)
+            except ApiException as exc:
+                outcome.errors.append(f"{describe(key_of(manifest))}: replicas handover: {exc.status} {exc.reason}")
+                steps.apply = [m for m in steps.apply if m is not manifest]  # never reset replicas to 1
     for manifest in steps.apply:
         key = key_of(manifest)
         verb = "updated" if key in live else "created"

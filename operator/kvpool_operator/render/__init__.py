@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool_operator.render.autoscaling import render_autoscaling
 from kvpool_operator.render.common import InvalidPool, Pool, load_pool
 from kvpool_operator.render.configmap import render_configmap
 from kvpool_operator.render.engine import render_engine
@@ -34,6 +35,7 @@ RENDERERS = (
     render_minio,
     render_networkpolicy,
     render_engine,
+    render_autoscaling,
     render_service,
     render_pdb,
     render_prefill,

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpool_connector.config import parse_size
 from kvpool_operator import models
+from kvpool_operator.render.autoscaling import replicas_field
 from kvpool_operator.render.common import (
     CHECKSUM_ANNOTATION,
     CONFIG_DIR,
@@ -351,7 +352,7 @@ def render_engine(pool: Pool) -> list[dict[str, Any]]:
             "kind": "Deployment",
             "metadata": pool.meta(pool.name, "engine"),
             "spec": {
-                "replicas": pool.spec.replicas,
+                **replicas_field(pool.spec.replicas, pool.spec.autoscaling),  # the autoscaler's, if any
                 "selector": {"matchLabels": pool.selector("engine")},
                 "template": {
                     "metadata": {

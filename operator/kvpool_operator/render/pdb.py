@@ -1,4 +1,5 @@
-"""PodDisruptionBudget `<name>`: at most one engine down at a time during drains (replicas > 1)."""
+"""PodDisruptionBudget `<name>`: at most one engine down at a time during drains (replicas,
+or autoscaling.maxReplicas, > 1)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from kvpool_operator.render.common import Pool
 
 
 def render_pdb(pool: Pool) -> list[dict[str, Any]]:
-    if pool.spec.replicas <= 1:
+    scaling = pool.spec.autoscaling
+    if (scaling.max_replicas if scaling is not None else pool.spec.replicas) <= 1:
         return []
     return [
         {

@@ -184,3 +184,23 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
         s.close()
     finally:
         lower.close()
+
+
+def test_prompt_tokens_computed_count_what_neither_cache_served(side):
+    """kvpool_prompt_tokens_computed (the autoscaling trigger that credits pool hits): at each
+    admission, the request's tokens less vLLM's prefix-cache hit less the pool's."""
+    cold = make_request("r1", 1000)
+    side.num_matched(cold, 0)
+    allocate(side, cold, 0)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 1000}
+    keys = chunk_keys(PREFIX, cold.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2]))
+    warm = make_request("r2", 1000)
+    assert side.num_matched(warm, 128) == (384, False)  # local: in the step; 128 in vLLM's cache, 384 from the pool
+    allocate(side, warm, 384)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 1000 + 1000 - 128 - 384}
+    hit = make_request("r3", 512)  # both chunks stored; vLLM computes the last block itself
+    side.lower.put_many(chunk_keys(PREFIX, hit.block_hashes, BPC), [b"x" * 64, b"y" * 64])
+    assert side.num_matched(hit, 0) == (384, False)  # the same first 512 tokens as r1: in the index
+    allocate(side, hit, 384)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 1488 + 512 - 384}
