@@ -213,4 +213,7 @@ class KindCountingManager(OffloadingManager):
         return self.inner.shutdown()
 
     def __getattr__(self, name: str) -> Any:  # vLLM internals reading the manager's fields
-        return getattr(self.__dict__["inner"], name)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
