@@ -8,8 +8,9 @@ counted in vLLM's engine-core process (where the stores run) and reach the API s
 offloading connector's stats, native/tier.py): without that path, 7 of the 9 panels show
 "no data". In connector mode the workload is two chat turns (token-exact history) through a
 cpu tier too small for them, so the per-tier and per-kind object panels show hits of prompt
-and decode chunks and decode tails from both tiers; native mode has no such counters (the
-panels titled "(connector mode)").
+and decode chunks and decode tails from both tiers; native mode counts prompt and decode
+chunks only (native/kinds.py), so the panels titled "(connector mode)" are left out there
+and its hits by kind and tier are checked on their own.
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def test_every_dashboard_panel_shows_data_from_a_native_server(tiny_model, tmp_p
         prom.wait_for(f'kvpool_store_events_total{{event="hits", tier="disk", '
                       f'store="{namespace}"}} > 0')
         check_every_panel(prom, {"disk"}, native=True)
+        # objects by kind and tier reach the API server the same way (native/kinds.py):
+        # the fresh server's hits were promoted from the kvpool tier's disk
+        prom.wait_for(f'kvpool_hit_objects_total{{kind="prompt", tier="disk", '
+                      f'kvpool_dev_pool="{POOL}"}} > 0')
         sel = f'kvpool_dev_pool="{POOL}", store="{namespace}"'
         assert _by_tier(prom, f'sum by (tier) (kvpool_store_bytes_total{{direction="out", {sel}}})'
                         )["disk"] > 0

@@ -11,7 +11,8 @@ Engines of this module, one alive at a time, every one with a small paged cache 
   start empty); each prompt it reads was left in only one backend (fs, or one of kvpool's
   disk, Redis and S3), so the hit can only have come from there;
 - `preemption`: host tier only, prefix caching off, so whatever a preempted request gets back
-  without recomputing can only come from the host tier.
+  without recomputing can only come from the host tier; `offload_prompt_only: false`, so
+  chunks completed by generated tokens are offloaded too (kvpool counts them as `decode`).
 Hits are read from vLLM's own metrics (`vllm:prompt_tokens_cached_by_source`, the
 `vllm:kv_offload_*` transfer counters, `vllm:num_preemptions`); outputs are compared with a
 connector-less recompute by logprob closeness (conftest.py), and every hit of the `aligned`
@@ -46,6 +47,7 @@ from .conftest import (
     redis_tier,
     s3_keys,
     s3_tier,
+    token_prompt,
     wait_until,
 )
 
@@ -111,11 +113,12 @@ def secondary_tiers(pool: dict, backends: tuple[str, ...]) -> list[dict]:
     return tiers
 
 
-def native_engine(model: Path, pool: dict, backends: tuple[str, ...], prefix_caching: bool = True
-                  ) -> OfflineEngine:
-    """vLLM's OffloadingConnector with kvpool's spec and the `backends` as secondary tiers."""
+def native_engine(model: Path, pool: dict, backends: tuple[str, ...], prefix_caching: bool = True,
+                  **extra) -> OfflineEngine:
+    """vLLM's OffloadingConnector with kvpool's spec and the `backends` as secondary tiers;
+    `extra`: more of vLLM's offloading keys."""
     cfg = kv_configs.native_config(HOST_BYTES, CHUNK,
-                                   secondary_tiers=secondary_tiers(pool, backends))
+                                   secondary_tiers=secondary_tiers(pool, backends), **extra)
     return OfflineEngine(model, kv_transfer_config=cfg, env=pool["env"],
                          num_gpu_blocks_override=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
                          enable_prefix_caching=prefix_caching, disable_log_stats=False)
@@ -123,6 +126,12 @@ def native_engine(model: Path, pool: dict, backends: tuple[str, ...], prefix_cac
 
 def writer(engines, tiny_model, pool) -> OfflineEngine:
     return engines.get("writer", lambda: native_engine(tiny_model, pool, BACKENDS))
+
+
+def preemption_engine(model: Path, pool: dict) -> OfflineEngine:
+    """Host tier only, prefix caching off (every hit is a host load), generated tokens'
+    chunks offloaded too (vLLM's default `offload_prompt_only: true` offloads prompts only)."""
+    return native_engine(model, pool, (), prefix_caching=False, offload_prompt_only=False)
 
 
 def generate(engine: OfflineEngine, names: list[str]):
@@ -265,6 +274,10 @@ def test_fresh_engine_hits_from_a_secondary_tier(backend, engines, tiny_model, p
     hits = {t: delta("vllm:kv_offload_tiering_chunk_hits", tier=t) for t in ("1:fs", "2:kvpool")}
     assert hits == ({"1:fs": chunks_of(name), "2:kvpool": 0} if backend == "fs"
                     else {"1:fs": 0, "2:kvpool": chunks_of(name)}), hits
+    # kvpool's own count names the tier that served them: vLLM's fs tier, or the store tier
+    # of kvpool's (one writer's prompt: kind prompt)
+    assert kind_deltas(delta, "kvpool_hit_objects") == {("prompt", backend): chunks_of(name)}
+    assert kind_deltas(delta, "kvpool_hit_tokens") == {("prompt", backend): HIT_TOKENS}
     assert delta("vllm:prompt_tokens_cached_by_source", source="disk") == HIT_TOKENS
     assert delta("vllm:prompt_tokens_cached_by_source", source="host") == 0
     assert_close_to_baseline(outs, [name], baseline, f"native {backend} hit")
@@ -288,8 +301,7 @@ def test_preempted_requests_get_their_kv_back_from_the_host_tier(engines, tiny_m
     """20 requests whose decoding overflows the paged cache: vLLM preempts some and frees
     their blocks; each resumed request loads its prompt chunk from the host tier instead of
     recomputing it (prefix caching is off, so nothing else could supply it)."""
-    eng = engines.get("preemption", lambda: native_engine(tiny_model, pool, (),
-                                                          prefix_caching=False))
+    eng = engines.get("preemption", lambda: preemption_engine(tiny_model, pool))
     outs, delta = generate(eng, PREEMPT)
     assert [o["num_cached_tokens"] for o in outs] == [0] * len(PREEMPT)  # first prefills
     assert delta("vllm:prompt_tokens_cached_by_source", source="host") == 0
@@ -297,6 +309,44 @@ def test_preempted_requests_get_their_kv_back_from_the_host_tier(engines, tiny_m
     assert preemptions > 0, "the batch did not overflow the paged cache"
     assert delta("vllm:kv_offload_load_bytes") == preemptions * chunk_bytes(tiny_model)
     assert_close_to_baseline(outs, PREEMPT, baseline, "after preemptions")
+    # objects by kind: each prompt's one full chunk saved at prefill (380 prompt tokens + 16
+    # generated complete no second chunk), and loaded back once per preemption
+    assert kind_deltas(delta, "kvpool_saved_objects") == {("prompt", "host"): len(PREEMPT)}
+    assert kind_deltas(delta, "kvpool_hit_objects") == {("prompt", "host"): preemptions}
+
+
+def test_decode_chunks_are_counted_apart_from_prompt_chunks(engines, tiny_model, pool):
+    """Two conversations on the host-tier engine (prefix caching off: every hit is a host
+    load): A's 240-token prompt has no full chunk, its answer completes one (kind decode,
+    saved while A still decodes); B's 300-token prompt holds one (kind prompt). Turn 2 of
+    each (turn 1 + its answer + 30 new tokens) loads that chunk back, counted by kind."""
+    eng = engines.get("preemption", lambda: preemption_engine(tiny_model, pool))
+    before = eng.metric_samples()
+    first = [token_prompt(240, 901), token_prompt(300, 902)]
+    t1 = eng.generate(first, max_tokens=32)
+    t2 = eng.generate([p + o["token_ids"] + token_prompt(30, 903 + i)
+                       for i, (p, o) in enumerate(zip(first, t1, strict=True))], max_tokens=4)
+    after = eng.metric_samples()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_total(after, name, **labels) - metric_total(before, name, **labels)
+    assert [o["num_cached_tokens"] for o in t2] == [CHUNK, CHUNK]
+    assert kind_deltas(delta, "kvpool_saved_objects") == {("decode", "host"): 1,
+                                                         ("prompt", "host"): 1}
+    assert kind_deltas(delta, "kvpool_hit_objects") == {("decode", "host"): 1,
+                                                       ("prompt", "host"): 1}
+    assert kind_deltas(delta, "kvpool_hit_tokens") == {("decode", "host"): CHUNK,
+                                                      ("prompt", "host"): CHUNK}
+
+
+KINDS = ("prompt", "decode", "prompt_tail", "decode_tail")
+TIERS = ("host", *BACKENDS)
+
+
+def kind_deltas(delta, metric: str) -> dict[tuple[str, str], float]:
+    """The non-zero increases of an object counter, by (kind, tier)."""
+    out = {(k, t): delta(metric, kind=k, tier=t) for k in KINDS for t in TIERS}
+    return {kt: v for kt, v in out.items() if v}
 
 
 def test_a_stopped_engine_leaves_no_host_region_behind(engines):

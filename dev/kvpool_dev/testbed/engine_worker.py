@@ -31,6 +31,28 @@ def metrics_snapshot(llm) -> list[dict]:
         else:
             entry["values"] = list(getattr(m, "values", []))
         out.append(entry)
+    return out + kvpool_metrics()
+
+
+def kvpool_metrics() -> list[dict]:
+    """kvpool's own series (`kvpool_*`, both modes) in metrics_snapshot's format: vLLM's
+    `get_metrics` reads only `vllm:` names from the same Prometheus registry."""
+    from prometheus_client import REGISTRY
+
+    out: list[dict] = []
+    for metric in REGISTRY.collect():
+        if not metric.name.startswith("kvpool_"):
+            continue
+        hist: dict[tuple, dict] = {}
+        for s in metric.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "le"}
+            if (metric.type == "counter" and s.name.endswith("_total")) or metric.type == "gauge":
+                out.append({"name": metric.name, "labels": labels, "value": s.value})
+            elif metric.type == "histogram" and s.name.endswith(("_count", "_sum")):
+                entry = hist.setdefault(tuple(sorted(labels.items())),
+                                        {"name": metric.name, "labels": labels})
+                entry[s.name.rsplit("_", 1)[1]] = s.value
+        out += hist.values()
     return out
 
 
