@@ -56,6 +56,9 @@ class KVPoolMetadata(KVConnectorMetadata):
     # the step computes nothing (every request waits, for KV or a save): the workers may
     # spend it waiting for their loads instead of returning to vLLM's loop at once
     idle: bool = False
+    # requests wait for a handover's objects (handover.py): an idle step may pause briefly
+    # instead of spinning the engine loop until they are visible
+    handover_waiting: bool = False
 
 
 @dataclass

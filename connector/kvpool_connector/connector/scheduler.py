@@ -342,6 +342,8 @@ class SchedulerSide:
         self.await_saves.clear()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.idle = not scheduler_output.total_num_scheduled_tokens
+        meta.handover_waiting = meta.idle and any(r.handover_state == "wait"
+                                                  for r in self.reqs.values())
         return meta
 
     def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:

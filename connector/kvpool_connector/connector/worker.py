@@ -508,6 +508,8 @@ class WorkerSide:
         if meta is not None:
             self._await.update(meta.await_saves)
             if meta.idle:
+                if meta.handover_waiting and not self._async_loads:
+                    time.sleep(IDLE_WAIT_S)  # nothing to compute until a handover lands
                 self._wait_for_a_load(IDLE_WAIT_S)
         recving = set()
         for req_id, load in list(self._async_loads.items()):

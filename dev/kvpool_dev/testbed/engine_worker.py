@@ -31,6 +31,13 @@ def metrics_snapshot(llm) -> list[dict]:
         else:
             entry["values"] = list(getattr(m, "values", []))
         out.append(entry)
+    # the connector's counters (kvpool_*): vLLM's reader keeps only its own `vllm:` series
+    from prometheus_client import REGISTRY
+
+    for family in REGISTRY.collect():
+        if family.type == "counter" and family.name.startswith("kvpool_"):
+            out += [{"name": family.name, "labels": dict(s.labels), "value": s.value}
+                    for s in family.samples if s.name.endswith("_total")]
     return out
 
 
@@ -86,6 +93,7 @@ def main() -> None:
                                "logprobs": [[[t, lp.logprob] for t, lp in pos.items()]
                                             for pos in lps],
                                "num_cached_tokens": o.num_cached_tokens or 0,
+                               "kv_transfer_params": o.kv_transfer_params,
                                "ttft_s": ttft, "batch_s": elapsed})
             _reply({"outputs": result})
         except Exception as exc:  # report, keep serving: the caller decides
