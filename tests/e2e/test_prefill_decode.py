@@ -1,11 +1,11 @@
 """Prefill/decode disaggregation through the pool (connector/handover.py) in real vLLM
 engines sharing a real redis-server: a prefill engine (asked the way vllm-router's P/D mode
 and llm-d's nixlv2 sidecar ask: `max_tokens=1`, `do_remote_decode: true`) returns a
-handover only once its chunks and tail are in Redis; a decode engine given that handover
-loads them and computes only what vLLM must (less than one block), bit for bit (KV audit),
-with outputs logprob-close to an engine without connector. Decode asked before the tail
-landed waits and never loads the partial prefix; Redis killed between the two means
-recompute, never an error.
+handover only once its chunks and tail are in Redis and on a disk volume; a decode engine
+given that handover (one reading Redis, one the disk volume) loads them and computes only
+what vLLM must (less than one block), bit for bit (KV audit), with outputs logprob-close to
+an engine without connector. Decode asked before the tail landed waits and never loads the
+partial prefix; Redis killed between the two means recompute, never an error.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ WAIT_S = 10.0  # the decode engine's handover_wait_seconds
 # 1700: 6 chunks + a 1-block tail
 PROMPTS = {"p1000": token_prompt(1000, 900), "p1024": token_prompt(1024, 901),
            "p1700": token_prompt(1700, 902), "race": token_prompt(1500, 903),
-           "killed": token_prompt(1200, 904), "down": token_prompt(1100, 905)}
+           "killed": token_prompt(1200, 904), "down": token_prompt(1100, 905),
+           # the same shapes, new to the pool, for the disk volume's decode engine
+           "disk-p1000": token_prompt(1000, 906), "disk-p1700": token_prompt(1700, 907)}
 # what vllm-router (vllm_pd_router.rs) and llm-d's sidecar (connector_nixlv2.go) send
 ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -42,18 +44,23 @@ def kv_audit(audit):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model, redis_server, namespace, audit):
-    tiers = [CPU, redis_tier(redis_server)]
+def engines(tiny_model, redis_server, namespace, audit, tmp_path_factory):
+    """The prefill engine writes through to a disk volume and Redis; one decode engine reads
+    Redis only, the other the disk volume only (the same directory: a volume both mount)."""
+    redis = redis_tier(redis_server)
+    disk = {"type": "disk", "path": str(tmp_path_factory.mktemp("pd-disk")), "size": "1Gi"}
+    # a small paged cache (96 blocks, 12k tokens): three engines at once stay in memory
     common = {"env": redis_env(redis_server), "audit_dir": audit.directory,
-              "disable_log_stats": False, "max_model_len": 4096}
-    prefill = connector_engine(tiny_model, tiers, namespace, **common).launch()
-    decode = connector_engine(tiny_model, tiers, namespace, extra={"handover_wait_seconds": WAIT_S},
-                              **common).launch()
+              "disable_log_stats": False, "max_model_len": 4096, "num_gpu_blocks_override": 96}
+    wait = {"extra": {"handover_wait_seconds": WAIT_S}}
+    started = [connector_engine(tiny_model, [CPU, disk, redis], namespace, **common).launch(),
+               connector_engine(tiny_model, [CPU, redis], namespace, **wait, **common).launch(),
+               connector_engine(tiny_model, [CPU, disk], namespace, **wait, **common).launch()]
     try:
-        yield prefill.wait_ready(), decode.wait_ready()
+        yield tuple(e.wait_ready() for e in started)
     finally:
-        prefill.stop()
-        decode.stop()
+        for e in started:
+            e.stop()
 
 
 def _prefill(engine, names):
@@ -81,7 +88,7 @@ def _redis_has(redis_server, namespace: str, name_hex: str) -> bool:
 
 def test_one_prefill_one_decode_through_redis(engines, redis_server, namespace, audit,
                                               plain_engine):
-    prefill, decode = engines
+    prefill, decode, _ = engines
     names = ["p1000", "p1024", "p1700"]
     params = _prefill(prefill, names)
     for n, p in zip(names, params, strict=True):
@@ -100,9 +107,22 @@ def test_one_prefill_one_decode_through_redis(engines, redis_server, namespace, 
                          label="decode after a prefill through Redis")
 
 
+def test_one_prefill_one_decode_through_a_shared_disk_volume(engines, audit, plain_engine):
+    prefill, _, decode = engines
+    names = ["p1000", "p1700"]
+    params = _prefill(prefill, [f"disk-{n}" for n in names])
+    before = audit.check()
+    outs = _decode(decode, [f"disk-{n}" for n in names], params)
+    claim = [(len(PROMPTS[n]) - 1) // BLOCK * BLOCK for n in names]
+    assert [o["num_cached_tokens"] for o in outs] == claim
+    assert audit.check() - before == sum(claim) // BLOCK
+    check_logprobs_close(outs, plain_engine.generate([PROMPTS[f"disk-{n}"] for n in names]),
+                         names=names, label="decode after a prefill through a disk volume")
+
+
 def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server, namespace,
                                                           audit, plain_engine):
-    prefill, decode = engines
+    prefill, decode, _ = engines
     (params,) = _prefill(prefill, ["race"])
     name = params["kvpool"]["handover"]["name"]
     r = redis_client(redis_server)
@@ -125,7 +145,7 @@ def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server,
 
 
 def test_redis_killed_mid_handover_means_recompute(engines, redis_server, plain_engine):
-    prefill, decode = engines
+    prefill, decode, _ = engines
     (params,) = _prefill(prefill, ["killed"])
     assert params["kvpool"]["handover"]["tokens"] == 1200 // BLOCK * BLOCK
     timeouts = _counter(decode, "kvpool_handover_timeouts")
