@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 128  # vLLM's block size on the CPU platform
 CPU = {"type": "cpu", "size": "256Mi"}
-WAIT_S = 10.0  # the decode engine's handover_wait_seconds
+WAIT_S = 4.0  # the decode engines' handover_wait_seconds
 # 1000: 3 chunks + a 1-block tail; 1024: 4 whole chunks (decode claims 7 of their 8 blocks);
 # 1700: 6 chunks + a 1-block tail
 PROMPTS = {"p1000": token_prompt(1000, 900), "p1024": token_prompt(1024, 901),
@@ -58,9 +58,12 @@ def engines(tiny_model, redis_server, namespace, audit, tmp_path_factory):
                connector_engine(tiny_model, [CPU, disk], namespace, **wait, **common).launch()]
     try:
         yield tuple(e.wait_ready() for e in started)
-    finally:
-        for e in started:
-            e.stop()
+    finally:  # each stop waits for its engine to shut down: all at once
+        stops = [threading.Thread(target=e.stop) for e in started]
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
 
 
 def _prefill(engine, names):
@@ -127,16 +130,19 @@ def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server,
     name = params["kvpool"]["handover"]["name"]
     r = redis_client(redis_server)
     try:  # the chunks are visible, the tail is not (yet): a partial prefix
-        assert r.delete(*r.scan_iter(match=f"*{namespace}:{name}")) == 1
+        (tail,) = r.scan_iter(match=f"*{namespace}:{name}")
+        sealed = r.get(tail)
+        assert r.delete(tail) == 1
+        got: dict = {}
+        worker = threading.Thread(
+            target=lambda: got.update(out=_decode(decode, ["race"], [params])))
+        worker.start()
+        time.sleep(0.5)  # decode polls meanwhile (no timing asserted: the outcome is)
+        assert not got
+        r.set(tail, sealed)  # the tail's write lands now
+        worker.join(timeout=300)
     finally:
         r.close()
-    got: dict = {}
-    worker = threading.Thread(target=lambda: got.update(out=_decode(decode, ["race"], [params])))
-    worker.start()
-    time.sleep(1.0)  # decode polls meanwhile (no timing asserted: the outcome is)
-    assert not got
-    _prefill(prefill, ["race"])  # the prefill runs again: its writes land now
-    worker.join(timeout=300)
     (out,) = got["out"]
     # the whole handover, tail included: the partial prefix was never loaded
     assert out["num_cached_tokens"] == (1500 - 1) // BLOCK * BLOCK
