@@ -19,7 +19,7 @@ from ..config import PositiveSize, StoreConfig, parse_size, read_documents
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "save_decode_tokens",
                   "tail_objects", "require_cache_salt", "staging_bytes",
-                  "handover_wait_seconds")
+                  "handover_wait_seconds", "handover_always")
 
 
 class ConnectorConfigError(ValueError):
@@ -55,6 +55,12 @@ class ConnectorConfig(StoreConfig):
                                          "a prefill's handover waits for its objects to be "
                                          "visible in the shared tiers before it recomputes "
                                          "the prompt (counted in kvpool_handover_timeouts)")
+
+    handover_always: bool = Field(False, description="prefill/decode through the pool: every "
+                                  "request is a handover prefill (its saves written through "
+                                  "to the shared tiers before its response), for a prefill "
+                                  "engine behind llm-d's shared-storage protocol, which sends "
+                                  "no kv_transfer_params")
 
     def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.

@@ -190,7 +190,8 @@ class SchedulerSide:
     def _read_handover(self, record: _RequestRecord) -> None:
         """What the request's kv_transfer_params ask of the pool (handover.py)."""
         params = getattr(record.request, "kv_transfer_params", None)
-        record.handover_out = self.save_enabled and wants_handover(params)
+        record.handover_out = self.save_enabled and (self.cfg.handover_always
+                                                     or wants_handover(params))
         try:
             record.handover_in = parse_handover(params) if self.load_enabled else None
         except HandoverError as e:

@@ -187,3 +187,38 @@ def test_a_handover_naming_other_objects_is_ignored(side):
     bad = _decode_request({"kvpool": {"handover": {"v": 1, "tokens": "all"}}}, rid="d3")
     assert side.num_matched(bad, 0) == (0, False)
     assert side.stats.data["kvpool_handover_rejected"] == {"": 3}
+
+
+@pytest.mark.parametrize("side", [{**TAILS, "handover_always": True}], indirect=True)
+def test_handover_always_makes_every_request_a_handover_prefill(side):
+    # llm-d's shared-storage protocol sends the prefill request with no kv_transfer_params
+    req = make_request("s", 1000)
+    side.num_matched(req, 0)
+    allocate(side, req, 0)
+    meta = side.build_meta(scheduler_output({"s": 1000}))
+    assert meta.saves and all(s.durable for s in meta.saves)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = side.finish(req, side.test_blocks["s"])
+    assert parse_handover(params).tokens == 7 * BS
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_prefill_over_several_steps_settles_with_the_last_steps_report(side):
+    req = make_request("p", 1000, kv_transfer_params={"kvpool": {"handover": True}})
+    side.num_matched(req, 0)
+    allocate(side, req, 0)
+    first = side.build_meta(scheduler_output({"p": 600})).saves  # chunked prefill: 2 chunks
+    assert [len(s.keys) for s in first] == [2] and first[0].durable
+    _report(side, first)  # confirmed in the step after
+    req.num_computed_tokens = 600
+    last = side.build_meta(scheduler_output({"p": 400})).saves  # chunk 3 and the tail
+    req.num_computed_tokens = 1000
+    req.append_output_token_ids(7)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = side.finish(req, side.test_blocks["p"])
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
+    _report(side, last, failed=[last[0].keys[0]])  # chunk 3 did not go through
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    assert parse_handover(params) == Handover(2 * 256, side.lower.object_names([keys[1]])[0])
+    assert side.handovers_out == {}
