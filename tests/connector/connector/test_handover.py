@@ -222,3 +222,22 @@ def test_a_prefill_over_several_steps_settles_with_the_last_steps_report(side):
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     assert parse_handover(params) == Handover(2 * 256, side.lower.object_names([keys[1]])[0])
     assert side.handovers_out == {}
+
+
+def test_vllm_hands_the_workers_report_over_after_request_finished_in_the_same_call():
+    """The prefill's handover is shortened after `request_finished` returned it, by the
+    workers' report of the same step: that needs vLLM's `update_from_output` to call the
+    connector's `request_finished` (via `_free_request`) before `update_connector_output`
+    (via `_update_from_kv_xfer_finished`), and `EngineCore.step` to send the outputs only
+    after it returned. Pinned here for vLLM upgrades."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    src = inspect.getsource(Scheduler.update_from_output)
+    finished = src.index("self._free_request(request)")
+    report = src.index("self._update_from_kv_xfer_finished(kv_connector_output)")
+    assert finished < report
+    step = inspect.getsource(EngineCore.step)
+    assert "update_from_output" in step and "output_queue" not in step
