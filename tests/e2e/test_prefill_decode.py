@@ -31,7 +31,8 @@ PROMPTS = {"p1000": token_prompt(1000, 900), "p1024": token_prompt(1024, 901),
            "p1700": token_prompt(1700, 902), "race": token_prompt(1500, 903),
            "killed": token_prompt(1200, 904), "down": token_prompt(1100, 905),
            # the same shapes, new to the pool, for the disk volume's decode engine
-           "disk-p1000": token_prompt(1000, 906), "disk-p1700": token_prompt(1700, 907)}
+           "disk-p1000": token_prompt(1000, 906), "disk-p1700": token_prompt(1700, 907),
+           "shared": token_prompt(1450, 908)}
 # what vllm-router (vllm_pd_router.rs) and llm-d's sidecar (connector_nixlv2.go) send
 ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -121,6 +122,19 @@ def test_one_prefill_one_decode_through_a_shared_disk_volume(engines, audit, pla
     assert audit.check() - before == sum(claim) // BLOCK
     check_logprobs_close(outs, plain_engine.generate([PROMPTS[f"disk-{n}"] for n in names]),
                          names=names, label="decode after a prefill through a disk volume")
+
+
+def test_shared_storage_decode_finds_the_prompt_without_a_handover(engines, audit, plain_engine):
+    """llm-d's shared-storage protocol: the decode request carries nothing from the prefill;
+    its ordinary lookup finds the written-through chunks and the tail in Redis."""
+    prefill, decode, _ = engines
+    _prefill(prefill, ["shared"])  # (a shared-storage prefill engine: handover_always)
+    before = audit.check()
+    (out,) = decode.generate([PROMPTS["shared"]])
+    assert out["num_cached_tokens"] == (1450 - 1) // BLOCK * BLOCK
+    assert audit.check() - before == (1450 - 1) // BLOCK
+    check_logprobs_close([out], plain_engine.generate([PROMPTS["shared"]]), names=["shared"],
+                         label="shared-storage decode")
 
 
 def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server, namespace,

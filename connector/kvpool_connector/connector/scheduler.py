@@ -71,6 +71,7 @@ class _RequestRecord:
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
+    remote_tail: bytes | None = None  # the tail the last remote lookup found (_remote_lookup)
     prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
     # prefill/decode (handover.py). Prefill: saves are written through to the shared tiers
     handover_out: bool = False
@@ -253,9 +254,9 @@ class SchedulerSide:
                 return None
             record.pending = None
             try:
-                more = fut.result()
+                more, record.remote_tail = fut.result()
             except Exception:  # the store never raises; a broken pool is a miss
-                more = 0
+                more, record.remote_tail = 0, None
             keys = chunk_keys(self.prefix, hashes[:n_hashes], self.blocks_per_chunk)
             hit = local + more
             if more:
@@ -266,16 +267,34 @@ class SchedulerSide:
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
+                tails = self._options(record)[1]
                 record.pending = (len(hashes), local,
-                                  self._lookup_pool.submit(self._remote_prefix, rest))
+                                  self._lookup_pool.submit(self._remote_lookup, rest, local,
+                                                           record.request, tails))
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 return None
             hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
+            record.remote_tail = None
         self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
         self.stats.inc("kvpool_lookups")
         record.lookup = (n_hashes, hit, now)
         return hit
+
+    def _remote_lookup(self, keys: list[bytes], local: int, request: Request, tails: bool
+                       ) -> tuple[int, bytes | None]:
+        """(leading keys in the lower tiers, the longest tail object right after the
+        `local` + those chunks there, or None), on a lookup thread: a tail is one presence
+        check per candidate length, longest first."""
+        more = self._remote_prefix(keys)
+        if not tails:
+            return more, None
+        cands = tail_candidates(self.prefix, request.block_hashes, local + more,
+                                self.blocks_per_chunk, self._claimable_blocks(request))
+        for _, key in cands:
+            if self.lower.contains_prefix([key]):
+                return more, key
+        return more, None
 
     def _remote_prefix(self, keys: list[bytes]) -> int:
         """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier
@@ -614,12 +633,14 @@ class SchedulerSide:
         return min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
                    limit)
 
-    def _tail_present(self, key: bytes) -> tuple[bool, bool]:
+    def _tail_present(self, key: bytes, remote_tail: bytes | None) -> tuple[bool, bool]:
         """(present, in the KeyIndex). Lower tiers are asked inline only when they are all
         local (disk): a remote pool's lookups never block the scheduler, so there a tail is
-        found only in the workers' local first tier."""
+        found in the workers' local first tier or by the lookup thread (`remote_tail`)."""
         if key in self.index:
             return True, True
+        if key == remote_tail:
+            return True, False
         if self.lower is not None and self._lookup_pool is None:
             return bool(self.lower.contains_prefix([key])), False
         return False, False
@@ -637,7 +658,7 @@ class SchedulerSide:
         local: list[bool] = []
 
         def present(key: bytes) -> bool:
-            found, in_index = self._tail_present(key)
+            found, in_index = self._tail_present(key, record.remote_tail)
             if found:
                 local.append(in_index)
             return found

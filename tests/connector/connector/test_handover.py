@@ -6,6 +6,8 @@ objects, its hit, its timeout and a handover that is not its own."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -241,3 +243,44 @@ def test_vllm_hands_the_workers_report_over_after_request_finished_in_the_same_c
     assert finished < report
     step = inspect.getsource(EngineCore.step)
     assert "update_from_output" in step and "output_queue" not in step
+
+
+@pytest.fixture
+def remote_side(redis_tier, namespace):
+    """A SchedulerSide whose shared tier is Redis (lookups on the lookup threads)."""
+    from kvpool_connector.connector.config import load_connector_config
+    from kvpool_connector.connector.scheduler import SchedulerSide
+    from kvpool_connector.store import open_store
+    from tests.conftest import SECURITY
+
+    cfg = load_connector_config({"namespace": namespace, "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": "64Mi"}, redis_tier]})
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+    blocks: dict[str, list[int]] = {}
+    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
+                      block_ids=lambda rid: blocks[rid], is_async=True)
+    s.test_blocks = blocks
+    yield s
+    s.close()
+    lower.close()
+
+
+def _ask(side, req):
+    """num_matched until the lookup threads answered (bounded)."""
+    for _ in range(500):
+        got = side.num_matched(req, 0)
+        if got[0] is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("the lookup never answered")
+
+
+def test_an_ordinary_lookup_finds_the_tail_in_redis(remote_side):
+    # llm-d's shared-storage decode: no handover, the prompt written through by the prefill
+    req = make_request("s", 1000, seed=3)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    remote_side.lower.put_many(keys, [b"c" * 64] * 3)
+    assert _ask(remote_side, req) == (3 * 256, True)  # no tail stored: the chunks
+    remote_side.lower.put_many([tail_key(PREFIX, req.block_hashes, 6, 1)], [b"t" * 64])
+    again = make_request("s2", 1000, seed=3)
+    assert _ask(remote_side, again) == (7 * BS, True)  # chunks and tail, up to the last block
