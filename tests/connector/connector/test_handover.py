@@ -21,6 +21,7 @@ from kvpool_connector.connector.handover import (
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.tails import tail_key
+from tests.connector.connector.conftest import scheduler_side
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -248,21 +249,10 @@ def test_vllm_hands_the_workers_report_over_after_request_finished_in_the_same_c
 @pytest.fixture
 def remote_side(redis_tier, namespace):
     """A SchedulerSide whose shared tier is Redis (lookups on the lookup threads)."""
-    from kvpool_connector.connector.config import load_connector_config
-    from kvpool_connector.connector.scheduler import SchedulerSide
-    from kvpool_connector.store import open_store
-    from tests.conftest import SECURITY
-
-    cfg = load_connector_config({"namespace": namespace, "security": SECURITY, "tiers": [
-        {"type": "cpu", "size": "64Mi"}, redis_tier]})
-    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
-    blocks: dict[str, list[int]] = {}
-    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
-                      block_ids=lambda rid: blocks[rid], is_async=True)
-    s.test_blocks = blocks
+    s = scheduler_side(namespace, redis_tier)
     yield s
     s.close()
-    lower.close()
+    s.lower.close()
 
 
 def _ask(side, req):
