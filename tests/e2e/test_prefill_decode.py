@@ -4,8 +4,10 @@ and llm-d's nixlv2 sidecar ask: `max_tokens=1`, `do_remote_decode: true`) return
 handover only once its chunks and tail are in Redis and on a disk volume; a decode engine
 given that handover (one reading Redis, one the disk volume) loads them and computes only
 what vLLM must (less than one block), bit for bit (KV audit), with outputs logprob-close to
-an engine without connector. Decode asked before the tail landed waits and never loads the
-partial prefix; Redis killed between the two means recompute, never an error.
+an engine without connector. A decode request without a handover (llm-d's shared-storage
+protocol) finds the written-through chunks and tail by an ordinary lookup. Decode asked
+before the tail landed waits and never loads the partial prefix; Redis killed between the
+two means recompute, never an error.
 """
 
 from __future__ import annotations
