@@ -284,17 +284,15 @@ class SchedulerSide:
     def _remote_lookup(self, keys: list[bytes], local: int, request: Request, tails: bool
                        ) -> tuple[int, bytes | None]:
         """(leading keys in the lower tiers, the longest tail object right after the
-        `local` + those chunks there, or None), on a lookup thread: a tail is one presence
-        check per candidate length, longest first."""
+        `local` + those chunks there, or None), on a lookup thread: every candidate length
+        in one batched presence check per tier."""
         more = self._remote_prefix(keys)
         if not tails:
             return more, None
         cands = tail_candidates(self.prefix, request.block_hashes, local + more,
                                 self.blocks_per_chunk, self._claimable_blocks(request))
-        for _, key in cands:
-            if self.lower.contains_prefix([key]):
-                return more, key
-        return more, None
+        found = self.lower.contains_many([key for _, key in cands]) if cands else []
+        return more, next((key for (_, key), ok in zip(cands, found, strict=True) if ok), None)
 
     def _remote_prefix(self, keys: list[bytes]) -> int:
         """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier

@@ -11,6 +11,7 @@
                                      # (served_by=[None] * n: filled with the serving tiers)
     store.set_evict_first(predicate)             # keys the cpu/disk tiers evict first
     store.contains_prefix(keys) -> int           # leading keys present in some tier
+    store.contains_many(keys) -> [bool, ...]     # per key, present in some tier
     store.flush(); store.stats(); store.close()
 
 config: a dict, a YAML/JSON path or a `kvpool_connector.config.StoreConfig`. A store with a

@@ -311,10 +311,21 @@ class TieredStore:
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys some tier holds (presence only: the MAC and layout are
         checked on read)."""
+        present = self._presence(keys, leading=True)
+        return next((i for i, ok in enumerate(present) if not ok), len(present))
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key whether some tier holds it (presence only, as contains_prefix): one
+        batched question per tier, e.g. for the longest of several candidates."""
+        return self._presence(keys, leading=False)
+
+    def _presence(self, keys: Sequence[bytes], leading: bool) -> list[bool]:
+        """Which keys some tier holds, each tier asked about the keys not found yet, within
+        one deadline; `leading`: only up to the first key no tier holds."""
         keys = self._check_keys(keys)
-        if not keys or self._closed:
-            return 0
         present = [False] * len(keys)
+        if not keys or self._closed:
+            return present
         prefix = 0
         deadline = time.monotonic() + self.cfg.timeout_seconds
         for pool_key in self.keyring.generations():
@@ -329,9 +340,12 @@ class TieredStore:
                 for i, ok in zip(idx, res, strict=True):
                     if ok:
                         present[i] = True
-                while prefix < len(keys) and present[prefix]:
-                    prefix += 1
-        return prefix
+                if leading:
+                    while prefix < len(keys) and present[prefix]:
+                        prefix += 1
+                elif all(present):
+                    prefix = len(keys)
+        return present
 
     def tier_names(self) -> list[str]:
         """The tiers' labels in stats and metrics, first tier first."""

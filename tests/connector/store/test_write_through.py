@@ -53,3 +53,18 @@ def test_a_dead_shared_tier_answers_false_and_the_first_tier_still_takes_them(
     finally:
         redis_server.start()
         stack.close()
+
+
+def test_presence_of_keys_with_gaps_in_one_question_per_tier(cpu_tier, redis_tier, namespace):
+    stack = build(namespace, cpu_tier, redis_tier)
+    redis_only = build(namespace, redis_tier)
+    keys, vals = _data(4)
+    try:
+        stack.put_many([keys[1]], [vals[1]])  # in the cpu tier only
+        redis_only.put_many([keys[3]], [vals[3]])  # in Redis only
+        assert stack.contains_many(keys) == [False, True, False, True]
+        assert stack.contains_prefix(keys) == 0 and stack.contains_prefix(keys[1:]) == 1
+        assert stack.contains_many([]) == []
+    finally:
+        stack.close()
+        redis_only.close()
