@@ -18,7 +18,8 @@ from ..config import PositiveSize, StoreConfig, parse_size, read_documents
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
-                  "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes")
+                  "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
+                  "handover_wait_seconds", "handover_always")
 
 
 class ConnectorConfigError(ValueError):
@@ -53,6 +54,18 @@ class ConnectorConfig(StoreConfig):
                                         "on their way between the paged KV cache and the store "
                                         "(pinned on CUDA), per worker; saves beyond it are "
                                         "dropped")
+
+    handover_wait_seconds: float = Field(10.0, ge=0, le=600, description="prefill/decode "
+                                         "through the pool: how long a decode request given "
+                                         "a prefill's handover waits for its objects to be "
+                                         "visible in the shared tiers before it recomputes "
+                                         "the prompt (counted in kvpool_handover_timeouts)")
+
+    handover_always: bool = Field(False, description="prefill/decode through the pool: every "
+                                  "request is a handover prefill (its saves written through "
+                                  "to the shared tiers before its response), for a prefill "
+                                  "engine behind llm-d's shared-storage protocol, which sends "
+                                  "no kv_transfer_params")
 
     def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.

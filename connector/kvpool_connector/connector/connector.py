@@ -277,7 +277,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
-        return self.sched.finished(request, block_ids), None
+        return self.sched.finish(request, block_ids)
 
     # ==== stats ========================================================================
     @classmethod

@@ -41,6 +41,8 @@ class SaveJob:
     block_ids: list[list[int]]  # per chunk, all of its blocks in order (a tail: fewer)
     # per key: prompt, decode, prompt_tail or decode_tail (stats)
     kinds: list[str] = field(default_factory=list)
+    # a prefill's handover (handover.py): written through to the shared tiers in the step
+    durable: bool = False
 
 
 @dataclass
@@ -54,6 +56,9 @@ class KVPoolMetadata(KVConnectorMetadata):
     # the step computes nothing (every request waits, for KV or a save): the workers may
     # spend it waiting for their loads instead of returning to vLLM's loop at once
     idle: bool = False
+    # requests wait for a handover's objects (handover.py): an idle step may pause briefly
+    # instead of spinning the engine loop until they are visible
+    handover_waiting: bool = False
 
 
 @dataclass
@@ -64,6 +69,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)  # req_id -> chunk keys
     # with vLLM KV events on: (tier type, stored or removed, chunk key) of the local tiers
     tier_events: list[tuple[str, bool, bytes]] = field(default_factory=list)
+    # durable save jobs (handovers) done: req_id -> jobs, and the keys not written through
+    durable_done: dict[str, int] = field(default_factory=dict)
+    durable_failed: dict[str, list[bytes]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVPoolWorkerMetadata)
@@ -75,6 +83,13 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         failed = {r: list(k) for r, k in self.failed_loads.items()}
         for r, k in other.failed_loads.items():
             failed[r] = list(dict.fromkeys(failed.get(r, []) + k))
+        done = dict(self.durable_done)
+        for r, n in other.durable_done.items():
+            done[r] = done.get(r, 0) + n
+        dfailed = {r: list(k) for r, k in self.durable_failed.items()}
+        for r, k in other.durable_failed.items():
+            dfailed[r] = list(dict.fromkeys(dfailed.get(r, []) + k))
         return KVPoolWorkerMetadata(stored_keys=keys, dropped_keys=dropped, copied_saves=copied,
                                     failed_loads=failed,
-                                    tier_events=self.tier_events + other.tier_events)
+                                    tier_events=self.tier_events + other.tier_events,
+                                    durable_done=done, durable_failed=dfailed)

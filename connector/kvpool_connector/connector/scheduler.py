@@ -34,6 +34,15 @@ from typing import TYPE_CHECKING, Any
 from ..store.tiers import tier_class
 from .config import ConnectorConfig
 from .events import KVEvents
+from .handover import (
+    Handover,
+    HandoverError,
+    build_handover,
+    handover_objects,
+    last_object,
+    parse_handover,
+    wants_handover,
+)
 from .keys import chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
@@ -46,6 +55,7 @@ log = logging.getLogger("kvpool.connector")
 
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
+HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
 
 
 @dataclass
@@ -68,6 +78,18 @@ class _RequestRecord:
     tail_local: bool = False        # the tail was found in the KeyIndex
     load_async: bool = True         # the last match's load: between steps, or in the step
     prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
+    # prefill/decode (handover.py). Prefill: saves are written through to the shared tiers
+    handover_out: bool = False
+    durable_pending: int = 0        # durable save jobs (x world size) not yet reported
+    durable_failed: set[bytes] | None = None  # their keys not written through
+    # decode: the handover it was given; "wait" until its objects are visible, then "ready"
+    # (loaded as a hit) or "off" (timed out, malformed, not this prompt: an ordinary lookup)
+    handover_in: Handover | None = None
+    handover_state: str = "off"
+    handover_keys: tuple[list[bytes], int, bytes | None] | None = None
+    handover_deadline: float = 0.0
+    handover_check: Future | None = None
+    handover_checked_at: float = 0.0
 
 
 @dataclass
@@ -155,6 +177,9 @@ class SchedulerSide:
         # decode chunks and decode tails saved here (bounded): a later hit of one is counted
         # as such (the load plan's ChunkLoad.kind)
         self.decode_keys = KeyIndex(self.index.capacity)
+        # handovers returned this step whose write-through the workers report later in the
+        # same update_from_output: req_id -> (the params returned, their objects, record)
+        self.handovers_out: dict[str, tuple[dict, list[bytes], _RequestRecord]] = {}
 
     def enable_events(self, chunk_bytes: int) -> None:
         """Publish the local tiers' contents as vLLM KV events (events.py); a pool whose
@@ -176,9 +201,24 @@ class SchedulerSide:
         record = self.reqs.get(request.request_id)
         if record is None:
             record = self.reqs[request.request_id] = _RequestRecord(request)
+            self._read_handover(record)
         else:
             record.request = request
         return record
+
+    def _read_handover(self, record: _RequestRecord) -> None:
+        """What the request's kv_transfer_params ask of the pool (handover.py)."""
+        params = getattr(record.request, "kv_transfer_params", None)
+        record.handover_out = self.save_enabled and (self.cfg.handover_always
+                                                     or wants_handover(params))
+        try:
+            record.handover_in = parse_handover(params) if self.load_enabled else None
+        except HandoverError as e:
+            log.warning("kvpool: request %s: %s; ignored", record.request.request_id, e)
+            self.stats.inc("kvpool_handover_rejected")
+            return
+        if record.handover_in is not None:
+            record.handover_state = "wait"
 
     def _count_hits(self, keys: list[bytes]) -> tuple[int, int]:
         """(leading chunks present anywhere, of which leading ones in the KeyIndex)."""
@@ -203,8 +243,14 @@ class SchedulerSide:
             return 0, False
         hashes = request.block_hashes
         now = time.monotonic()
+        if record.handover_state != "off":
+            ready = self._handover_ready(record, now)
+            if ready is None:
+                return None, False  # its objects are not all visible yet: ask again
         last = record.lookup
-        if last and last[0] == len(hashes) and now - last[2] < LOOKUP_TTL_S:
+        if record.handover_state == "ready":
+            hit = record.hit_chunks  # the handover's objects, never a shorter lookup
+        elif last and last[0] == len(hashes) and now - last[2] < LOOKUP_TTL_S:
             hit = last[1]
         else:
             found = self._lookup(record, hashes, now)
@@ -263,6 +309,7 @@ class SchedulerSide:
                 return None
             hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
+            record.remote_tail = None
         self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
         self.stats.inc("kvpool_lookups")
         record.lookup = (n_hashes, hit, now)
@@ -329,12 +376,15 @@ class SchedulerSide:
                 self.events.remember_blocks(request, start, start + record.tail_blocks,
                                             record.tail_key)
         self.stats.inc("kvpool_lookup_hit_tokens", num_external_tokens)
-        # Chunks the store already holds need no save.
-        record.next_save = max(record.next_save, record.hit_chunks)
+        # Chunks the store already holds need no save (a handover writes them through anyway:
+        # a hit from the worker's memory says nothing of the shared tiers).
+        if not record.handover_out:
+            record.next_save = max(record.next_save, record.hit_chunks)
 
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
+        self.handovers_out.clear()  # their outputs are gone: nothing left to amend
         for waiting in self.reqs.values():
             if waiting.load is not None:
                 meta.loads.append(waiting.load)
@@ -355,6 +405,8 @@ class SchedulerSide:
         self.await_saves.clear()
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.idle = not scheduler_output.total_num_scheduled_tokens
+        meta.handover_waiting = meta.idle and any(r.handover_state == "wait"
+                                                  for r in self.reqs.values())
         return meta
 
     def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
@@ -368,7 +420,8 @@ class SchedulerSide:
                        len(req.block_hashes) // self.blocks_per_chunk)
         if n_chunks <= record.next_save:
             return None
-        if record.next_save < record.hit_chunks:
+        durable = record.handover_out
+        if record.next_save < record.hit_chunks and not durable:
             record.next_save = record.hit_chunks
         keys = chunk_keys(self.prefix, req.block_hashes, self.blocks_per_chunk,
                           start=record.next_save,
@@ -378,7 +431,7 @@ class SchedulerSide:
         block_ids = self._block_ids(req.request_id)
         out_keys, out_blocks, kinds = [], [], []
         for i, key in enumerate(keys):
-            if key in self.index or key in self.inflight:
+            if (key in self.index or key in self.inflight) and not durable:
                 continue  # another request already stores this chunk
             c = first + i
             ids = block_ids[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]
@@ -396,7 +449,9 @@ class SchedulerSide:
         if not out_keys:
             return None
         record.pending_copies += self.world_size
-        return SaveJob(req.request_id, out_keys, out_blocks, kinds)
+        if durable:
+            record.durable_pending += self.world_size
+        return SaveJob(req.request_id, out_keys, out_blocks, kinds, durable=durable)
 
     # -- worker feedback ---------------------------------------------------------------
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
@@ -415,6 +470,7 @@ class SchedulerSide:
         if self.events is not None:
             self.events.on_worker_meta(worker_meta.stored_keys, worker_meta.dropped_keys,
                                        worker_meta.tier_events)
+        self._durable_reports(worker_meta)
         for req_id, n in worker_meta.copied_saves.items():
             record = self.reqs.get(req_id)
             if record is not None:
@@ -442,6 +498,7 @@ class SchedulerSide:
             record.hit_chunks = min(record.hit_chunks, first)
             record.next_save = min(record.next_save, first)
             record.lookup = None
+        record.handover_state = "off"  # what is left of the handover is recomputed
 
     def finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """True: keep the blocks until the workers report their save copies done."""
@@ -453,6 +510,132 @@ class SchedulerSide:
         self.delayed[request.request_id] = record.pending_copies
         self.await_saves.add(request.request_id)
         return True
+
+    def finish(self, request: Request, block_ids: list[int] | None = None
+               ) -> tuple[bool, dict[str, Any] | None]:
+        """`finished` and, for a prefill asked for one, the handover (handover.py)."""
+        record = self.reqs.get(request.request_id)
+        params = self._handover_params(record) if record is not None else None
+        return self.finished(request, block_ids), params
+
+    # -- prefill/decode through the pool (handover.py) -------------------------------------
+    def _handover_params(self, record: _RequestRecord) -> dict[str, Any] | None:
+        """The handover of a finished prefill: the prompt's whole blocks that its saves wrote
+        through. The last step's write-through is reported by the workers after this call,
+        in the same `update_from_output`: `_durable_reports` then shortens (or empties) the
+        params returned here before vLLM sends them."""
+        req = record.request
+        status = getattr(getattr(req, "status", None), "name", "")
+        if (not record.handover_out or self.lower is None or self._isolated(req)
+                or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
+            return None
+        n_blocks = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
+        if not self._options(record)[1]:  # no tails: full chunks only
+            n_blocks -= n_blocks % self.blocks_per_chunk
+        objs = handover_objects(self.prefix, req.block_hashes, n_blocks * self.block_size,
+                                self.block_size, self.blocks_per_chunk)
+        if objs is None:
+            return None
+        keys, _, tail = objs
+        out = build_handover(n_blocks * self.block_size,
+                             self.lower.object_names([last_object(keys, tail)])[0])
+        self.stats.inc("kvpool_handovers")
+        objects = keys + ([tail] if tail is not None else [])
+        if record.durable_pending > 0:
+            self.handovers_out[req.request_id] = (out, objects, record)
+        else:
+            self._settle_handover(out, objects, record)
+        return out
+
+    def _settle_handover(self, out: dict, objects: list[bytes], record: _RequestRecord) -> None:
+        """Promise only the leading objects every shared tier confirmed."""
+        failed = record.durable_failed or set()
+        good = next((i for i, k in enumerate(objects) if k in failed), len(objects))
+        if good == len(objects):
+            return
+        self.stats.inc("kvpool_handover_write_failures", len(objects) - good)
+        if good == 0:
+            out.clear()  # nothing to hand over: the decode engine computes the prompt
+            return
+        inner = out["kvpool"]["handover"]
+        inner["tokens"] = good * self.chunk_tokens  # a failed tail leaves the full chunks
+        inner["name"] = self.lower.object_names([objects[good - 1]])[0].hex()
+
+    def _durable_reports(self, worker_meta: KVPoolWorkerMetadata) -> None:
+        for req_id, n in worker_meta.durable_done.items():
+            pending = self.handovers_out.get(req_id)
+            record = pending[2] if pending is not None else self.reqs.get(req_id)
+            if record is None:
+                continue
+            record.durable_pending -= n
+            failed = worker_meta.durable_failed.get(req_id)
+            if failed:
+                record.durable_failed = (record.durable_failed or set()) | set(failed)
+            if pending is not None and record.durable_pending <= 0:
+                del self.handovers_out[req_id]
+                self._settle_handover(pending[0], pending[1], record)
+
+    def _handover_ready(self, record: _RequestRecord, now: float) -> bool | None:
+        """A decode request's handover: True once all its objects are visible in the shared
+        tiers (loaded then as a hit), None while waiting (the request asks again next step),
+        False when it is not this prompt's or the wait timed out (an ordinary lookup,
+        which may load a shorter prefix that is visible, authenticated like every hit)."""
+        if record.handover_state == "ready":
+            return True
+        h = record.handover_in
+        assert h is not None
+        request = record.request
+        if record.handover_keys is None:
+            objs = (handover_objects(self.prefix, request.block_hashes, h.tokens,
+                                     self.block_size, self.blocks_per_chunk)
+                    if self.lower is not None else None)
+            if objs is None or self.lower.object_names(
+                    [last_object(objs[0], objs[2])])[0] != h.name:
+                log.warning("kvpool: request %s: its handover names objects this prompt does "
+                            "not have (another prompt, model, salt or pool key); ignored",
+                            request.request_id)
+                self.stats.inc("kvpool_handover_rejected")
+                record.handover_state = "off"
+                return False
+            record.handover_keys = objs
+            record.handover_deadline = now + self.cfg.handover_wait_seconds
+        keys, rest, tail = record.handover_keys
+        objects = keys + ([tail] if tail is not None else [])
+        fut = record.handover_check
+        if fut is None and now - record.handover_checked_at >= HANDOVER_POLL_S:
+            record.handover_checked_at = now
+            if self._lookup_pool is not None:
+                fut = record.handover_check = self._lookup_pool.submit(self._visible, objects)
+            else:  # every shared tier is local (disk): answered inline
+                fut = Future()
+                fut.set_result(self._visible(objects))
+        if fut is None or not fut.done():
+            return None
+        record.handover_check = None
+        try:
+            visible = fut.result()
+        except Exception:  # the store never raises; a broken pool is "not yet"
+            visible = False
+        if visible:
+            record.handover_state = "ready"
+            record.hit_chunks, record.hit_local_index = len(keys), 0
+            record.tail_blocks, record.tail_key, record.tail_local = rest, tail, False
+            record.lookup = (len(request.block_hashes), len(keys), now)
+            self.stats.inc("kvpool_handover_hits")
+            return True
+        if now < record.handover_deadline:
+            return None
+        log.warning("kvpool: request %s: its handover's objects were not all visible within "
+                    "%.1f s; computing the prompt", request.request_id,
+                    self.cfg.handover_wait_seconds)
+        self.stats.inc("kvpool_handover_timeouts")
+        record.handover_state = "off"
+        return False
+
+    def _visible(self, keys: list[bytes]) -> bool:
+        """Every key in the shared tiers now (asked afresh: another engine just wrote them)."""
+        self.lower.forget_absent(keys)
+        return self._remote_prefix(keys) == len(keys)
 
     def hit_sources(self, request: Request) -> tuple[int, int]:
         """(chunks from the workers' local first tier, chunks from lower tiers) of the last
@@ -547,8 +730,8 @@ class SchedulerSide:
                                 n_blocks=record.tail_blocks,
                                 kind="decode_tail" if decode else "prompt_tail"))
 
-    def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int]
-                  ) -> SaveJob | None:
+    def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int],
+                  durable: bool = False) -> SaveJob | None:
         """A save of the blocks past the last full chunk among the first `n_blocks` blocks
         (None when there are none, or the pool has or is saving that tail already)."""
         req = record.request
@@ -558,7 +741,7 @@ class SchedulerSide:
         if count <= 0:
             return None
         key = tail_key(self.prefix, req.block_hashes, start, count)
-        if key in self.index or key in self.inflight or key == record.tail_key:
+        if (key in self.index or key in self.inflight or key == record.tail_key) and not durable:
             return None
         self.inflight.add(key)
         if self.events is not None:
@@ -567,8 +750,10 @@ class SchedulerSide:
         if decode:
             self.decode_keys.add(key)
         record.pending_copies += self.world_size
+        if durable:
+            record.durable_pending += self.world_size
         return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])],
-                       ["decode_tail" if decode else "prompt_tail"])
+                       ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
     def _tails_saved(self, record: _RequestRecord) -> bool:
         return (self.save_enabled and not self._isolated(record.request)
@@ -584,7 +769,7 @@ class SchedulerSide:
         if not self._tails_saved(record):
             return None
         return self._tail_job(record, req.num_prompt_tokens // self.block_size,
-                              self._block_ids(req.request_id))
+                              self._block_ids(req.request_id), durable=record.handover_out)
 
     def _plan_finish_tail(self, record: _RequestRecord, block_ids: list[int]) -> None:
         """A finished request: the tail of everything computed (the prompt and, with decode

@@ -73,6 +73,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                           KIND_TIER),
     "kvpool_lookups": ("Scheduler lookups of prompt prefixes", ()),
     "kvpool_lookup_seconds": ("Scheduler time spent in lookups", ()),
+    "kvpool_handovers": ("Prefill requests that returned a handover for a decode engine "
+                         "(prefill/decode through the pool)", ()),
+    "kvpool_handover_write_failures": ("Objects of a handover not written through to the "
+                                       "shared tiers (the handover promises less)", ()),
+    "kvpool_handover_hits": ("Decode requests that found their handover's objects and load "
+                             "them", ()),
+    "kvpool_handover_timeouts": ("Decode requests whose handover's objects were not all "
+                                 "visible within handover_wait_seconds (they recompute)", ()),
+    "kvpool_handover_rejected": ("Handovers ignored: malformed, or naming objects this "
+                                 "request does not derive (another prompt, model or key)", ()),
 }
 
 

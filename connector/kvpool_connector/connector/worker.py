@@ -119,6 +119,8 @@ class WorkerSide:
         self._sync_loads: list[_Load] = []
         self._load_errors: set[int] = set()
         self._failed_keys: dict[str, list[bytes]] = {}
+        self._durable_done: dict[str, int] = {}  # handover save jobs written through
+        self._durable_failed: dict[str, list[bytes]] = {}  # and their keys that were not
         self._stats = KVPoolConnectorStats()
         self._stats_lock = threading.Lock()
         self._store_stats_prev: dict = {}
@@ -157,6 +159,8 @@ class WorkerSide:
             if bufs is None:  # the staging budget is in use by saves still on their way
                 self._drop(job.keys)
                 self._mark_copied(_PendingSave(job, [], None, queued=False))
+                if job.durable:
+                    self._durable_result(job, [False] * n)
                 continue
             event = None
             if self.cuda:
@@ -173,6 +177,11 @@ class WorkerSide:
             pending = _PendingSave(job, bufs, event)
             if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
                 pending.sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
+            if job.durable:  # a handover: in the shared tiers before the step's output
+                if event is not None:
+                    event.synchronize()
+                self._save_now(pending)
+                continue
             if event is None and self._save_in_step:
                 self._save_now(pending)
                 continue
@@ -200,11 +209,17 @@ class WorkerSide:
         (see docs/connector.md, Hot path)."""
         job, objects = p.job, p.chunks()  # tails are shorter than a chunk
         assert self.layout is not None and self._save_pool is not None  # set by register()
+        durable = [False] * len(job.keys)
         try:
-            landed = self.store.put_many(job.keys, objects)
+            if job.durable:
+                landed, durable = self.store.put_many_through(job.keys, objects)
+            else:
+                landed = self.store.put_many(job.keys, objects)
         except Exception:  # a failing store degrades service, never the engine
             log.exception("kvpool: save of %d chunks failed", len(job.keys))
             landed = [False] * len(job.keys)
+        if job.durable:
+            self._durable_result(job, durable)
         ok = [bool(x) for x in landed]
         stored = [k for k, good in zip(job.keys, ok, strict=True) if good]
         if self.audit is not None and stored:
@@ -228,6 +243,14 @@ class WorkerSide:
                 if good:
                     self._inc("kvpool_saved_objects", 1, kind_tier(kind, self._first_tier))
         self._save_pool.give(p.bufs)
+
+    def _durable_result(self, job: SaveJob, durable: list[bool]) -> None:
+        """Report a handover's write-through to the scheduler (worker metadata)."""
+        with self._lock:
+            self._durable_done[job.req_id] = self._durable_done.get(job.req_id, 0) + 1
+            bad = [k for k, ok in zip(job.keys, durable, strict=True) if not ok]
+            if bad:
+                self._durable_failed.setdefault(job.req_id, []).extend(bad)
 
     def _unregister(self, p: _PendingSave) -> None:
         """Forget p's save buffers as a source for loads (only entries that are still p's)."""
@@ -490,6 +513,8 @@ class WorkerSide:
         if meta is not None:
             self._await.update(meta.await_saves)
             if meta.idle:
+                if meta.handover_waiting and not self._async_loads:
+                    time.sleep(IDLE_WAIT_S)  # nothing to compute until a handover lands
                 self._wait_for_a_load(IDLE_WAIT_S)
         recving = set()
         for req_id, load in list(self._async_loads.items()):
@@ -521,12 +546,15 @@ class WorkerSide:
             stored, self._stored = self._stored, []
             dropped, self._dropped = self._dropped, []
             copied, self._copied = dict(self._copied), defaultdict(int)
+            done, self._durable_done = self._durable_done, {}
+            dfailed, self._durable_failed = self._durable_failed, {}
         failed, self._failed_keys = self._failed_keys, {}
         tier_events = self.store.take_events() if self.events else []
-        if not (stored or dropped or copied or failed or tier_events):
+        if not (stored or dropped or copied or failed or tier_events or done):
             return None
         return KVPoolWorkerMetadata(stored_keys=stored, dropped_keys=dropped, copied_saves=copied,
-                                    failed_loads=failed, tier_events=tier_events)
+                                    failed_loads=failed, tier_events=tier_events,
+                                    durable_done=done, durable_failed=dfailed)
 
     def _inc(self, metric: str, value: float = 1, label: str = "") -> None:
         with self._stats_lock:

@@ -4,12 +4,15 @@
     store = open_store(config, layout=b"llama-8b|bf16|kv:2x32x8x128|blk16")
     store.put_many(keys, payloads) -> [bool, ...]  # returns once the first tier holds them
                                                  # (True) or refused/failed (False)
+    store.put_many_through(keys, payloads) -> ([bool], [bool])  # also written to every
+                         # shared tier before it returns: (first tier holds, all shared do)
     store.get_many(keys) -> [memoryview | bytes | None, ...]   # None = miss
     store.get_many_into(keys, buffers) -> [nbytes | None, ...]  # fill caller buffers
                                      # (served_by=[None] * n: filled with the serving tiers)
     store.set_evict_first(predicate)             # keys the cpu/disk tiers evict first
     store.contains_prefix(keys) -> int           # leading keys present in some tier
     store.first_present(keys) -> int | None      # the first key some tier holds, each alone
+    store.contains_many(keys) -> [bool, ...]     # per key, present in some tier
     store.flush(); store.stats(); store.close()
 
 config: a dict, a YAML/JSON path or a `kvpool_connector.config.StoreConfig`. A store with a

@@ -120,19 +120,43 @@ class TieredStore:
                  layout: bytes | str | None = None) -> list[bool]:
         """Store the payloads; per key whether the first tier holds it now (the lower tiers
         are written behind it, best effort: a full queue or a failing tier drops)."""
+        records = self._records(keys, payloads, layout)
+        return self._write(records) if records else [False] * len(keys)
+
+    def _records(self, keys: Sequence[bytes], payloads: Sequence[Any],
+                 layout: bytes | str | None) -> list[Record]:
+        """Records to write under the current key (none when closed)."""
         keys = self._check_keys(keys)
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
         if not keys or self._closed:
-            return [False] * len(keys)
+            return []
         layout_id = self._layout(layout)
         cur = self.keyring.current
         records = [self._record(k, layout_id, to_view(p), cur)
                    for k, p in zip(keys, payloads, strict=True)]
         self._remember_names(keys, records)
-        return self._write(records)
+        return records
 
-    def _write(self, records: list[Record]) -> list[bool]:
+    def put_many_through(self, keys: Sequence[bytes], payloads: Sequence[Any],
+                         layout: bytes | str | None = None) -> tuple[list[bool], list[bool]]:
+        """Store the payloads and write them to every shared tier (disk, Redis, S3) before
+        returning, each within the store's deadline, instead of behind the first tier: a
+        prefill's handover (connector/handover.py) must know that another engine can read
+        them. (per key whether the first tier holds it, per key whether every shared tier
+        does; False for all when no tier is shared)."""
+        records = self._records(keys, payloads, layout)
+        if not records:
+            return [False] * len(keys), [False] * len(keys)
+        durable: list[list[bool]] = []
+        landed = self._write(records, durable)
+        ok = [all(col) for col in zip(*durable, strict=True)] if durable else []
+        return landed, ok or [False] * len(keys)
+
+    def _write(self, records: list[Record], through: list[list[bool]] | None = None
+               ) -> list[bool]:
+        """Write the first tier now, queue the lower ones; with `through` (a list), write the
+        shared tiers now too and append each one's per-record answer to it."""
         first, lower = self.runners[0], self.runners[1:]
         nbytes = sum(r.size for r in records)
         # one owned sealed copy, shared by every lower tier; also when a write given up on
@@ -142,8 +166,13 @@ class TieredStore:
         elif first.tier.shared:  # MAC'd (or encrypted) for the one tier, side by side
             cpu_pool.run_each(Record.parts, records, nbytes)
         landed = first.put_now(records)
+        if through is not None and first.tier.shared:
+            through.append(list(landed))
         for runner in lower:
-            runner.enqueue(records)
+            if through is not None and runner.tier.shared:
+                through.append(runner.put_now(records))
+            else:
+                runner.enqueue(records)
         return landed
 
     def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> bool:
@@ -282,10 +311,21 @@ class TieredStore:
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys some tier holds (presence only: the MAC and layout are
         checked on read)."""
+        present = self._presence(keys, leading=True)
+        return next((i for i, ok in enumerate(present) if not ok), len(present))
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key whether some tier holds it (presence only, as contains_prefix): one
+        batched question per tier, e.g. for the longest of several candidates."""
+        return self._presence(keys, leading=False)
+
+    def _presence(self, keys: Sequence[bytes], leading: bool) -> list[bool]:
+        """Which keys some tier holds, each tier asked about the keys not found yet, within
+        one deadline; `leading`: only up to the first key no tier holds."""
         keys = self._check_keys(keys)
-        if not keys or self._closed:
-            return 0
         present = [False] * len(keys)
+        if not keys or self._closed:
+            return present
         prefix = 0
         deadline = time.monotonic() + self.cfg.timeout_seconds
         for pool_key in self.keyring.generations():
@@ -300,9 +340,12 @@ class TieredStore:
                 for i, ok in zip(idx, res, strict=True):
                     if ok:
                         present[i] = True
-                while prefix < len(keys) and present[prefix]:
-                    prefix += 1
-        return prefix
+                if leading:
+                    while prefix < len(keys) and present[prefix]:
+                        prefix += 1
+                elif all(present):
+                    prefix = len(keys)
+        return present
 
     def first_present(self, keys: Sequence[bytes]) -> int | None:
         """The index of the first of `keys` some tier holds, each key asked on its own

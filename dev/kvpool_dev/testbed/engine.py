@@ -231,7 +231,8 @@ class OfflineEngine(ReleasesHostRegions):
         """Greedy-decode prompts (token ids, or {"prompt_token_ids", "cache_salt",
         "kv_transfer_params"} dicts);
         returns, per prompt, {"token_ids", "logprobs" (top `logprobs` [token, logprob] pairs
-        per position; see testbed.oracle), "num_cached_tokens", "ttft_s"}."""
+        per position; see testbed.oracle), "num_cached_tokens", "kv_transfer_params" (what
+        the connector returned: a prefill's handover), "ttft_s"}."""
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
                                           "logprobs": logprobs}) + "\n")

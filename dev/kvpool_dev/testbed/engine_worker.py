@@ -108,6 +108,7 @@ def main() -> None:
                                "logprobs": [[[t, lp.logprob] for t, lp in pos.items()]
                                             for pos in lps],
                                "num_cached_tokens": o.num_cached_tokens or 0,
+                               "kv_transfer_params": o.kv_transfer_params,
                                "ttft_s": ttft, "batch_s": elapsed})
             _reply({"outputs": result})
         except Exception as exc:  # report, keep serving: the caller decides

@@ -17,13 +17,20 @@ def side(tmp_path, request):
     """A SchedulerSide of pool `t` (cpu + disk tiers); `side.test_blocks[request id]` holds
     the block ids `allocate` gave the request. Tail objects are off unless parametrized
     (indirect, a dict of connector keys): these tests plan chunks; test_tails.py, tails."""
-    cfg = load_connector_config({"namespace": "t", "security": SECURITY,
-                                 **getattr(request, "param", {"tail_objects": False}), "tiers": [
-        {"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "64Mi"}]})
+    s = scheduler_side("t", {"type": "disk", "path": str(tmp_path), "size": "64Mi"},
+                       **getattr(request, "param", {"tail_objects": False}))
+    yield s
+    s.close()
+    s.lower.close()
+
+
+def scheduler_side(namespace: str, shared_tier: dict, **keys) -> SchedulerSide:
+    """A SchedulerSide over a cpu tier (the workers') and `shared_tier`, which it opens."""
+    cfg = load_connector_config({"namespace": namespace, "security": SECURITY, **keys,
+                                 "tiers": [{"type": "cpu", "size": "64Mi"}, shared_tier]})
     lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     blocks: dict[str, list[int]] = {}
     s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
                       block_ids=lambda rid: blocks[rid], is_async=True)
-    s.test_blocks = blocks
-    yield s
-    lower.close()
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    return s

@@ -20,11 +20,13 @@ BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
 PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 0, 1, "sha256", 256).prefix()
 
 
-def make_request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None) -> Request:
+def make_request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None,
+                 kv_transfer_params: dict | None = None) -> Request:
     init_none_hash(sha256)
     rng = random.Random(seed)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
     return Request(rid, [rng.randrange(3, 2000) for _ in range(n)],
-                   SamplingParams(max_tokens=4), None, cache_salt=cache_salt,
+                   SamplingParams(max_tokens=4, extra_args=extra), None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BS, sha256))
 
 
