@@ -37,11 +37,13 @@ def test_summary_goals_and_table():
                                              _turn(1, 1100, 768, 60, 0.4)], {"host": 768.0})
     assert tails["by_turn"][1]["computed_tokens"] == 76 == tails["later_computed_tokens"]
     goals = chat_bench.goals({"chunks": chunks, "tails": tails})
-    assert [g["met"] for g in goals] == [True, True]  # 76 <= 60 + 128; 0.4 / 0.1 = 4x
+    assert [g["met"] for g in goals] == [True, True]  # 76 <= 60 + 32; 0.4 / 0.1 = 4x
+    # with 8-token blocks one block of slack is 8 tokens: 76 > 60 + 8
+    assert chat_bench.goals({"chunks": chunks, "tails": tails}, block_size=8)[0]["met"] is False
     report = {"settings": json.loads(json.dumps(chat_bench.Settings.quick().__dict__)),
               "runs": {"chunks": chunks, "tails": tails}, "goals": goals}
     text = chat_bench.render(report)
-    assert "76 (60) 100ms" in text and "[met ]" in text
+    assert "76 (60) 100ms" in text and "[met ]" in text and "block size 32" in text
 
 
 def test_drift_none_when_the_server_repeats_the_generated_ids():
@@ -135,6 +137,8 @@ def test_an_unknown_arm_is_one_line(capsys):
     (["--arms", "tails,tails"], "--arms"),
     (["--model", "/nonexistent"], "--model"),
     (["--json", "/nonexistent/dir/chat.json"], "--json"),
+    (["--block-size", "24"], "--block-size"),   # not a multiple of 16
+    (["--block-size", "512"], "--block-size"),  # more than a chunk
 ])
 def test_a_mistake_is_one_line_before_any_server_starts(capsys, args, field):
     # no `vllm` mark: a server start here would fail the test (the test bed refuses it)
