@@ -40,6 +40,14 @@ def test_summary_goals_and_table():
     assert [g["met"] for g in goals] == [True, True]  # 76 <= 60 + 32; 0.4 / 0.1 = 4x
     # with 8-token blocks one block of slack is 8 tokens: 76 > 60 + 8
     assert chat_bench.goals({"chunks": chunks, "tails": tails}, block_size=8)[0]["met"] is False
+    # per request: one later request 40 tokens beyond its new ones misses a 32-token block
+    # even where the mean is within it
+    assert tails["later_max_excess"] == 16
+    worse = chat_bench.summarize("tails", [_turn(1, 1100, 1024, 60, 0.1),
+                                           _turn(1, 1100, 1000, 60, 0.1),
+                                           _turn(1, 1100, 1060, 30, 0.1)], {})
+    assert worse["later_max_excess"] == 40 and worse["later_computed_tokens"] < 50 + 32
+    assert chat_bench.goals({"chunks": chunks, "tails": worse})[0]["met"] is False
     report = {"settings": json.loads(json.dumps(chat_bench.Settings.quick().__dict__)),
               "runs": {"chunks": chunks, "tails": tails}, "goals": goals}
     text = chat_bench.render(report)

@@ -132,7 +132,19 @@ def check_block_size(cfg: ConnectorConfig, block_size: int) -> int:
         raise ConnectorConfigError(
             f"{EXTRA_CONFIG}.chunk_tokens: {cfg.chunk_tokens} is not a multiple of vLLM's "
             f"block size {block_size} (use e.g. {max(block_size, cfg.chunk_tokens // block_size * block_size)})")
-    return cfg.chunk_tokens // block_size
+    blocks = cfg.chunk_tokens // block_size
+    if cfg.tail_objects and blocks > MAX_TAIL_CHUNK_BLOCKS:
+        raise ConnectorConfigError(
+            f"{EXTRA_CONFIG}.chunk_tokens: {cfg.chunk_tokens} is {blocks} blocks of "
+            f"{block_size} tokens; with tail_objects a chunk holds at most "
+            f"{MAX_TAIL_CHUNK_BLOCKS} blocks (use at most "
+            f"{MAX_TAIL_CHUNK_BLOCKS * block_size}, or tail_objects: false)")
+    return blocks
+
+
+# a tail object's key holds its block count in one byte (tails.py), and a tail is shorter
+# than a chunk
+MAX_TAIL_CHUNK_BLOCKS = 256
 
 
 def check_hash_algo(algo: str, shared_tiers: list[str]) -> None:

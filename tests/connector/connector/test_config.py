@@ -64,6 +64,20 @@ def test_chunk_tokens_must_be_whole_blocks():
         check_block_size(cfg, 96)
 
 
+def test_a_chunk_of_more_blocks_than_a_tail_key_counts_is_refused_with_tails_on():
+    """A tail key holds its block count in one byte: 8192 tokens of 16-token blocks (512
+    blocks) used to trip an assert in the scheduler at the first tail; now one line naming
+    chunk_tokens at engine start, and fine without tails."""
+    big = load_connector_config({"tiers": TIERS, "chunk_tokens": 8192})
+    with pytest.raises(ConnectorConfigError, match="chunk_tokens: 8192 is 512 blocks of 16") as e:
+        check_block_size(big, 16)
+    assert "\n" not in str(e.value)
+    assert check_block_size(big, 32) == 256
+    no_tails = load_connector_config({"tiers": TIERS, "chunk_tokens": 8192,
+                                      "tail_objects": False})
+    assert check_block_size(no_tails, 16) == 512
+
+
 def test_store_config_without_cpu_tier_for_the_scheduler():
     cfg = load_connector_config({"tiers": TIERS, "namespace": "ns1", "chunk_tokens": 512})
     lower = cfg.as_store_config(drop_types=("cpu",))
