@@ -182,3 +182,17 @@ def test_bench_chat_quick(repo_root, tiny_model, tmp_path):
     for b in chat["by_turn"]:
         assert b["history_tokens"] > b["drift_tokens"] >= 0 and b["common_prefix"] > 0
     assert chat["later_computed_exact"] <= chat["later_new_tokens"] + chat_bench.BLOCK_TOKENS
+
+
+def test_the_chunks_arms_differ_from_the_defaults_only_where_they_say():
+    """chunks: kvpool as issue 24 found it (no tails, no decode KV, async loads);
+    chunks-sync: the same with today's sync local loads, to isolate what tails add."""
+    s = chat_bench.Settings()
+    keys = {arm: chat_bench.arm_config(arm, s)["kv_connector_extra_config"]
+            for arm in ("chunks", "chunks-sync", "tails")}
+    off = {"save_decode_tokens": False, "tail_objects": False}
+    assert {k: keys["chunks"][k] for k in off} == off == {k: keys["chunks-sync"][k] for k in off}
+    assert keys["chunks"]["sync_local_loads"] is False
+    assert "sync_local_loads" not in keys["chunks-sync"] and "sync_local_loads" not in keys["tails"]
+    assert not set(off) & set(keys["tails"])
+    assert chat_bench.main(["--arms", "chunks-sync,bogus"]) == 2  # known only on request

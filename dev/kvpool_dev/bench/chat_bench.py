@@ -14,6 +14,8 @@ no re-tokenization changes an id. Arms, one server each, one after another:
   tails    kvpool's defaults: tail objects, decode KV, hits in the cpu tier loaded within
            the step
   native   vLLM's native offloading (OffloadingConnector, kvpool's spec), the anchor
+and on request (--arms) chunks-sync: full prompt chunks with hits loaded within the step,
+which separates what tails and decode KV add from what sync local loads add.
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
 TTFT p50 (first streamed token); per arm the cached tokens by vLLM's hit source. A
 benchmark, not a timed test: the numbers of one run, side by side.
@@ -48,6 +50,9 @@ from typing import Any
 from kvpool_dev.bench import kv_configs
 
 ARMS = ("plain", "chunks", "tails", "native")
+# on request only: full chunks with today's loads (sync within the step), which isolates what
+# tails and decode KV add from what sync local loads add
+EXTRA_ARMS = ("chunks-sync",)
 # vLLM's --block-size of every arm: a prefix hit ends at a block boundary, so the block is
 # what a tail cannot save. 32, as `kvpool bench serve` runs, nearer CUDA's default of 16 than
 # the CPU platform's 128 (`--block-size 128`: the same run with the CPU default)
@@ -306,6 +311,9 @@ def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
     if arm == "chunks":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens, save_decode_tokens=False,
                                         tail_objects=False, sync_local_loads=False)
+    if arm == "chunks-sync":
+        return kv_configs.kvpool_config(tier, ns, s.chunk_tokens, save_decode_tokens=False,
+                                        tail_objects=False)
     if arm == "tails":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens)
     if arm == "native":
@@ -495,7 +503,8 @@ def _argument_mistake(args: argparse.Namespace, arms: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpool bench chat", description=__doc__.split("\n\n")[1])
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 conversations x 3 turns")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list (default {','.join(ARMS)})")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"comma list (default {','.join(ARMS)}; also {','.join(EXTRA_ARMS)})")
     ap.add_argument("--conversations", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=None)
@@ -514,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool_dev.testbed.localmodel import ensure_model
 
     arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in ARMS + EXTRA_ARMS]
     if bad:
-        print(f"kvpool bench chat: --arms: unknown {bad}; choose from {list(ARMS)}",
+        print(f"kvpool bench chat: --arms: unknown {bad}; choose from {list(ARMS + EXTRA_ARMS)}",
               file=sys.stderr)
         return 2
     if mistake := _argument_mistake(args, arms):
