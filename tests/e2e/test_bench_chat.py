@@ -196,3 +196,37 @@ def test_the_chunks_arms_differ_from_the_defaults_only_where_they_say():
     assert "sync_local_loads" not in keys["chunks-sync"] and "sync_local_loads" not in keys["tails"]
     assert not set(off) & set(keys["tails"])
     assert chat_bench.main(["--arms", "chunks-sync,bogus"]) == 2  # known only on request
+
+
+def test_the_native_anchor_is_native_at_its_strongest():
+    """native: host blocks of the engine's block size and generated tokens offloaded too
+    (a hit can end at any block, as a tail's does); native-chunk: the 256-token host blocks
+    and prompt-only offloading of earlier runs."""
+    s = chat_bench.Settings()
+    native = chat_bench.arm_config("native", s)["kv_connector_extra_config"]
+    chunk = chat_bench.arm_config("native-chunk", s)["kv_connector_extra_config"]
+    assert (native["block_size"], native["offload_prompt_only"]) == (s.block_size, False)
+    assert chunk["block_size"] == s.chunk_tokens and "offload_prompt_only" not in chunk
+    assert "native-chunk" not in chat_bench.ARMS  # on request only
+
+
+def test_tokens_by_source_per_turn_from_the_counters_read_after_each_round():
+    from kvpool_dev.bench import fleet_bench
+
+    text = ("# TYPE vllm:prompt_tokens_cached_by_source counter\n"
+            'vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 900.0\n'
+            'vllm:prompt_tokens_cached_by_source_total{engine="0",source="host"} 0.0\n'
+            "# TYPE kvpool_hit_tokens counter\n"
+            'kvpool_hit_tokens_total{engine="0",kind="prompt",tier="cpu"} 256.0\n'
+            'kvpool_hit_tokens_total{engine="0",kind="decode_tail",tier="cpu"} 32.0\n')
+    got = chat_bench.served(fleet_bench.counters(text))
+    assert got == {"cached:device": 900.0, "served:prompt/cpu": 256.0,
+                   "served:decode_tail/cpu": 32.0}  # zeros and other counters left out
+    r = chat_bench.summarize("tails", [_turn(0, 1000, 0, 1000, 1.0), _turn(1, 1100, 1024, 60, 0.1),
+                                       _turn(1, 1100, 1024, 60, 0.1)], {},
+                             {1: {"cached:device": 1024.0, "served:prompt/cpu": 1024.0}})
+    assert r["by_turn"][0]["served"] == {}
+    assert r["by_turn"][1]["served"] == {"cached:device": 512.0, "served:prompt/cpu": 512.0}
+    report = {"settings": json.loads(json.dumps(chat_bench.Settings.quick().__dict__)),
+              "runs": {"tails": r}, "goals": []}
+    assert "tails        turn 2: device 512, prompt/cpu 512" in chat_bench.render(report)

@@ -13,12 +13,17 @@ no re-tokenization changes an id. Arms, one server each, one after another:
            sync_local_loads off)
   tails    kvpool's defaults: tail objects, decode KV, hits in the cpu tier loaded within
            the step
-  native   vLLM's native offloading (OffloadingConnector, kvpool's spec), the anchor
+  native   vLLM's native offloading (OffloadingConnector, kvpool's spec) at its strongest
+           here, the anchor: host blocks of the engine's block size (a hit can end at any
+           block, as a tail's does) and generated tokens offloaded too
+           (`offload_prompt_only: false`)
 and on request (--arms) chunks-sync: full prompt chunks with hits loaded within the step,
-which separates what tails and decode KV add from what sync local loads add.
+which separates what tails and decode KV add from what sync local loads add; native-chunk:
+native with the 256-token host blocks and prompt-only offloading earlier runs used.
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
-TTFT p50 (first streamed token); per arm the cached tokens by vLLM's hit source. A
-benchmark, not a timed test: the numbers of one run, side by side.
+TTFT p50 (first streamed token), and where each request's prompt came from: vLLM's hit
+sources and kvpool's tokens by object kind and tier (the servers' counters, read after each
+round). A benchmark, not a timed test: the numbers of one run, side by side.
 
 The chat-API drift (on the tails arm's server, after its own conversations, under a cache
 salt of its own): the same conversations through /v1/chat/completions with the history kept
@@ -52,7 +57,7 @@ from kvpool_dev.bench import kv_configs
 ARMS = ("plain", "chunks", "tails", "native")
 # on request only: full chunks with today's loads (sync within the step), which isolates what
 # tails and decode KV add from what sync local loads add
-EXTRA_ARMS = ("chunks-sync",)
+EXTRA_ARMS = ("chunks-sync", "native-chunk")
 # vLLM's --block-size of every arm: a prefix hit ends at a block boundary, so the block is
 # what a tail cannot save. 32, as `kvpool bench serve` runs, nearer CUDA's default of 16 than
 # the CPU platform's 128 (`--block-size 128`: the same run with the CPU default)
@@ -99,14 +104,26 @@ def workload(s: Settings, seed: int = 0) -> list[dict[str, Any]]:
             for _ in range(s.conversations)]
 
 
-def summarize(arm: str, turns: list[dict], sources: dict[str, float]) -> dict[str, Any]:
-    """Per turn index: requests, prompt tokens computed (mean), TTFT p50 (pure)."""
+def served(d: dict[str, float]) -> dict[str, float]:
+    """Where prompt tokens came from, from a counters delta (fleet_bench.counters): vLLM's
+    hit sources (`cached:device` its own prefix cache, `cached:external_unspecified` a
+    connector) and kvpool's tokens by kind and tier (`served:prompt/cpu`); zeros left out
+    (pure)."""
+    return {k: v for k, v in d.items() if k.startswith(("cached:", "served:")) and v}
+
+
+def summarize(arm: str, turns: list[dict], sources: dict[str, float],
+              turn_served: dict[int, dict[str, float]] | None = None) -> dict[str, Any]:
+    """Per turn index: requests, prompt tokens computed (mean), TTFT p50, and (from
+    `turn_served`, that turn index's counters delta, see served) tokens per request by
+    source (pure)."""
     from kvpool_dev.demo import percentile
 
     by_turn = []
     for k in sorted({t["turn"] for t in turns}):
         ts = [t for t in turns if t["turn"] == k]
         by_turn.append({
+            "served": {src: v / len(ts) for src, v in (turn_served or {}).get(k, {}).items()},
             "turn": k + 1, "requests": len(ts),
             "prompt_tokens": sum(t["prompt_tokens"] for t in ts) / len(ts),
             "new_tokens": sum(t["new_tokens"] for t in ts) / len(ts),
@@ -248,6 +265,14 @@ def render(report: dict[str, Any]) -> str:
     out.append(f"{'2+':<8}" + "".join(
         f"{runs[n]['later_computed_tokens'] or 0:.0f} ({runs[n]['later_new_tokens'] or 0:.0f}) "
         f"{(runs[n]['later_ttft_p50_s'] or 0) * 1000:.0f}ms".ljust(w) for n in names))
+    out += ["", "prompt tokens per request by source (vLLM: device = its prefix cache, "
+            "external = a connector; kvpool: kind/tier)"]
+    for n in names:
+        for b in runs[n]["by_turn"]:
+            if b.get("served"):
+                src = ", ".join(f"{k.split(':', 1)[1]} {v:.0f}"
+                                for k, v in sorted(b["served"].items()))
+                out.append(f"  {n:<12} turn {b['turn']}: {src}")
     out += ["", "cached prompt tokens by source (vLLM's hit sources, all turns)"]
     for n in names:
         src = ", ".join(f"{k} {v:.0f}" for k, v in sorted(runs[n]["cached_by_source"].items()))
@@ -317,6 +342,9 @@ def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
     if arm == "tails":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens)
     if arm == "native":
+        return kv_configs.native_config(parse_size(s.cpu_tier), s.block_size,
+                                        offload_prompt_only=False)
+    if arm == "native-chunk":
         return kv_configs.native_config(parse_size(s.cpu_tier), s.chunk_tokens)
     raise ValueError(f"unknown arm {arm!r}")
 
@@ -436,9 +464,23 @@ def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
     return results
 
 
+def _counters_at(server: Any, prompt_tokens: float, timeout_s: float = 30.0
+                 ) -> dict[str, float]:
+    """The server's counters once they count `prompt_tokens` prompt tokens in all (the
+    requests so far recorded: vLLM records a step's stats after handing out its tokens)."""
+    from kvpool_dev.bench.fleet_bench import counters
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = counters(server.metrics())
+        if now.get("prompt_tokens", 0.0) >= prompt_tokens or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
 def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, workdir: Path,
             chat: bool = False) -> dict[str, Any]:
-    from kvpool_dev.bench.fleet_bench import counters, delta
+    from kvpool_dev.bench.fleet_bench import delta
     from kvpool_dev.testbed.engine import VllmServer
 
     blocks = max(s.kv_cache_tokens // s.block_size, -(-s.max_model_len // s.block_size) + 1)
@@ -453,7 +495,7 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
     try:
         _log(f"{arm}: server up in {time.monotonic() - t0:.0f}s")
         _turn(server.base_url, [7] * 200, 4)  # first-request costs outside the figures
-        before = counters(server.metrics())
+        before = _counters_at(server, 200.0)
         prompts = [list(c["turns"][0]) for c in work]
         results: list[dict[str, Any]] = []
         lock = threading.Lock()
@@ -467,12 +509,18 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
                 results.append({"conversation": c, "turn": k,
                                 "new_tokens": len(work[c]["turns"][k]), **out})
 
+        turn_served: dict[int, dict[str, float]] = {}
         with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
-            for k in range(s.turns):
+            last = before
+            for k in range(s.turns):  # a round ends with all its requests: read the counters
                 list(pool.map(functools.partial(one, k=k), range(len(work))))
-        d = delta(counters(server.metrics()), before)
+                now = _counters_at(server, last.get("prompt_tokens", 0.0) + sum(
+                    r["prompt_tokens"] for r in results if r["turn"] == k))
+                turn_served[k] = served(delta(now, last))
+                last = now
+        d = delta(last, before)
         sources = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("cached:") and v}
-        summary = summarize(arm, results, sources)
+        summary = summarize(arm, results, sources, turn_served)
         if chat:
             t1 = time.monotonic()
             rows = run_chat(server.base_url, s, work, model)

@@ -78,7 +78,8 @@ class Settings(DemoSettings):
 
 def counters(text: str) -> dict[str, float]:
     """The counters this bench compares, from a server's Prometheus text (summed over
-    engine labels): prompt tokens, cached tokens by vLLM's source, kvpool tier hits."""
+    engine labels): prompt tokens, cached tokens by vLLM's source, kvpool tier hits, prompt
+    tokens kvpool served by object kind and tier."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -92,6 +93,8 @@ def counters(text: str) -> dict[str, float]:
                 add("prompt_tokens", s.value)
             elif s.name == "vllm:prompt_tokens_cached_by_source_total":
                 add(f"cached:{s.labels.get('source', '')}", s.value)
+            elif s.name == "kvpool_hit_tokens_total":  # label kind/tier: served:prompt/cpu
+                add(f"served:{s.labels.get('kind', '')}/{s.labels.get('tier', '')}", s.value)
             elif s.name in ("kvpool_tier_hit_chunks_total", "kvpool_tier_miss_chunks_total"):
                 add(f"{s.name.split('_')[2]}:{s.labels.get('tier', '')}", s.value)
             elif s.name == "vllm_router_processed_requests_total":
