@@ -110,3 +110,16 @@ def test_a_stopped_groups_host_regions_go_only_once_nobody_maps_them(tmp_path):
         process.stop(child)
     assert process.remove_unmapped(mine, shm) == ["vllm_offload_a.mmap"]
     assert sorted(p.name for p in shm.iterdir()) == ["other.mmap", "vllm_offload_b.mmap"]
+
+
+def test_service_logs_go_with_the_process_that_made_them():
+    """A test session used to leave every engine's log in /tmp (hundreds per run)."""
+    from pathlib import Path
+
+    code = ("from kvpool_dev.testbed import process\n"
+            "p = process.temp_log('vllm-server-'); p.write_text('x')\n"
+            "assert p.parent == process.temp_log('vllm-router-').parent\n"
+            "print(p)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    log = Path(out.stdout.strip())
+    assert log.name.startswith("vllm-server-") and not log.parent.exists()

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -108,7 +107,7 @@ class VllmServer(ReleasesHostRegions):
         self.extra_args = list(extra_args or [])
         self.env = engine_env(env)
         self.max_model_len = max_model_len
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else process.temp_log("vllm-server-")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -181,7 +180,7 @@ class OfflineEngine(ReleasesHostRegions):
                                     "dtype": engine_dtype(dtype),
                                     "distributed_executor_backend": "uni", **llm_kwargs}}
         self.env = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
-        self.log_path = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
+        self.log_path = process.temp_log("vllm-offline-")
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> OfflineEngine:

@@ -5,15 +5,35 @@ leads one). One copy of what every service class needs."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+@functools.cache
+def _log_dir() -> Path:
+    """One temporary directory for this process's service logs, removed when it exits (a
+    test session left hundreds of log files in /tmp before); a failing test has read the
+    tail it reports by then."""
+    path = Path(tempfile.mkdtemp(prefix="kvpool-logs-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def temp_log(prefix: str) -> Path:
+    """A fresh log file in this process's service-log directory."""
+    return Path(tempfile.mkstemp(prefix=prefix, suffix=".log", dir=_log_dir())[1])
+
 
 
 def free_port() -> int:

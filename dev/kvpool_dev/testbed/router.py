@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -50,8 +49,7 @@ class VllmRouter(Service):
         self.policy = policy
         self.port, self.prometheus_port = free_port(), free_port()
         self.extra_args = list(extra_args or [])
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix="vllm-router-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else process.temp_log("vllm-router-")
         self.proc: subprocess.Popen | None = None
 
     @property
