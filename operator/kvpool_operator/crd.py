@@ -25,8 +25,9 @@ PRINTER_COLUMNS = [
      "description": "Engines wanted now (spec.replicas, or the autoscaler's choice)."},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready engines."},
     # spec.prefill (P/D pools), in `kubectl get -o wide`: empty for every other pool
-    {"name": "Prefill", "type": "integer", "jsonPath": ".spec.prefill.replicas", "priority": 1,
-     "description": "Desired prefill engines (spec.prefill); the engines above then decode."},
+    {"name": "Prefill", "type": "integer", "jsonPath": ".status.roles.prefill.desiredReplicas", "priority": 1,
+     "description": "Prefill engines wanted now (spec.prefill.replicas, or its autoscaler's choice); the "
+     "engines above then decode."},
     {"name": "Prefill-Ready", "type": "integer", "jsonPath": ".status.roles.prefill.readyReplicas", "priority": 1,
      "description": "Ready prefill engines."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Summary phase."},

@@ -804,33 +804,6 @@ class KvEventsSpec(_Model):
         return self
 
 
-class PrefillSpec(_Model):
-    """Prefill/decode disaggregation: a second Deployment of the same engine (same image, model,
-    connector config, tiers and pool key) that only prefills. The router sends each request to a
-    prefill engine first, which stores the prompt's KV in the pool and hands it over in
-    kv_transfer_params; the decode engine (the pool's own Deployment) loads it from a shared tier."""
-
-    replicas: int = Field(1, ge=1, le=1000, description="Prefill engine replicas (Deployment <name>-prefill).")
-    resources: K8sObject = Field(
-        default_factory=dict,
-        description="core/v1 ResourceRequirements of the prefill engines, merged over the decode engines' "
-        "(model.resources over the operator's).",
-    )
-    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=list, max_length=256,
-        description="Extra `vllm serve` arguments of the prefill engines, appended after model.extraArgs "
-        "(the last of a repeated flag wins), for example a larger --max-num-batched-tokens.",
-    )
-
-    model_config = ConfigDict(json_schema_extra=_rules((_SECRET_ARGS_RULE, _SECRET_ARGS_MESSAGE, ".extraArgs")))
-
-    @model_validator(mode="after")
-    def _no_secret_args(self) -> PrefillSpec:
-        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
-            raise ValueError(_SECRET_ARGS_MESSAGE)
-        return self
-
-
 _SHARED_TIER_RULE = ("has(self.tiers.redis) || has(self.tiers.s3) || "
                      "(has(self.tiers.disk) && has(self.tiers.disk.volume.persistentVolumeClaim))")
 _SHARED_TIERS = "tiers.redis, tiers.s3 or tiers.disk on a persistentVolumeClaim"
@@ -858,17 +831,30 @@ _PREFILL_RULES = (
 
 # Autoscaling (render/autoscaling.py): one model, shaped so that each engine role can carry its own.
 AUTOSCALING_RANGE_MESSAGE = "minReplicas must not exceed maxReplicas"
-TRIGGER_MESSAGE = "at least one trigger is required (waitingRequests, kvCacheUsage, promptTokensComputed)"
-SCALE_TO_ZERO_MESSAGE = ("autoscaling.minReplicas 0 (scale to zero) needs a shared tier (tiers.redis or tiers.s3) "
-                         "that keeps the cache while no engine runs")
+TRIGGER_MESSAGE = ("at least one trigger is required (waitingRequests, kvCacheUsage, promptTokensComputed, "
+                   "routerRequests)")
 RATE_WINDOW_PATTERN = r"^[1-9][0-9]{0,3}[smh]$"
 
 
 def scale_to_zero_rule(path: str) -> tuple[str, str, str]:
-    """The spec-level rule for an Autoscaling at `path` (`autoscaling`; a role's later): zero engines
-    only where a shared tier keeps the cache for the next ones."""
-    return (f"!has(self.{path}) || self.{path}.minReplicas > 0 || has(self.tiers.redis) || has(self.tiers.s3)",
-            SCALE_TO_ZERO_MESSAGE, f".{path}.minReplicas")
+    """The spec-level rule for an Autoscaling at `path` (`autoscaling`, `prefill.autoscaling`): zero
+    engines only where a shared tier keeps the cache for the next ones."""
+    parts = path.split(".")
+    absent = " || ".join(f"!has(self.{'.'.join(parts[:n])})" for n in range(1, len(parts) + 1))
+    return (f"{absent} || self.{path}.minReplicas > 0 || has(self.tiers.redis) || has(self.tiers.s3)",
+            f"{path}.minReplicas 0 (scale to zero) needs a shared tier (tiers.redis or tiers.s3) that keeps "
+            "the cache while no engine runs", f".{path}.minReplicas")
+
+
+ROUTER_TRIGGER_MESSAGE = "triggers.routerRequests needs spec.router (the router counts the requests)"
+
+
+def router_trigger_rule(path: str) -> tuple[str, str, str]:
+    """The spec-level rule for the router trigger of an Autoscaling at `path`."""
+    parts = path.split(".")
+    absent = " || ".join(f"!has(self.{'.'.join(parts[:n])})" for n in range(1, len(parts) + 1))
+    return (f"{absent} || !has(self.{path}.triggers.routerRequests) || has(self.router)",
+            ROUTER_TRIGGER_MESSAGE, f".{path}.triggers.routerRequests")
 
 
 class ScalingTriggers(_Model):
@@ -894,14 +880,22 @@ class ScalingTriggers(_Model):
         "{source=\"local_compute\"}): the prefill work left, so tier hits count as capacity. Start near half "
         "the prefill throughput one engine sustains.",
     )
+    router_requests: float | None = Field(
+        None, ge=0.001, le=100_000,
+        description="Requests per second per engine arriving at the pool's router (rate of "
+        "vllm_router_requests_total plus its no_available_workers errors; needs spec.router). The one "
+        "trigger that still reads while no engine runs: with KEDA and minReplicas 0, the first request "
+        "wakes the pool (it fails or waits for the router's retries until an engine is ready).",
+    )
 
     model_config = ConfigDict(json_schema_extra=_rules(
-        ("has(self.waitingRequests) || has(self.kvCacheUsage) || has(self.promptTokensComputed)",
-         TRIGGER_MESSAGE, None)))
+        ("has(self.waitingRequests) || has(self.kvCacheUsage) || has(self.promptTokensComputed) || "
+         "has(self.routerRequests)", TRIGGER_MESSAGE, None)))
 
     @model_validator(mode="after")
     def _any(self) -> ScalingTriggers:
-        if self.waiting_requests is None and self.kv_cache_usage is None and self.prompt_tokens_computed is None:
+        if all(getattr(self, name) is None for name in (
+                "waiting_requests", "kv_cache_usage", "prompt_tokens_computed", "router_requests")):
             raise ValueError(TRIGGER_MESSAGE)
         return self
 
@@ -935,6 +929,38 @@ class Autoscaling(_Model):
     def _range(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError(AUTOSCALING_RANGE_MESSAGE)
+        return self
+
+
+class PrefillSpec(_Model):
+    """Prefill/decode disaggregation: a second Deployment of the same engine (same image, model,
+    connector config, tiers and pool key) that only prefills. The router sends each request to a
+    prefill engine first, which stores the prompt's KV in the pool and hands it over in
+    kv_transfer_params; the decode engine (the pool's own Deployment) loads it from a shared tier."""
+
+    replicas: int = Field(1, ge=1, le=1000, description="Prefill engine replicas (Deployment <name>-prefill).")
+    resources: K8sObject = Field(
+        default_factory=dict,
+        description="core/v1 ResourceRequirements of the prefill engines, merged over the decode engines' "
+        "(model.resources over the operator's).",
+    )
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=256,
+        description="Extra `vllm serve` arguments of the prefill engines, appended after model.extraArgs "
+        "(the last of a repeated flag wins), for example a larger --max-num-batched-tokens.",
+    )
+    autoscaling: Autoscaling | None = Field(
+        None,
+        description="Scale the prefill engines on their own triggers, as spec.autoscaling scales the decode "
+        "engines (each role's queries read only its own engines). Absent: prefill.replicas is the count.",
+    )
+
+    model_config = ConfigDict(json_schema_extra=_rules((_SECRET_ARGS_RULE, _SECRET_ARGS_MESSAGE, ".extraArgs")))
+
+    @model_validator(mode="after")
+    def _no_secret_args(self) -> PrefillSpec:
+        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
+            raise ValueError(_SECRET_ARGS_MESSAGE)
         return self
 
 
@@ -974,6 +1000,9 @@ _SPEC_RULES = (
         ".security.requireCacheSalt",
     ),
     scale_to_zero_rule("autoscaling"),
+    scale_to_zero_rule("prefill.autoscaling"),
+    router_trigger_rule("autoscaling"),
+    router_trigger_rule("prefill.autoscaling"),
 )
 
 
@@ -1052,9 +1081,12 @@ class KVCachePoolSpec(_Model):
             raise ValueError(_SPEC_RULES[4][1])
         if self.connector != "tiered" and self.security.require_cache_salt:
             raise ValueError(_SPEC_RULES[5][1])
-        if self.autoscaling is not None and self.autoscaling.min_replicas == 0 and not (
-                self.tiers.redis or self.tiers.s3):
-            raise ValueError(_SPEC_RULES[6][1])
+        for n, scaling in ((6, self.autoscaling), (7, self.prefill.autoscaling if self.prefill else None)):
+            if scaling is not None and scaling.min_replicas == 0 and not (self.tiers.redis or self.tiers.s3):
+                raise ValueError(_SPEC_RULES[n][1])
+        for n, scaling in ((8, self.autoscaling), (9, self.prefill.autoscaling if self.prefill else None)):
+            if scaling is not None and scaling.triggers.router_requests is not None and self.router is None:
+                raise ValueError(_SPEC_RULES[n][1])
         return self
 
     @field_validator("prefill")
@@ -1099,6 +1131,8 @@ class Endpoints(_Model):
 
 
 class RoleStatus(_Model):
+    desired_replicas: int = Field(0, description="Engines of this role wanted now (its replicas, or its "
+                                  "autoscaler's choice).")
     replicas: int = Field(0, description="Pods of this role.")
     ready_replicas: int = Field(0, description="Pods of this role passing readiness.")
     endpoint: str = Field("", description="In-cluster URL of this role's Service.")

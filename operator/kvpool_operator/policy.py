@@ -70,10 +70,11 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     if spec.inference_pool is not None and spec.inference_pool.enabled and not settings.inference_pools:
         out.append("spec.inferencePool.enabled: refused by this operator (its setting inferencePools is false: "
                    "it holds no RBAC for InferencePools, and their CRD may not be installed)")
-    scaling = spec.autoscaling
-    if scaling is not None and scaling.min_replicas == 0 and not settings.keda:
-        out.append("spec.autoscaling.minReplicas: 0 needs KEDA (this operator's setting keda is false, and a "
-                   "HorizontalPodAutoscaler cannot scale to zero)")
+    for field, scaling in (("spec.autoscaling", spec.autoscaling),
+                           ("spec.prefill.autoscaling", spec.prefill.autoscaling if spec.prefill else None)):
+        if scaling is not None and scaling.min_replicas == 0 and not settings.keda:
+            out.append(f"{field}.minReplicas: 0 needs KEDA (this operator's setting keda is false, and a "
+                       "HorizontalPodAutoscaler cannot scale to zero)")
     return out
 
 

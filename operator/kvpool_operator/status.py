@@ -29,7 +29,7 @@ class Observation:
     router: dict[str, Any] | None = None  # the router Deployment (pools with spec.router)
     router_replicas: int | None = None  # spec.router.replicas; None: the pool has no router
     prefill: dict[str, Any] | None = None  # the prefill Deployment (pools with spec.prefill)
-    prefill_replicas: int | None = None  # spec.prefill.replicas; None: the pool has no prefill role
+    prefill_replicas: int | None = None  # spec.prefill.replicas or its autoscaler's; None: no prefill role
     role_endpoints: dict[str, str] = field(default_factory=dict)  # role -> its Service's URL
     endpoints: dict[str, str] = field(default_factory=dict)
     insecure: tuple[str, ...] = ()  # external backends without password or TLS (a warning, not an error)
@@ -170,6 +170,8 @@ def _roles(obs: Observation, decode_status: dict[str, Any]) -> dict[str, Any] | 
     if obs.prefill_replicas is None:
         return None
     prefill_status = (obs.prefill or {}).get("status") or {}
-    return {role: {"replicas": dep.get("replicas", 0) or 0, "readyReplicas": dep.get("readyReplicas", 0) or 0,
+    return {role: {"desiredReplicas": want, "replicas": dep.get("replicas", 0) or 0,
+                   "readyReplicas": dep.get("readyReplicas", 0) or 0,
                    "endpoint": public_url(obs.role_endpoints.get(role, ""))}
-            for role, dep in (("prefill", prefill_status), ("decode", decode_status))}
+            for role, want, dep in (("prefill", obs.prefill_replicas, prefill_status),
+                                    ("decode", obs.desired_replicas, decode_status))}

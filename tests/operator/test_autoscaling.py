@@ -112,3 +112,84 @@ def test_without_autoscaling_the_deployment_carries_replicas():
                                             (0.001, "1m", "0.001")])
 def test_targets_as_quantities_and_keda_thresholds(value, hpa, keda):
     assert (quantity(value), threshold(value)) == (hpa, keda)
+
+
+def _by_name(manifests, kind):
+    return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
+
+
+def test_each_pd_role_has_its_own_scaled_object_on_its_own_engines_series():
+    manifests = render(load_example("tiered-pd-keda"), GOLDEN_SETTINGS, "ml")
+    scalers = _by_name(manifests, "ScaledObject")
+    assert set(scalers) == {"tiered-pd-keda", "tiered-pd-keda-prefill"}
+    for so in scalers.values():
+        validate_child(so)
+    pool = 'namespace="ml",kvpool_dev_pool="tiered-pd-keda"'
+    # arrivals at the router: served ones and, at zero engines, the ones refused for want of one
+    router = (f"(sum(rate(vllm_router_requests_total{{{pool}}}[2m])) or vector(0)) + "
+              f'(sum(rate(vllm_router_request_errors_total{{{pool},error_type="no_available_workers"}}[2m])) '
+              "or vector(0))")
+    decode, prefill = scalers["tiered-pd-keda"]["spec"], scalers["tiered-pd-keda-prefill"]["spec"]
+    assert decode["scaleTargetRef"]["name"] == "tiered-pd-keda"
+    assert {t["name"]: t["metadata"]["query"] for t in decode["triggers"]} == {
+        "waiting-requests": f'sum(vllm:num_requests_waiting{{{pool},llm_d_ai_role="decode"}})',
+        "kv-cache-usage": f'sum(vllm:kv_cache_usage_perc{{{pool},llm_d_ai_role="decode"}})',
+        "router-requests": router}  # the router's series: no role, and still there at zero engines
+    assert prefill["scaleTargetRef"]["name"] == "tiered-pd-keda-prefill"
+    assert (prefill["minReplicaCount"], prefill["maxReplicaCount"]) == (0, 4)
+    assert {t["name"]: t["metadata"]["query"] for t in prefill["triggers"]} == {
+        "prompt-tokens-computed": f'sum(rate(kvpool_prompt_tokens_computed_total{{{pool},'
+                                  f'llm_d_ai_role="prefill"}}[1m]))',
+        "router-requests": router.replace("[2m]", "[1m]")}
+    # KEDA's Prometheus scaler sends the query as written: PromQL's parser would reject an unbalanced one
+    assert router.count("(") == router.count(")")
+    # neither Deployment carries replicas: each role's autoscaler owns its own
+    deployments = _by_name(manifests, "Deployment")
+    assert all("replicas" not in deployments[n]["spec"] for n in scalers)
+    assert set(_by_name(manifests, "PodDisruptionBudget")) == {"tiered-pd-keda", "tiered-pd-keda-prefill"}
+
+
+def test_without_keda_the_prefill_role_gets_an_hpa_and_the_router_trigger_an_object_metric():
+    pool = load_example("tiered-pd-keda")
+    for scaling in (pool["spec"]["autoscaling"], pool["spec"]["prefill"]["autoscaling"]):
+        scaling["minReplicas"] = 1
+    hpas = _by_name(render(pool, NO_KEDA, "ml"), "HorizontalPodAutoscaler")
+    assert set(hpas) == {"tiered-pd-keda", "tiered-pd-keda-prefill"}
+    for hpa in hpas.values():
+        validate_child(hpa)
+    metrics = hpas["tiered-pd-keda-prefill"]["spec"]["metrics"]
+    assert metrics[0]["pods"]["metric"]["name"] == "kvpool_prompt_tokens_computed_per_second"
+    assert metrics[1] == {"type": "Object", "object": {
+        "describedObject": {"apiVersion": "v1", "kind": "Service", "name": "tiered-pd-keda-router"},
+        "metric": {"name": "vllm_router_requests_per_second"},
+        "target": {"type": "AverageValue", "averageValue": "4"}}}
+    # and the prefill role's scale to zero needs KEDA like the engines'
+    pool["spec"]["prefill"]["autoscaling"]["minReplicas"] = 0
+    with pytest.raises(InvalidPool, match=r"^spec\.prefill\.autoscaling\.minReplicas: 0 needs KEDA"):
+        render(pool, NO_KEDA, "ml")
+
+
+def test_a_plain_pool_queries_all_its_engines_and_pd_without_prefill_autoscaling_has_one_scaler():
+    pool = load_example("tiered-pd-keda")
+    del pool["spec"]["prefill"]["autoscaling"]
+    manifests = render(pool, GOLDEN_SETTINGS, "ml")
+    assert set(_by_name(manifests, "ScaledObject")) == {"tiered-pd-keda"}
+    assert _by_name(manifests, "Deployment")["tiered-pd-keda-prefill"]["spec"]["replicas"] == 1
+
+
+def test_a_role_scaled_to_zero_needs_redis_or_s3_in_the_crd_and_the_models_alike():
+    """A shared disk claim carries the P/D handover, but zero engines need Redis or S3 to keep the
+    cache: refused at spec.prefill.autoscaling.minReplicas by the API server and the models."""
+    from kvpool_operator.render import load_pool
+    from tests.operator.schema_check import api_server_errors
+
+    pool = load_example("tiered-pd-keda")
+    pool["spec"]["tiers"] = {"cpu": {"size": "8Gi"}, "disk": {
+        "size": "50Gi", "volume": {"persistentVolumeClaim": {"claimName": "shared-kv"}}}}
+    pool["spec"]["autoscaling"]["minReplicas"] = 1
+    message = "prefill.autoscaling.minReplicas 0 (scale to zero) needs a shared tier"
+    assert any(message in e for e in api_server_errors(pool))
+    with pytest.raises(InvalidPool, match=r"^spec: prefill\.autoscaling\.minReplicas 0"):
+        load_pool(pool, GOLDEN_SETTINGS)
+    pool["spec"]["prefill"]["autoscaling"]["minReplicas"] = 1
+    assert api_server_errors(pool) == [] and load_pool(pool, GOLDEN_SETTINGS)

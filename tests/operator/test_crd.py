@@ -61,12 +61,14 @@ def test_crd_names_columns_and_subresources():
     assert [c["name"] for c in columns if not c.get("priority")] == ["Mode", "Desired", "Ready", "Phase", "Age"]
     # desired from status: spec.replicas, or what the autoscaler chose when spec.autoscaling is set
     assert columns[1]["jsonPath"] == ".status.desiredReplicas"
-    # -o wide adds the prefill role's, on paths the schema has
+    # -o wide adds the prefill role's, on paths the schema has: desired from status too (its
+    # replicas, or its autoscaler's choice)
     assert [(c["name"], c["jsonPath"]) for c in columns if c.get("priority") == 1] == [
-        ("Prefill", ".spec.prefill.replicas"), ("Prefill-Ready", ".status.roles.prefill.readyReplicas")]
+        ("Prefill", ".status.roles.prefill.desiredReplicas"),
+        ("Prefill-Ready", ".status.roles.prefill.readyReplicas")]
     schema = version["schema"]["openAPIV3Schema"]["properties"]
-    assert schema["spec"]["properties"]["prefill"]["properties"]["replicas"]["type"] == "integer"
-    assert schema["status"]["properties"]["roles"]["properties"]["prefill"]["properties"]["readyReplicas"]
+    role = schema["status"]["properties"]["roles"]["properties"]["prefill"]["properties"]
+    assert role["desiredReplicas"]["type"] == role["readyReplicas"]["type"] == "integer"
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     props = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
@@ -175,6 +177,10 @@ INVALID = [
     ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1.5,
      ("greater than the maximum of 1", "less than or equal to 1")),
     ("tiered-keda", "spec.autoscaling.rateWindow", "2 minutes", ("does not match", "should match pattern")),
+    # each P/D role's own autoscaler: the same rules at spec.prefill.autoscaling; the router trigger needs one
+    ("tiered-pd-keda", "spec.prefill.autoscaling.minReplicas", 5, "minReplicas must not exceed maxReplicas"),
+    ("tiered-pd-keda", "spec.prefill.autoscaling.triggers", {}, "at least one trigger is required"),
+    ("tiered-keda", "spec.autoscaling.triggers.routerRequests", 2, "triggers.routerRequests needs spec.router"),
 ]
 
 

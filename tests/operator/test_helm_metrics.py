@@ -58,8 +58,9 @@ def test_pod_monitor_selects_engine_pods_and_their_metrics_port(engine_children)
     assert _matches(engines_monitor["selector"]["matchLabels"], pod["metadata"]["labels"])
     ports = {p.get("name") for c in pod["spec"]["containers"] for p in c.get("ports", [])}
     assert engines_monitor["podMetricsEndpoints"][0]["port"] in ports
-    for label in engines_monitor["podTargetLabels"]:
-        assert label in pod["metadata"]["labels"]
+    # the pool label on every engine; the role label only on P/D pools' (test_prefill_monitors_...)
+    assert engines_monitor["podTargetLabels"] == ["kvpool.dev/pool", "llm-d.ai/role"]
+    assert "kvpool.dev/pool" in pod["metadata"]["labels"] and "llm-d.ai/role" not in pod["metadata"]["labels"]
 
 
 def test_service_monitor_selects_the_engine_service_only(engine_children):
@@ -102,7 +103,14 @@ def test_prefill_monitors_select_only_the_prefill_engines():
     assert [n for n, p in pods.items() if _matches(spec["selector"]["matchLabels"], p["metadata"]["labels"])] == [
         "tiered-pd-prefill"]
     ports = {p["name"] for c in pods["tiered-pd-prefill"]["spec"]["containers"] for p in c.get("ports", [])}
-    assert spec["podMetricsEndpoints"][0]["port"] in ports and spec["podTargetLabels"] == ["kvpool.dev/pool"]
+    assert spec["podMetricsEndpoints"][0]["port"] in ports
+    # each role's series carry its role (llm_d_ai_role), which each role's autoscaler queries by
+    assert spec["podTargetLabels"] == ["kvpool.dev/pool", "llm-d.ai/role"]
+    engines = monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]
+    for name, role in (("tiered-pd-prefill", "prefill"), ("tiered-pd", "decode")):
+        labels = pods[name]["metadata"]["labels"]
+        assert all(labels.get(k) for k in spec["podTargetLabels"]) and labels["llm-d.ai/role"] == role
+    assert engines["podTargetLabels"] == spec["podTargetLabels"]
     spec = monitor({"metrics.serviceMonitor.enabled": True}, "ServiceMonitor", "prefill")["spec"]
     selected = [n for n, s in services.items() if _matches(spec["selector"]["matchLabels"], s["metadata"]["labels"])]
     assert selected == ["tiered-pd-prefill"]
@@ -211,9 +219,8 @@ def test_dashboard_shows_hits_bytes_latency_drops_and_corruption_per_tier_and_po
     assert events <= set(EVENTS), events - set(EVENTS)
     assert {"hits", "misses", "drops", "corrupt"} <= events
     pool_label = "kvpool_dev_pool"  # podTargetLabels kvpool.dev/pool, sanitised by Prometheus
-    assert monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]["podTargetLabels"] == [
-        "kvpool.dev/pool"
-    ]
+    assert monitor({"metrics.podMonitor.enabled": True}, "PodMonitor", "engines")["spec"]["podTargetLabels"][0] == (
+        "kvpool.dev/pool")
     assert all(pool_label in e for p in DASHBOARD["panels"] for e in (t["expr"] for t in p["targets"]))
     ids = [p["id"] for p in DASHBOARD["panels"]]
     assert len(ids) == len(set(ids))

@@ -322,8 +322,10 @@ async def test_prefill_role_children_router_status_refusal_and_pruning(server, o
         status = pool_obj(server)["status"]
         assert conditions(server)["Ready"]["message"] == "2/2 engines ready, prefill 2/2 ready, router 1/1 ready"
         assert status["roles"] == {
-            "prefill": {"replicas": 2, "readyReplicas": 2, "endpoint": f"http://tiered-full-prefill.{NS}.svc:8000"},
-            "decode": {"replicas": 2, "readyReplicas": 2, "endpoint": f"http://tiered-full.{NS}.svc:8000"}}
+            "prefill": {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 2,
+                        "endpoint": f"http://tiered-full-prefill.{NS}.svc:8000"},
+            "decode": {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 2,
+                       "endpoint": f"http://tiered-full.{NS}.svc:8000"}}
 
         # no tier both roles reach: refused naming spec.prefill, nothing deleted
         await send(server, "patch", f"{POOLS_URL}/tiered-full",
@@ -420,6 +422,48 @@ async def test_autoscaling_leaves_the_engines_replicas_to_the_autoscaler(server,
         assert handover and writes[handover[0]].data["spec"] == {"replicas": 2}
         assert not dropped or handover[0] < dropped[0]
         assert child(server, "apps/v1/deployments", "tiered-full")["spec"]["replicas"] == 2
+
+
+async def test_each_pd_role_has_its_own_autoscaler_and_desired_count(server, op_settings):
+    """spec.prefill.autoscaling: an HPA of its own targets the prefill Deployment, which is applied
+    without replicas; what that autoscaler writes survives the operator's next apply and is the
+    prefill role's desired count in status (Ready waits for it), beside the decode role's own."""
+    pool = load_example("tiered-full")
+    pool["spec"]["router"] = {"policy": "round_robin"}
+    pool["spec"]["prefill"] = {"autoscaling": {"maxReplicas": 4, "triggers": {"promptTokensComputed": 4000}}}
+    async with running_operator(server, op_settings):
+        await send(server, "post", POOLS_URL, pool)
+        hpa = await eventually(lambda: child(server, HPAS, "tiered-full-prefill"), message="prefill HPA")
+        assert hpa["spec"]["scaleTargetRef"]["name"] == "tiered-full-prefill" and hpa["spec"]["maxReplicas"] == 4
+        assert child(server, HPAS, "tiered-full") is None  # the decode engines keep spec.replicas
+        dep = await eventually(lambda: child(server, "apps/v1/deployments", "tiered-full-prefill"),
+                               message="prefill Deployment")
+        assert "replicas" not in dep["spec"]
+        await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")
+
+        async with server.request(
+                "patch", f"/apis/apps/v1/namespaces/{NS}/deployments/tiered-full-prefill"
+                         "?fieldManager=horizontal-pod-autoscaler&force=true",
+                json={"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": {"name": "tiered-full-prefill", "namespace": NS}, "spec": {"replicas": 3}},
+                headers={"Content-Type": APPLY, "Connection": "close"}) as resp:
+            assert resp.status < 300
+        for name, replicas, ready in (("tiered-full", 2, 2), ("tiered-full-prefill", 3, 1),
+                                      ("tiered-full-router", 1, 1)):
+            await set_status(server, "deployments", name, replicas, ready)
+        roles = await eventually(
+            lambda: (pool_obj(server)["status"].get("roles") or {}).get("prefill", {}).get("desiredReplicas") == 3
+            and pool_obj(server)["status"]["roles"], message="prefill desired from its autoscaler")
+        assert (roles["prefill"]["readyReplicas"], roles["decode"]["desiredReplicas"]) == (1, 2)
+        assert "prefill 1/3 ready" in conditions(server)["Progressing"]["message"]
+
+        before = len(applies(server, "deployments", "tiered-full-prefill"))
+        await send(server, "patch", f"{POOLS_URL}/tiered-full",
+                   {"spec": {"prefill": {"extraArgs": ["--max-num-batched-tokens", "8192"]}}})
+        await eventually(lambda: len(applies(server, "deployments", "tiered-full-prefill")) > before,
+                         message="prefill re-applied")
+        assert all("replicas" not in body["spec"] for body in applies(server, "deployments", "tiered-full-prefill"))
+        assert child(server, "apps/v1/deployments", "tiered-full-prefill")["spec"]["replicas"] == 3
 
 
 async def test_scale_to_zero_without_keda_is_refused_naming_the_field(server, op_settings):

@@ -156,8 +156,9 @@ def test_status_per_role_and_ready_waits_for_the_prefill_engines():
     waiting = compute_status(pd_obs(dep(1, 2)), T0)
     assert waiting["phase"] == "Progressing" and "prefill 1/2 ready" in waiting["conditions"][0]["message"]
     assert waiting["roles"] == {
-        "prefill": {"replicas": 2, "readyReplicas": 1, "endpoint": "http://p-prefill.ml.svc:8000"},
-        "decode": {"replicas": 4, "readyReplicas": 4, "endpoint": "http://p.ml.svc:8000"}}
+        "prefill": {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 1,
+                    "endpoint": "http://p-prefill.ml.svc:8000"},
+        "decode": {"desiredReplicas": 4, "replicas": 4, "readyReplicas": 4, "endpoint": "http://p.ml.svc:8000"}}
     assert compute_status(pd_obs(None), T0)["phase"] != "Ready"  # no prefill Deployment yet
     ready = compute_status(pd_obs(dep(2, 2)), T0)
     assert ready["phase"] == "Ready" and ready["conditions"][0]["message"] == (

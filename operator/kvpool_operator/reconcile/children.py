@@ -285,6 +285,8 @@ def _observation(body: dict[str, Any], pool: Pool | None, live: dict[Key, dict[s
         if pool.spec.prefill is not None:
             kw["prefill"] = live.get(("apps/v1", "Deployment", prefill_name(pool)))
             kw["prefill_replicas"] = pool.spec.prefill.replicas
+            if pool.spec.prefill.autoscaling is not None:  # its autoscaler's choice, as for the engines
+                kw["prefill_replicas"] = ((kw["prefill"] or {}).get("spec") or {}).get("replicas", 1)
             kw["role_endpoints"] = role_endpoints(pool)
     return Observation(
         generation=meta.get("generation"),

@@ -3,14 +3,15 @@
 The same engine as the pool's Deployment `<name>` (which then decodes): the same image, model,
 connector config (tiers, store namespace), keys Secret (PYTHONHASHSEED, so both roles name a
 prompt's chunks alike; the pool key, so each reads what the other sealed), volumes and placement,
-with `spec.prefill`'s replicas, its resources merged over the engines' and its extraArgs after
-the model's. The router sends each request here first (kv_transfer_params do_remote_decode, one
-token); the engine saves the prompt's KV to the pool's tiers and hands it over in the response's
-kv_transfer_params, which the router passes to a decode engine that loads it from the shared tier.
+with `spec.prefill`'s replicas (none with spec.prefill.autoscaling: its autoscaler owns them), its
+resources merged over the engines' and its extraArgs after the model's. The router sends each
+request here first (kv_transfer_params do_remote_decode, one token); the engine saves the prompt's
+KV to the pool's tiers and hands it over in the response's kv_transfer_params, which the router
+passes to a decode engine that loads it from the shared tier.
 
 Beside the Deployment: a ClusterIP Service (status.roles.prefill.endpoint, metrics scrapes), a
-PodDisruptionBudget with more than one replica, and with `<name>-engines` rendered, the same
-ingress rules for the prefill pods (`<name>-prefill`).
+PodDisruptionBudget with more than one replica (or autoscaling.maxReplicas), and with
+`<name>-engines` rendered, the same ingress rules for the prefill pods (`<name>-prefill`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvpool_operator.render.autoscaling import replicas_field
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION, Pool, checksum, merge
 from kvpool_operator.render.configmap import config_data
 from kvpool_operator.render.engine import engine_pod_spec
@@ -47,7 +49,7 @@ def _deployment(pool: Pool) -> dict[str, Any]:
         "kind": "Deployment",
         "metadata": pool.meta(prefill_name(pool), COMPONENT),
         "spec": {
-            "replicas": pool.spec.prefill.replicas,
+            **replicas_field(pool.spec.prefill.replicas, pool.spec.prefill.autoscaling),
             "selector": {"matchLabels": pool.selector(COMPONENT)},
             "template": {
                 "metadata": {
@@ -75,8 +77,9 @@ def _service(pool: Pool) -> dict[str, Any]:
 
 
 def _pdb(pool: Pool) -> list[dict[str, Any]]:
-    assert pool.spec.prefill is not None
-    if pool.spec.prefill.replicas <= 1:
+    prefill = pool.spec.prefill
+    assert prefill is not None
+    if (prefill.autoscaling.max_replicas if prefill.autoscaling is not None else prefill.replicas) <= 1:
         return []
     return [{
         "apiVersion": "policy/v1",
