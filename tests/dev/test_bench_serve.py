@@ -80,6 +80,12 @@ def test_summary_ratios_are_per_pass_and_the_verdict_needs_every_pass():
                       "workload": vars(sb.Workload()) | {}, "summary": {"prefix_repetition": s}})
     assert ("kvpool at or ahead of native on mean TTFT, p99 TTFT and req/s in every pass: no"
             in text)
+    assert "TTFT split" not in text  # no per-request TTFTs, no split
+    runs[1]["figures"].update(sb.split_ttfts([2.0, 0.25, 0.5], [0, 0, 0]))
+    s = sb.summarize(runs, ["plain", "kvpool", "native"])["prefix_repetition"]
+    text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
+                      "workload": vars(sb.Workload()) | {}, "summary": {"prefix_repetition": s}})
+    assert "1    kvpool  first 1: 2000 ms, 2000 ms; returning 2: 375 ms, 375 ms" in text
 
 
 def test_the_verdict_judges_the_goals_figures_not_the_median():
@@ -125,3 +131,39 @@ def test_counters_sum_label_sets_of_the_named_totals():
     assert sb.counter_delta({"vllm:prefix_cache_hits_total": 90.0}, got) == {
         "vllm:prefix_cache_hits_total": 6.0, "vllm:external_prefix_cache_hits_total": 1024.0,
         "kvpool_load_error_chunks_total": 2.0}
+
+
+def test_ttfts_split_into_each_prefixs_first_request_and_the_returning_ones():
+    got = sb.split_ttfts([2.0, 0.5, 3.0, 0.25, 0.75], [0, 0, 1, 1, 0])
+    assert (got["first_requests"], got["repeat_requests"]) == (2, 3)
+    assert got["first_mean_ttft_ms"] == 2500 and got["repeat_mean_ttft_ms"] == 500
+    assert got["repeat_median_ttft_ms"] == 500
+    assert sb.split_ttfts([1.0], [0, 1]) == {}  # lists that do not line up: no split
+    figures = sb.pick({"mean_ttft_ms": 1.0, "completed": 2, "ttfts": [1.0, 0.5]}, [3, 3])
+    assert figures["first_mean_ttft_ms"] == 1000 and figures["repeat_mean_ttft_ms"] == 500
+    assert "first_requests" not in sb.pick({"ttfts": [1.0, 0.5]})
+
+
+def test_prefix_groups_follow_the_requests_vllms_client_sends(tiny_model):
+    """The groups come from vLLM's own sampling, in the client's order: rebuilt with the client's
+    arguments through vLLM's get_samples, the requests' prefixes group alike."""
+    from vllm.benchmarks.datasets.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    w = sb.Workload(num_prompts=12, prefix_len=64, suffix_len=8, num_prefixes=3)
+    groups = sb.prefix_groups(w, tiny_model, seed=1000)
+    assert groups is not None and sorted(groups) == [0] * 4 + [1] * 4 + [2] * 4
+    assert groups != sorted(groups)  # shuffled, as the client sends them
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(sb.client_args("prefix_repetition", w, "http://h:1", str(tiny_model), 1000,
+                                            Path("/r"), "f.json"))
+    tok = get_tokenizer(str(tiny_model))
+    prompts = [r.prompt for r in get_samples(args, tok)]
+    for i in range(len(prompts)):
+        for j in range(len(prompts)):
+            same = prompts[i][:40] == prompts[j][:40]
+            assert same == (groups[i] == groups[j]), (i, j)
+    assert sb.prefix_groups(w, tiny_model, seed=1001) != groups

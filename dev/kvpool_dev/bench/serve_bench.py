@@ -21,6 +21,11 @@ at a time, in alternating order (pass 1 plain, kvpool, native; pass 2 native, kv
 plain), with a seed of its own, so no pass finds another's prefixes and the machine's drift
 falls on every arm alike. Ratios are per pass: the shared machine's absolute figures move,
 an arm's standing within one pass is what the bench reports.
+
+prefix_repetition's TTFTs are also split (from the client's per-request TTFTs and the
+dataset rebuilt with the pass's seed): the first request of each prefix, which every arm
+computes, and the returning ones, which the engine's cache or an offloading arm serves: the
+hot path the connectors differ on, apart from the prefill work they share.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ def client_args(dataset: str, w: Workload, base_url: str, model: str, seed: int,
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             # the ready check sends the first prompt untimed: it would warm that prefix
             "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file]
+            "--save-result", "--save-detailed",  # per-request TTFTs: split_ttfts
+            "--result-dir", str(result_dir), "--result-filename", result_file]
     if dataset == "prefix_repetition":
         args += ["--prefix-repetition-prefix-len", str(w.prefix_len),
                  "--prefix-repetition-suffix-len", str(w.suffix_len),
@@ -162,12 +168,35 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
-def pick(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures the table shows, from vLLM's result JSON (pure)."""
+def pick(result: dict[str, Any], groups: list[int] | None = None) -> dict[str, Any]:
+    """The figures the table shows, from vLLM's result JSON, and with `groups` (each
+    request's prefix, in request order: prefix_groups) its TTFTs split by split_ttfts (pure)."""
     out = {m: result.get(m) for m in METRICS}
     out["completed"] = result.get("completed")
     out["failed"] = result.get("failed", 0)
     out["duration_s"] = result.get("duration")
+    if groups is not None and result.get("ttfts"):
+        out.update(split_ttfts(result["ttfts"], groups))
+    return out
+
+
+def split_ttfts(ttfts: list[float], groups: list[int]) -> dict[str, Any]:
+    """TTFT (ms) of each prefix's first request (computed by every arm) and of the returning
+    ones (served from a cache), mean and median (pure). `ttfts` in request order, seconds;
+    nothing when the two lists do not line up."""
+    from kvpool_dev.demo import percentile
+
+    if len(ttfts) != len(groups):
+        return {}
+    seen: set[int] = set()
+    first, repeat = [], []
+    for t, g in zip(ttfts, groups, strict=True):
+        (repeat if g in seen else first).append(t * 1000)
+        seen.add(g)
+    out: dict[str, Any] = {"first_requests": len(first), "repeat_requests": len(repeat)}
+    for name, xs in (("first", first), ("repeat", repeat)):
+        out[f"{name}_mean_ttft_ms"] = sum(xs) / len(xs) if xs else None
+        out[f"{name}_median_ttft_ms"] = percentile(xs, 50) if xs else None
     return out
 
 
@@ -243,6 +272,16 @@ def render(report: dict[str, Any]) -> str:
             out.append(f"  {'mean':<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
                        f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
                        f"{_num(f['request_throughput']):>8}")
+        split = [(row["pass"], arm, f) for row in s["passes"] for arm, f in row["arms"].items()
+                 if f.get("repeat_mean_ttft_ms") is not None]
+        if split:
+            out.append("  TTFT split: each prefix's first request (computed by every arm) / the "
+                       "returning ones (served from a cache), mean and median")
+            for p, arm, f in split:
+                out.append(f"  {p:<5}{arm:<8}first {f['first_requests']}: "
+                           f"{_ms(f['first_mean_ttft_ms'])}, {_ms(f['first_median_ttft_ms'])}; "
+                           f"returning {f['repeat_requests']}: {_ms(f['repeat_mean_ttft_ms'])}, "
+                           f"{_ms(f['repeat_median_ttft_ms'])}")
         verdict = s["kvpool_at_or_ahead_of_native"]
         out.append("  kvpool at or ahead of native on mean TTFT, p99 TTFT and req/s in every "
                    "pass: "
@@ -305,6 +344,24 @@ def warm_up(base_url: str, tokens: int) -> None:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         r.read()
+
+
+def prefix_groups(w: Workload, model: Path, seed: int) -> list[int] | None:
+    """Each request's prefix (0..num_prefixes-1) in the order vLLM's bench serve sends
+    prefix_repetition with this seed: its dataset rebuilt the way its client builds it. None
+    when the rebuild does not find num_prefixes prefixes."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(model))
+    requests = PrefixRepetitionRandomDataset(random_seed=seed).sample(
+        tokenizer=tok, num_requests=w.num_prompts, prefix_len=w.prefix_len,
+        suffix_len=w.suffix_len, num_prefixes=w.num_prefixes, output_len=w.output_len)
+    # the prompt is decoded text: its first half re-encodes alike for one prefix
+    keys = [tuple(tok.encode(r.prompt, add_special_tokens=False)[:w.prefix_len // 2])
+            for r in requests]
+    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return [ids[k] for k in keys] if len(ids) == w.num_prefixes else None
 
 
 def run_client(dataset: str, w: Workload, base_url: str, model: Path, seed: int,
@@ -403,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         for p, order in enumerate(pass_orders(arms, passes), start=1):
             for di, dataset in enumerate(datasets):
                 seed = 1000 * p + di  # a pass's prompts are its own, the same for every arm
+                groups = prefix_groups(w, model, seed) if dataset == "prefix_repetition" else None
                 for a in order:
                     if a in errors:
                         continue
@@ -415,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                         errors[a] = f"{exc}\n{servers[a].log_tail(30)}"
                         _log(f"{label} failed: {str(exc)[-400:]}")
                         continue
-                    figures = pick(result)
+                    figures = pick(result, groups)
                     if figures["failed"] or not figures["completed"]:
                         errors[a] = (f"{label}: {figures['failed']} of {w.num_prompts} requests "
                                      f"failed\n{servers[a].log_tail(30)}")
