@@ -938,6 +938,31 @@ class Autoscaling(_Model):
         return self
 
 
+WARM_START_MESSAGE = (f"warmStart needs connector: tiered, tiers.cpu and a shared tier ({_SHARED_TIERS}): a "
+                      "starting engine loads the pool's hot set from the shared tier into its cpu tier")
+
+
+class WarmStart(_Model):
+    """Warm start: engines count which chunks their requests reuse into the pool's hot set, one sealed
+    manifest in the shared tier; a starting engine loads the top of it into its cpu tier before it
+    reports ready (docs/scaling.md, Warm start)."""
+
+    max_bytes: Size = Field(
+        "4Gi",
+        description="Bytes a starting engine loads at most, per pod (split across tensor-parallel ranks); also at "
+        "most half the cpu tier.",
+    )
+    max_seconds: int = Field(
+        30, ge=0, le=600,
+        description="How long engine start waits for the pre-warm before the engine reports ready; the rest loads "
+        "in the background. The startup probe allows this much longer.",
+    )
+    top_k: int = Field(4096, ge=1, le=1 << 20, description="Chunks the pool's hot set keeps, most hit first.")
+    refresh_seconds: int = Field(
+        60, ge=1, le=86400, description="How often each engine merges its hits into the hot set manifest."
+    )
+
+
 _SPEC_RULES = (
     (
         "self.connector != 'native' || has(self.tiers.cpu)",
@@ -974,6 +999,11 @@ _SPEC_RULES = (
         ".security.requireCacheSalt",
     ),
     scale_to_zero_rule("autoscaling"),
+    (
+        f"!has(self.warmStart) || (self.connector == 'tiered' && has(self.tiers.cpu) && ({_SHARED_TIER_RULE}))",
+        WARM_START_MESSAGE,
+        ".warmStart",
+    ),
 )
 
 
@@ -1029,6 +1059,11 @@ class KVCachePoolSpec(_Model):
         description="Scale the engines between minReplicas and maxReplicas on queue depth, KV cache usage and "
         "the prefill work tiers do not save (docs/scaling.md). Absent: replicas is the engine count.",
     )
+    warm_start: WarmStart | None = Field(
+        None,
+        description="Pre-warm each starting engine's cpu tier from the pool's hot set in the shared tier before "
+        "it reports ready (tiered connector; needs tiers.cpu and a shared tier). Absent: engines start cold.",
+    )
 
     model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES, *_PREFILL_RULES))
 
@@ -1055,6 +1090,12 @@ class KVCachePoolSpec(_Model):
         if self.autoscaling is not None and self.autoscaling.min_replicas == 0 and not (
                 self.tiers.redis or self.tiers.s3):
             raise ValueError(_SPEC_RULES[6][1])
+        if self.warm_start is not None:
+            disk = self.tiers.disk
+            shared = bool(self.tiers.redis or self.tiers.s3
+                          or (disk is not None and disk.volume.persistent_volume_claim is not None))
+            if self.connector != "tiered" or self.tiers.cpu is None or not shared:
+                raise ValueError(_SPEC_RULES[7][1])
         return self
 
     @field_validator("prefill")
