@@ -159,7 +159,7 @@ def render(report: dict[str, Any]) -> str:
     for arm, f in report["arms"].items():
         share = "-" if f["cpu_hit_share"] is None else f"{100 * f['cpu_hit_share']:.0f}%"
         out.append(f"  {arm:<13}{share:>14}{int(f['tokens_computed']):>17}"
-                   f"{_ms(f['ttft_p50_ms']):>10}{f['prewarm_seconds']:>11.2f}"
+                   f"{_ms(f['ttft_p50_ms']):>10}{f['prewarm_seconds']:>11.3f}"
                    f"{f['prewarm_bytes'] / 2**20:>13.1f}{f['start_s']:>9.1f}")
     warm, plain = report["arms"].get("warm"), report["arms"].get("plain")
     if warm and plain and warm["ttft_p50_ms"] and plain["ttft_p50_ms"]:
