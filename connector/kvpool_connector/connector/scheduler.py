@@ -380,7 +380,7 @@ class SchedulerSide:
         computed = request.num_tokens - record.local_tokens - max(num_external_tokens, 0)
         if computed > 0:
             self.stats.inc("kvpool_prompt_tokens_computed", computed)
-        if self.hotset is not None:
+        if self.hotset is not None and not self._isolated(request):
             self._count_reused(record, num_external_tokens)
         if num_external_tokens <= 0:
             return

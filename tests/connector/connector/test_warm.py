@@ -100,6 +100,17 @@ def test_manifest_writes_merge_and_the_last_hits_are_written_at_close(warm_side,
     assert dict(m.entries) == {keys[0][PREFIX_LEN:]: 1, keys[1][PREFIX_LEN:]: 1}  # 1*7//8 + 1
 
 
+def test_requests_the_pool_isolates_are_not_counted(warm_side):
+    """require_cache_salt: an unsalted request neither reads nor writes the pool, nor does it
+    count in the hot set; a salted one does (its keys hold the salt)."""
+    a = warm_side(top_k=16)
+    a.cfg = a.cfg.model_copy(update={"require_cache_salt": True})
+    admit(a, make_request("r1", 600), 512)
+    assert a.hotset is not None and len(a.hotset.hot) == 0
+    admit(a, make_request("r2", 600, cache_salt="tenant"), 512)
+    assert len(a.hotset.hot) == 2
+
+
 def test_a_forged_or_foreign_manifest_is_a_miss(warm_side, redis_server, namespace):
     a = warm_side()
     key = manifest_key(PREFIX)
