@@ -173,6 +173,26 @@ def test_prewarm_loads_verified_objects_into_the_cpu_tier(cpu_tier, redis_tier, 
         store.close()
 
 
+def test_the_hot_set_in_s3(cpu_tier, s3_tier, namespace):
+    """The same through S3: the manifest written by one store, the pre-warm of another."""
+    shared = build_store(namespace, s3_tier)
+    store = build_store(namespace, cpu_tier, s3_tier)
+    try:
+        keys = [PREFIX + os.urandom(32) for _ in range(3)]
+        assert all(shared.put_many(keys, [os.urandom(2048) for _ in keys]))
+        writer = ManifestWriter(shared, manifest_key(PREFIX), namespace, top_k=2,
+                                refresh_seconds=3600)
+        writer.add([k[PREFIX_LEN:] for k in keys[1:]])
+        writer.close()  # written at close
+        want = prewarm_keys(read_manifest(store, manifest_key(PREFIX)), PREFIX, max_objects=8)
+        assert sorted(want) == sorted(keys[1:])
+        result = Prewarmer(store, want, max_bytes=1 << 20).run(max_seconds=30)
+        assert result.objects == 2 and store.in_memory(keys[1:]) and not store.in_memory(keys[:1])
+    finally:
+        shared.close()
+        store.close()
+
+
 def test_the_worker_reports_prewarmed_chunks_and_counts_their_hits(cpu_tier, redis_tier,
                                                                   namespace):
     caches = {f"layer.{i}": torch.randn(8, 2, 16, 64) for i in range(2)}
