@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from ..config import PositiveSize, StoreConfig, _Strict, parse_size, read_documents
 
@@ -90,15 +90,18 @@ class ConnectorConfig(StoreConfig):
                                         description="pre-warm a starting engine's cpu tier "
                                         "from the pool's hot set (docs/scaling.md, Warm start)")
 
-    @model_validator(mode="after")
-    def _warm_start_tiers(self) -> ConnectorConfig:
-        if self.warm_start.enabled:
-            types = [t.type for t in self.tiers]
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start_tiers(cls, warm: WarmStartConfig, info: ValidationInfo) -> WarmStartConfig:
+        """A field validator, so the error names the field (the tiers come first)."""
+        tiers = info.data.get("tiers")
+        if warm.enabled and tiers:  # invalid tiers are reported by themselves
+            types = [t.type for t in tiers]
             if types[0] != "cpu" or not any(t in WARM_START_TIERS for t in types[1:]):
-                raise ValueError("warm_start.enabled: warm start loads the pool's hot set from "
-                                 "a shared tier (redis, s3 or disk) into a cpu first tier; "
-                                 f"the tiers are {types}")
-        return self
+                raise ValueError("enabled: warm start loads the pool's hot set from a shared "
+                                 "tier (redis, s3 or disk) into a cpu first tier; the tiers "
+                                 f"are {types}")
+        return warm
 
     def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.

@@ -231,7 +231,7 @@ def test_the_worker_reports_prewarmed_chunks_and_counts_their_hits(cpu_tier, red
 
 
 def test_warm_start_needs_a_cpu_first_tier_and_a_shared_tier():
-    with pytest.raises(ConnectorConfigError, match="warm_start.enabled"):
+    with pytest.raises(ConnectorConfigError, match=r"extra_config\.warm_start: .*enabled: warm start"):
         load_connector_config({"tiers": [{"type": "cpu", "size": "1Gi"}],
                                "warm_start": {"enabled": True}})
     with pytest.raises(ConnectorConfigError, match="warm_start.top_k"):
