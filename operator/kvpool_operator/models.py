@@ -963,6 +963,30 @@ class PrefillSpec(_Model):
             raise ValueError(_SECRET_ARGS_MESSAGE)
         return self
 
+WARM_START_MESSAGE = (f"warmStart needs connector: tiered, tiers.cpu and a shared tier ({_SHARED_TIERS}): a "
+                      "starting engine loads the pool's hot set from the shared tier into its cpu tier")
+
+
+class WarmStart(_Model):
+    """Warm start: engines count which chunks their requests reuse into the pool's hot set, one sealed
+    manifest in the shared tier; a starting engine loads the top of it into its cpu tier before it
+    reports ready (docs/scaling.md, Warm start)."""
+
+    max_bytes: Size = Field(
+        "4Gi",
+        description="Bytes a starting engine loads at most, per pod (split across tensor-parallel ranks); also at "
+        "most half the cpu tier.",
+    )
+    max_seconds: int = Field(
+        30, ge=0, le=600,
+        description="How long engine start waits for the pre-warm before the engine reports ready; the rest loads "
+        "in the background. The startup probe allows this much longer.",
+    )
+    top_k: int = Field(4096, ge=1, le=1 << 20, description="Chunks the pool's hot set keeps, most hit first.")
+    refresh_seconds: int = Field(
+        60, ge=1, le=86400, description="How often each engine merges its hits into the hot set manifest."
+    )
+
 
 _SPEC_RULES = (
     (
@@ -1003,6 +1027,11 @@ _SPEC_RULES = (
     scale_to_zero_rule("prefill.autoscaling"),
     router_trigger_rule("autoscaling"),
     router_trigger_rule("prefill.autoscaling"),
+    (
+        f"!has(self.warmStart) || (self.connector == 'tiered' && has(self.tiers.cpu) && ({_SHARED_TIER_RULE}))",
+        WARM_START_MESSAGE,
+        ".warmStart",
+    ),
 )
 
 
@@ -1058,6 +1087,11 @@ class KVCachePoolSpec(_Model):
         description="Scale the engines between minReplicas and maxReplicas on queue depth, KV cache usage and "
         "the prefill work tiers do not save (docs/scaling.md). Absent: replicas is the engine count.",
     )
+    warm_start: WarmStart | None = Field(
+        None,
+        description="Pre-warm each starting engine's cpu tier from the pool's hot set in the shared tier before "
+        "it reports ready (tiered connector; needs tiers.cpu and a shared tier). Absent: engines start cold.",
+    )
 
     model_config = ConfigDict(json_schema_extra=_rules(*_SPEC_RULES, *_PREFILL_RULES))
 
@@ -1087,6 +1121,12 @@ class KVCachePoolSpec(_Model):
         for n, scaling in ((8, self.autoscaling), (9, self.prefill.autoscaling if self.prefill else None)):
             if scaling is not None and scaling.triggers.router_requests is not None and self.router is None:
                 raise ValueError(_SPEC_RULES[n][1])
+        if self.warm_start is not None:
+            disk = self.tiers.disk
+            shared = bool(self.tiers.redis or self.tiers.s3
+                          or (disk is not None and disk.volume.persistent_volume_claim is not None))
+            if self.connector != "tiered" or self.tiers.cpu is None or not shared:
+                raise ValueError(_SPEC_RULES[10][1])
         return self
 
     @field_validator("prefill")

@@ -5,7 +5,9 @@ Redis server stopped mid-run.
 Three connector engines share one pool (namespace, disk directory, Redis, bucket):
 - `writer`: cpu + disk + Redis + S3, with a deliberately small paged KV cache;
 - `remote`: Redis + S3 only, running next to the writer (hits in both directions);
-- `disk`:   the disk tier only, with layerwise loads.
+- `disk`:   the disk tier only, with layerwise loads;
+- `warm`:   cpu + Redis with warm start, started after the writer counted hits: its cpu tier
+            is pre-warmed from the pool's hot set before it serves.
 After every test the KV audit proves that each block loaded into a paged cache equals the
 block that was saved (see conftest.py); outputs are compared with a connector-less recompute
 by logprob closeness, and hits of the same prompts with each other exactly (same schedule).
@@ -14,8 +16,11 @@ by logprob closeness, and hits of the same prompts with each other exactly (same
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+
+from kvpool_dev.testbed.engine import metric_total
 
 from .conftest import (
     PROMPTS,
@@ -76,10 +81,16 @@ def _wait_stored(pool, n: int, tiers=("disk", "redis", "s3")) -> None:
         wait_until(lambda t=t: count[t]() >= n, what=f"{n} objects in {t}")
 
 
+# the writer counts the chunks its requests reuse into the pool's hot set (warm start)
+HOT_SET_REFRESH_S = 1.0
+
+
 @pytest.fixture(scope="module")
 def writer(tiny_model, pool, audit, baseline):  # baseline first: its engine is gone by now
     eng = _engine(tiny_model, pool, audit, [CPU, pool["disk"], pool["redis"], pool["s3"]],
-                  num_gpu_blocks_override=NUM_BLOCKS).start()
+                  num_gpu_blocks_override=NUM_BLOCKS,
+                  extra={"warm_start": {"enabled": True,
+                                        "refresh_seconds": HOT_SET_REFRESH_S}}).start()
     yield eng
     eng.stop()
 
@@ -126,6 +137,27 @@ def test_cpu_tier_hit_in_the_same_engine(writer, baseline, audit):
     _record_hits("cpu", outs)
 
 
+def test_a_starting_engine_prewarmed_from_the_hot_set_serves_from_its_cpu_tier(
+        writer, tiny_model, pool, audit, baseline):
+    """Warm start: the writer counted a4k's and b4k's chunks as hits (the test before) and
+    merged them into the pool's hot set manifest; a new engine loads them from Redis into
+    its cpu tier before it starts, and its first requests load every chunk from there."""
+    time.sleep(3 * HOT_SET_REFRESH_S)  # the writer's next merge into the manifest
+    n = chunks_of("a4k") + chunks_of("b4k")
+    with _engine(tiny_model, pool, audit, [CPU, pool["redis"]],
+                 extra={"warm_start": {"enabled": True}}, disable_log_stats=False) as eng:
+        outs = eng.generate([PROMPTS[name] for name in AB])
+        _expect_full_hits(outs, AB, "warm start")
+        assert_close_to_baseline(outs, AB, baseline, "warm start")
+        _record_hits("warm", outs)
+        samples = eng.metric_samples()
+    assert metric_total(samples, "kvpool_prewarm_objects") >= n
+    assert metric_total(samples, "kvpool_prewarm_misses") == 0
+    assert metric_total(samples, "kvpool_hit_objects", tier="cpu") == n
+    assert metric_total(samples, "kvpool_hit_objects", tier="redis") == 0
+    assert metric_total(samples, "kvpool_prewarm_hit_objects") == n
+
+
 def test_two_engines_at_the_same_time_share_redis(writer, remote, pool, baseline):
     got = remote.generate([PROMPTS[n] for n in AB])  # computed by the writer
     _expect_full_hits(got, AB, "redis")
@@ -170,7 +202,7 @@ def test_fresh_engine_hits_from_disk_layerwise_and_recomputes_corrupt_objects(
 def test_hits_from_every_tier_and_layerwise_are_token_identical():
     """Same prompts, same schedule (prefix loaded, last block computed), same KV bytes (the
     audit): tier and load mode cannot change a single token."""
-    assert set(HITS) == {"cpu", "redis", "disk/layerwise", "disk/after-corruption"}
+    assert set(HITS) == {"cpu", "warm", "redis", "disk/layerwise", "disk/after-corruption"}
     first = HITS["cpu"]
     assert all(tokens == first for tokens in HITS.values()), HITS
 

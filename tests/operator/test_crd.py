@@ -181,6 +181,12 @@ INVALID = [
     ("tiered-pd-keda", "spec.prefill.autoscaling.minReplicas", 5, "minReplicas must not exceed maxReplicas"),
     ("tiered-pd-keda", "spec.prefill.autoscaling.triggers", {}, "at least one trigger is required"),
     ("tiered-keda", "spec.autoscaling.triggers.routerRequests", 2, "triggers.routerRequests needs spec.router"),
+    # warm start: loads the hot set from a shared tier into the tiered connector's cpu tier
+    ("tiered-emptydir", "spec.warmStart", {}, "warmStart needs connector: tiered, tiers.cpu and a shared tier"),
+    ("native-shared", "spec.warmStart", {}, "warmStart needs connector: tiered, tiers.cpu and a shared tier"),
+    ("tiered-keda", "spec.warmStart.maxSeconds", 601,
+     ("greater than the maximum of 600", "less than or equal to 600")),
+    ("tiered-keda", "spec.warmStart.maxBytes", "lots", ("does not match", "must be a size")),
 ]
 
 
@@ -216,6 +222,7 @@ def test_valid_variations_pass_both():
         ("tiered-autoscaling", "spec.autoscaling.minReplicas", 8),
         ("tiered-autoscaling", "spec.autoscaling.triggers", {"promptTokensComputed": 0.5}),
         ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1),
+        ("tiered-full", "spec.warmStart", {"maxBytes": "1Gi", "topK": 100}),
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)

@@ -578,3 +578,22 @@ def test_a_truncated_store_namespace_keeps_a_64_bit_digest(settings):
         full = f"{namespace}.pool-{'x' * 30}{tail}"
         assert name == f"{full[:STORE_NAMESPACE_MAX - 17]}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"
     assert names[0] != names[1] and names[0][:-16] == names[1][:-16]
+
+
+def test_warm_start_renders_the_connector_keys_and_a_longer_startup_probe(settings):
+    """spec.warmStart: the connector's warm_start keys (the byte budget per tensor-parallel rank,
+    like the tiers), and a startup probe that allows the pre-warm's time on top of the model load:
+    vLLM's /health answers only after it."""
+    cold = load_example("tiered-keda")
+    del cold["spec"]["warmStart"]
+    cold_probe = engine(render(cold, settings, "kvpool"))["startupProbe"]
+    assert "warm_start" not in mounted_store_config(render(cold, settings, "kvpool"))
+    pool = load_example("tiered-keda")
+    pool["spec"]["model"]["tensorParallelSize"] = 2
+    pool["spec"]["model"]["gpus"] = 2
+    pool["spec"]["warmStart"] = {"maxBytes": "8Gi", "maxSeconds": 95, "topK": 100, "refreshSeconds": 30}
+    m = render(pool, settings, "kvpool")
+    assert mounted_store_config(m)["warm_start"] == {
+        "enabled": True, "refresh_seconds": 30.0, "top_k": 100, "max_bytes": 4 << 30, "max_seconds": 95.0}
+    probe = engine(m)["startupProbe"]
+    assert probe["periodSeconds"] * (probe["failureThreshold"] - cold_probe["failureThreshold"]) >= 95

@@ -12,18 +12,37 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from ..config import PositiveSize, StoreConfig, parse_size, read_documents
+from ..config import PositiveSize, StoreConfig, _Strict, parse_size, read_documents
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
                   "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
-                  "handover_wait_seconds", "handover_always")
+                  "handover_wait_seconds", "handover_always", "warm_start")
+# tier types whose objects other engines of the pool read: where the hot set manifest lives
+WARM_START_TIERS = ("redis", "s3", "disk")
 
 
 class ConnectorConfigError(ValueError):
     """Invalid connector config; the message names the offending field."""
+
+
+class WarmStartConfig(_Strict):
+    """Warm start (connector/warm.py): the pool's hot set in the shared tier, loaded into a
+    starting engine's cpu tier before it serves."""
+
+    enabled: bool = Field(False, description="count the chunks requests reuse, merge them into "
+                          "the pool's hot set manifest in the shared tier, and at engine start "
+                          "load the top of it into the cpu tier before the engine reports ready")
+    refresh_seconds: float = Field(60.0, gt=0, le=86400, description="how often a running "
+                                   "engine merges its hits into the manifest")
+    top_k: int = Field(4096, ge=1, le=1 << 20, description="chunks the manifest keeps, most "
+                       "hit first")
+    max_bytes: PositiveSize = Field(parse_size("4Gi"), description="bytes a starting engine "
+                                    "loads at most (also at most half of the cpu tier)")
+    max_seconds: float = Field(30.0, ge=0, le=3600, description="how long engine start waits "
+                               "for the pre-warm; the rest loads in the background after it")
 
 
 class ConnectorConfig(StoreConfig):
@@ -66,6 +85,23 @@ class ConnectorConfig(StoreConfig):
                                   "to the shared tiers before its response), for a prefill "
                                   "engine behind llm-d's shared-storage protocol, which sends "
                                   "no kv_transfer_params")
+
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig,
+                                        description="pre-warm a starting engine's cpu tier "
+                                        "from the pool's hot set (docs/scaling.md, Warm start)")
+
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start_tiers(cls, warm: WarmStartConfig, info: ValidationInfo) -> WarmStartConfig:
+        """A field validator, so the error names the field (the tiers come first)."""
+        tiers = info.data.get("tiers")
+        if warm.enabled and tiers:  # invalid tiers are reported by themselves
+            types = [t.type for t in tiers]
+            if types[0] != "cpu" or not any(t in WARM_START_TIERS for t in types[1:]):
+                raise ValueError("enabled: warm start loads the pool's hot set from a shared "
+                                 "tier (redis, s3 or disk) into a cpu first tier; the tiers "
+                                 f"are {types}")
+        return warm
 
     def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:
         """The plain store config (connector keys removed), optionally without some tier types.

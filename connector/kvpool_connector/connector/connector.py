@@ -7,6 +7,7 @@ scheduler.py for why it opens only the shared lower tiers) and role WORKER in ea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -33,9 +34,10 @@ from .events import kv_events_enabled
 from .keys import KeySpace, model_config_hash
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
-from .scheduler import SchedulerSide
+from .scheduler import SchedulerSide, prewarm_objects
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
 from .tails import is_tail_key
+from .warm import manifest_key, prewarm_keys, read_manifest
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -158,6 +160,20 @@ class KVPoolConnector(KVConnectorBase_V1):
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),
                  self.cfg.chunk_tokens,
                  [t.type for t in self.cfg.tiers])
+        if self.cfg.warm_start.enabled:
+            self._prewarm(store, layout.chunk_nbytes(self.blocks_per_chunk))
+
+    def _prewarm(self, store, chunk_bytes: int) -> None:
+        """Warm start (warm.py): the top of the pool's hot set into the cpu tier, before
+        vLLM's engine is up for at most warm_start.max_seconds, the rest in the background."""
+        assert self.worker is not None
+        ws = self.cfg.warm_start
+        cpu_bytes = self.cfg.tiers[0].size  # type: ignore[attr-defined]  # cpu first: validated
+        prefix0 = dataclasses.replace(self.keyspace, tp_rank=0).prefix()
+        manifest = read_manifest(store, manifest_key(prefix0))
+        keys = prewarm_keys(manifest, self.prefix, prewarm_objects(ws.max_bytes, cpu_bytes,
+                                                                   chunk_bytes))
+        self.worker.prewarm(keys, min(ws.max_bytes, cpu_bytes // 2), ws.max_seconds)
 
     def _meta(self) -> KVPoolMetadata | None:
         m = self._connector_metadata

@@ -47,6 +47,7 @@ from .keys import chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 from .tails import find_tail, request_options, tail_candidates, tail_key
+from .warm import PREFIX_LEN, ManifestWriter, manifest_key, prewarm_keys, read_manifest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -100,6 +101,12 @@ class _RemoteAnswer:
     more: int
     tail_at: int = -1
     tail_key: bytes | None = None
+
+
+def prewarm_objects(max_bytes: int, cpu_bytes: int, chunk_bytes: int) -> int:
+    """Chunks a warm start loads: within `max_bytes` and half the cpu tier (the rest stays
+    for what the engine computes)."""
+    return min(max_bytes, cpu_bytes // 2) // max(1, chunk_bytes)
 
 
 class KeyIndex:
@@ -180,6 +187,28 @@ class SchedulerSide:
         # handovers returned this step whose write-through the workers report later in the
         # same update_from_output: req_id -> (the params returned, their objects, record)
         self.handovers_out: dict[str, tuple[dict, list[bytes], _RequestRecord]] = {}
+        self.hotset: ManifestWriter | None = None
+        self._hotset_writes = 0
+        if cfg.warm_start.enabled and lower_store is not None:
+            self._warm_start(local_bytes, chunk_bytes)
+
+    def _warm_start(self, cpu_bytes: int, chunk_bytes: int) -> None:
+        """Count reused chunks into the pool's hot set (warm.py), and put the hot set's
+        objects the workers pre-warmed (those the shared tier holds, within the byte budget,
+        as the workers chose them) into the KeyIndex: hits in the workers' own memory."""
+        ws = self.cfg.warm_start
+        key = manifest_key(self.prefix)
+        self.hotset = ManifestWriter(self.lower, key, self.cfg.namespace, ws.top_k,
+                                     ws.refresh_seconds)
+        keys = prewarm_keys(read_manifest(self.lower, key), self.prefix,
+                            prewarm_objects(ws.max_bytes, cpu_bytes, chunk_bytes))
+        present = self.lower.contains_many(keys) if keys else []
+        warm = [k for k, ok in zip(keys, present, strict=True) if ok]
+        for k in reversed(warm):  # the most-hit last: the index's most recent
+            self.index.add(k)
+        if warm:
+            log.info("kvpool: warm start: %d hot set chunks in the workers' cpu tier",
+                     len(warm))
 
     def enable_events(self, chunk_bytes: int) -> None:
         """Publish the local tiers' contents as vLLM KV events (events.py); a pool whose
@@ -193,6 +222,8 @@ class SchedulerSide:
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
 
     def close(self) -> None:
+        if self.hotset is not None:
+            self.hotset.close()  # the hits counted since the last refresh
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -349,6 +380,8 @@ class SchedulerSide:
         computed = request.num_tokens - record.local_tokens - max(num_external_tokens, 0)
         if computed > 0:
             self.stats.inc("kvpool_prompt_tokens_computed", computed)
+        if self.hotset is not None and not self._isolated(request):
+            self._count_reused(record, num_external_tokens)
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
@@ -380,6 +413,22 @@ class SchedulerSide:
         # a hit from the worker's memory says nothing of the shared tiers).
         if not record.handover_out:
             record.next_save = max(record.next_save, record.hit_chunks)
+
+    def _count_reused(self, record: _RequestRecord, num_external_tokens: int) -> None:
+        """The full chunks of the prompt that vLLM's prefix cache or the pool held: hits of
+        the hot set (warm.py)."""
+        assert self.hotset is not None
+        request = record.request
+        reused = min(record.local_tokens + max(num_external_tokens, 0),
+                     request.num_prompt_tokens) // self.chunk_tokens
+        if reused > 0:
+            keys = chunk_keys(self.prefix, request.block_hashes, self.blocks_per_chunk,
+                              limit=reused)
+            self.hotset.add([k[PREFIX_LEN:] for k in keys])
+        writes = self.hotset.writes
+        if writes > self._hotset_writes:
+            self.stats.inc("kvpool_hotset_writes", writes - self._hotset_writes)
+            self._hotset_writes = writes
 
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:

@@ -83,6 +83,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                                  "visible within handover_wait_seconds (they recompute)", ()),
     "kvpool_handover_rejected": ("Handovers ignored: malformed, or naming objects this "
                                  "request does not derive (another prompt, model or key)", ()),
+    "kvpool_prewarm_objects": ("Warm start: objects of the pool's hot set loaded into the cpu "
+                               "tier at engine start (connector/warm.py)", ()),
+    "kvpool_prewarm_bytes": ("Warm start: bytes loaded into the cpu tier at engine start", ()),
+    "kvpool_prewarm_misses": ("Warm start: hot set objects the shared tier did not serve "
+                              "(gone, or failing their MAC)", ()),
+    "kvpool_prewarm_seconds": ("Warm start: time the pre-warm ran (engine start waits for at "
+                               "most warm_start.max_seconds of it)", ()),
+    "kvpool_prewarm_hit_objects": ("Warm start: objects loaded into the paged KV cache that "
+                                   "the pre-warm had put in the cpu tier", ()),
+    "kvpool_hotset_writes": ("Warm start: merges of this engine's hits into the pool's hot "
+                             "set manifest", ()),
 }
 
 

@@ -41,6 +41,7 @@ from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler, kind_tier
+from .warm import Prewarmer, PrewarmResult
 
 log = logging.getLogger("kvpool.connector")
 
@@ -128,6 +129,8 @@ class WorkerSide:
         self._sample_store = False
         self._save_in_step = False  # set in register: a memory-only store saves in the step
         self._stop = False
+        self._prewarmed: set[bytes] = set()  # keys the warm start put in the cpu tier
+        self._prewarmer: Prewarmer | None = None
         self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
                          threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
         for t in self._threads:
@@ -146,6 +149,39 @@ class WorkerSide:
         self._load_pool = BufferPool(chunk, 2 * LOAD_BATCH_CHUNKS, self.cuda)
         self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
                                                 - 2 * LOAD_BATCH_CHUNKS), self.cuda)
+
+    # -- warm start (warm.py) ----------------------------------------------------------
+    def prewarm(self, keys: list[bytes], max_bytes: int, max_seconds: float) -> PrewarmResult:
+        """Load the hot set's `keys` into the cpu tier: here for at most `max_seconds`
+        (engine start waits), the rest in the background. Loaded keys are reported to the
+        scheduler like saved ones (its KeyIndex) and their later hits counted."""
+        def loaded(batch: list[bytes], nbytes: int) -> None:
+            self._prewarmed.update(batch)
+            with self._lock:
+                self._stored.extend(batch)
+            self._inc("kvpool_prewarm_objects", len(batch))
+            self._inc("kvpool_prewarm_bytes", nbytes)
+
+        self._prewarmer = Prewarmer(self.store, keys, max_bytes, on_loaded=loaded)
+        result = self._prewarmer.run(max_seconds)
+        if result.done:
+            self._prewarm_done(result)
+        else:
+            threading.Thread(target=self._prewarm_wait, name="kvpool-prewarm-wait",
+                             daemon=True).start()
+        return result
+
+    def _prewarm_wait(self) -> None:
+        p = self._prewarmer
+        if p is not None and p.thread is not None:
+            p.thread.join()
+            self._prewarm_done(p.result)
+
+    def _prewarm_done(self, r: PrewarmResult) -> None:
+        self._inc("kvpool_prewarm_seconds", r.seconds)
+        self._inc("kvpool_prewarm_misses", r.misses)
+        log.info("kvpool: warm start loaded %d objects (%d bytes, %d misses) in %.2f s",
+                 r.objects, r.nbytes, r.misses, r.seconds)
 
     # -- saves -------------------------------------------------------------------------
     def submit_saves(self, meta: KVPoolMetadata) -> None:
@@ -446,6 +482,8 @@ class WorkerSide:
 
     def _count_hit(self, c, tier: str) -> None:
         kind = c.kind or ("prompt_tail" if c.n_blocks else "prompt")
+        if c.key in self._prewarmed:
+            self._inc("kvpool_prewarm_hit_objects")
         self._inc("kvpool_hit_objects", 1, kind_tier(kind, tier))
         if self.count_tokens and self.block_size:
             self._inc("kvpool_hit_tokens", len(c.rows) * self.block_size, kind_tier(kind, tier))
@@ -584,6 +622,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._stop = True
+        if self._prewarmer is not None:
+            self._prewarmer.stop()
         for q in (self._save_q, self._load_q):
             with contextlib.suppress(queue.Full):
                 q.put(None, timeout=1)

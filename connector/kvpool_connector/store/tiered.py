@@ -180,14 +180,16 @@ class TieredStore:
 
     # -- reads ----------------------------------------------------------------------------
     def _probe(self, keys: list[bytes], layout_id: bytes, outs: list[memoryview] | None,
-               served_by: list[str | None] | None = None) -> list[Record | None]:
+               served_by: list[str | None] | None = None, promote: bool = True
+               ) -> list[Record | None]:
         """Every tier in order, under the current key then the previous one, within one
-        deadline; promotes what lower tiers (or the previous key) served. `served_by`: set
-        to the name of the tier that served each key (None: a miss)."""
+        deadline; promotes what lower tiers (or the previous key) served, unless `promote`
+        is False. `served_by`: set to the name of the tier that served each key (None: a
+        miss)."""
         found: list[Record | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.cfg.timeout_seconds
-        promote: list[tuple[int, int, Record]] = []  # (tier, index, record)
+        hits: list[tuple[int, int, Record]] = []  # (tier, index, record) to promote
         for generation, pool_key in enumerate(self.keyring.generations()):
             names = {i: pool_key.object_name(keys[i]) for i in pending}
             for tier_index, runner in enumerate(self.runners):
@@ -220,11 +222,12 @@ class TieredStore:
                         served_by[i] = runner.name
                     if tier_index or generation:
                         source = tier_index if not generation else len(self.runners)
-                        promote.append((source, i, rec))
+                        hits.append((source, i, rec))
                 runner.stats.inc("hits", len(pending) - len(still))
                 runner.stats.inc("misses", len(still))
                 pending = still
-        self._promote(promote, keys, layout_id)
+        if promote:
+            self._promote(hits, keys, layout_id)
         return found
 
     def _refused(self, runner: TierRunner, rec: Record, outs: list[memoryview] | None,
@@ -269,16 +272,19 @@ class TieredStore:
                 else:
                     runner.enqueue([rec.freeze()])
 
-    def get_many(self, keys: Sequence[bytes], layout: bytes | str | None = None
-                 ) -> list[memoryview | bytes | None]:
+    def get_many(self, keys: Sequence[bytes], layout: bytes | str | None = None,
+                 promote: bool = True) -> list[memoryview | bytes | None]:
+        """The payloads (None: a miss); `promote=False` leaves what a lower tier served out
+        of the faster tiers (an object read once, such as the warm start manifest)."""
         keys = self._check_keys(keys)
         if not keys or self._closed:
             return [None] * len(keys)
         return [None if r is None else r.payload
-                for r in self._probe(keys, self._layout(layout), None)]
+                for r in self._probe(keys, self._layout(layout), None, promote=promote)]
 
-    def get(self, key: bytes, layout: bytes | str | None = None) -> memoryview | bytes | None:
-        return self.get_many([key], layout)[0]
+    def get(self, key: bytes, layout: bytes | str | None = None,
+            promote: bool = True) -> memoryview | bytes | None:
+        return self.get_many([key], layout, promote)[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any],
                       layout: bytes | str | None = None,

@@ -324,6 +324,26 @@ def cpu_line() -> str:
             f"{fields.get('model', '?')}, avx512_bf16 {'present' if bf16 else 'absent'})")
 
 
+def with_positive(w: Any, args: argparse.Namespace, fields: tuple[str, ...]) -> Any:
+    """The workload dataclass `w` with the command line's values of `fields` (None: kept);
+    ValueError naming the option for one that is not positive."""
+    for field_ in fields:
+        value = getattr(args, field_)
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"--{field_.replace('_', '-')} must be positive")
+            w = replace(w, **{field_: value})
+    return w
+
+
+def emit(report: dict[str, Any], args: argparse.Namespace, render_fn) -> int:
+    """Write the report (--json-out), print it (--json or the table); 1 if an arm failed."""
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else render_fn(report))
+    return 1 if report.get("errors") else 0
+
+
 def _log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -411,15 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool_dev.testbed.localmodel import ensure_model
 
     w = QUICK if args.quick else Workload()
-    for field_, value in (("num_prompts", args.num_prompts), ("prefix_len", args.prefix_len),
-                          ("num_prefixes", args.num_prefixes),
-                          ("concurrency", args.concurrency), ("host_bytes", args.host_bytes)):
-        if value is not None:
-            if value <= 0:
-                print(f"kvpool bench serve: --{field_.replace('_', '-')} must be positive",
-                      file=sys.stderr)
-                return 2
-            w = replace(w, **{field_: value})
+    try:
+        w = with_positive(w, args, ("num_prompts", "prefix_len", "num_prefixes", "concurrency",
+                                    "host_bytes"))
+    except ValueError as exc:
+        print(f"kvpool bench serve: {exc}", file=sys.stderr)
+        return 2
     arms = [a for a in args.arms.split(",") if a]
     datasets = (args.datasets.split(",") if args.datasets
                 else ["prefix_repetition"] if args.quick else list(DATASETS))
@@ -501,10 +518,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_model_len": max_model_len(w), "runs": runs,
               "summary": summarize(runs, arms), "errors": errors,
               "wall_s": time.monotonic() - t0}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 1 if errors else 0
+    return emit(report, args, render)
 
 
 if __name__ == "__main__":

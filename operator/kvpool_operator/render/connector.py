@@ -24,7 +24,7 @@ from kvpool_connector.config import (
     SecurityConfig,
     parse_size,
 )
-from kvpool_connector.connector.config import ConnectorConfig
+from kvpool_connector.connector.config import ConnectorConfig, WarmStartConfig
 from kvpool_operator.render.common import (
     CONFIG_FILE,
     DISK_PATH,
@@ -185,6 +185,11 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
         fields |= {"staging_bytes": _per_rank(pool, STAGING_BYTES),
                    "require_cache_salt": pool.spec.security.require_cache_salt,
                    "save_decode_tokens": pool.spec.save_decode}
+        warm = pool.spec.warm_start
+        if warm is not None:
+            fields["warm_start"] = WarmStartConfig(
+                enabled=True, refresh_seconds=warm.refresh_seconds, top_k=warm.top_k,
+                max_bytes=_per_rank(pool, warm.max_bytes), max_seconds=warm.max_seconds)
     return ConnectorConfig(**fields)
 
 

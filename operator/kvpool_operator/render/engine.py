@@ -289,6 +289,18 @@ def _health_probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
+STARTUP_PROBE_PERIOD = 10
+STARTUP_FAILURES = 180  # model download + load may take up to 30 minutes
+
+
+def startup_failures(pool: Pool) -> int:
+    """The startup probe's failureThreshold: 30 minutes, plus the time warm start may hold engine
+    start (vLLM's /health answers only once the pre-warm is done or its time is up)."""
+    warm = pool.spec.warm_start if pool.spec.connector == "tiered" else None
+    extra = -(-warm.max_seconds // STARTUP_PROBE_PERIOD) if warm is not None else 0
+    return STARTUP_FAILURES + extra
+
+
 def engine_container(pool: Pool, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """The vLLM container: image, arguments, env, ports, probes, resources."""
     model = pool.spec.model
@@ -302,7 +314,7 @@ def engine_container(pool: Pool, mounts: list[dict[str, Any]]) -> dict[str, Any]
         "env": engine_env(pool),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   *([{"name": "kv-events", "containerPort": events.port, "protocol": "TCP"}] if events else [])],
-        "startupProbe": _health_probe(10, 180),  # model download + load may take up to 30 minutes
+        "startupProbe": _health_probe(STARTUP_PROBE_PERIOD, startup_failures(pool)),
         "readinessProbe": _health_probe(10, 3),
         "livenessProbe": _health_probe(15, 4),
         "securityContext": CONTAINER_SECURITY,

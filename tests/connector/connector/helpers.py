@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
@@ -100,3 +101,13 @@ def with_prompt(rid: str, ids: list[int]):
     """A request of exactly these prompt ids (token-exact history)."""
     proto = make_request(rid, 1)
     return type(proto)(rid, ids, proto.sampling_params, None, block_hasher=proto._block_hasher)
+
+
+def answered(side, req):
+    """num_matched until the lookup threads answered (bounded)."""
+    for _ in range(500):
+        got = side.num_matched(req, 0)
+        if got[0] is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("the lookup never answered")

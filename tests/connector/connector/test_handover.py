@@ -6,8 +6,6 @@ objects, its hit, its timeout and a handover that is not its own."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -27,6 +25,7 @@ from tests.connector.connector.helpers import (
     BS,
     PREFIX,
     allocate,
+    answered,
     make_request,
     scheduler_output,
 )
@@ -255,22 +254,12 @@ def remote_side(redis_tier, namespace):
     s.lower.close()
 
 
-def _ask(side, req):
-    """num_matched until the lookup threads answered (bounded)."""
-    for _ in range(500):
-        got = side.num_matched(req, 0)
-        if got[0] is not None:
-            return got
-        time.sleep(0.01)
-    raise AssertionError("the lookup never answered")
-
-
 def test_an_ordinary_lookup_finds_the_tail_in_redis(remote_side):
     # llm-d's shared-storage decode: no handover, the prompt written through by the prefill
     req = make_request("s", 1000, seed=3)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     remote_side.lower.put_many(keys, [b"c" * 64] * 3)
-    assert _ask(remote_side, req) == (3 * 256, True)  # no tail stored: the chunks
+    assert answered(remote_side, req) == (3 * 256, True)  # no tail stored: the chunks
     remote_side.lower.put_many([tail_key(PREFIX, req.block_hashes, 6, 1)], [b"t" * 64])
     again = make_request("s2", 1000, seed=3)
-    assert _ask(remote_side, again) == (7 * BS, True)  # chunks and tail, up to the last block
+    assert answered(remote_side, again) == (7 * BS, True)  # chunks and tail, up to the last block
