@@ -127,3 +127,21 @@ def test_bad_input_is_one_line_naming_the_option(repo_root):
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvpool bench pd")]
         assert len(lines) == 1 and word in lines[0], (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_the_nixl_shim_puts_a_nixl_package_over_the_cu12_wheel(tmp_path, monkeypatch):
+    import importlib.util
+
+    found = {"nixl": None, "nixl_cu12": object()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found[name])
+    assert pb.nixl_shim(tmp_path) == tmp_path
+    for mod in ("__init__", "_api", "_bindings"):
+        source = (tmp_path / "nixl" / f"{mod}.py").read_text()
+        assert "nixl_cu12" in source
+        compile(source, mod, "exec")
+    assert pb.NIXL_PROG_THREAD_ENV in (tmp_path / "nixl" / "_api.py").read_text()
+    found["nixl_cu12"] = None
+    assert pb.nixl_shim(tmp_path / "other") is None  # neither imports: the arm says why
+    found["nixl"] = object()
+    assert pb.nixl_shim(tmp_path / "third") == tmp_path / "third"  # nixl itself: nothing to add
+    assert not (tmp_path / "third" / "nixl").exists()

@@ -9,8 +9,13 @@ process of the server, `VLLM_CPU_OMP_THREADS_BIND` for its compute threads):
              through a shared Redis (the connector's handover, connector/handover.py)
   pd-nixl    the same with vLLM's NixlConnector (DRAM to DRAM over UCX on the CPU
              platform, the nixl-cu12 wheel); if it does not start, its one-line reason
-             is reported and the run goes on
-Redis and the bench's client run unpinned (their cost falls on both cores alike).
+             is reported and the run goes on. NIXL's progress thread is off unless
+             --nixl-progress-thread: it busy-polls beside the forward (vLLM reserves a core
+             for it on the CPU platform), which on one core per engine halved the prefill
+             engine (a 1024-token prefill 3.3 s with it, 1.3 s without, under load)
+Redis and the bench's client run unpinned (their cost falls on both cores alike). Threads
+an engine moves off its cores by itself are put back before the run (pin_group) and
+reported.
 
 Workload: long prompts (--prompt-min..--prompt-max tokens, token ids drawn at random, each
 prompt new to every cache) arriving every --interval seconds while --decoders short-prompt
@@ -142,6 +147,7 @@ def arm_figures(requests: list[dict[str, Any]]) -> dict[str, Any]:
         "failed": sum(1 for r in requests if not r.get("ok")),
         "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
         "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), "itl_count": len(itl),
+        "itl_max_ms": max(itl) * 1000 if itl else None,
         "decode_computed_max": max(computed) if computed else None,
         "decode_computed_mean": sum(computed) / len(computed) if computed else None,
         "decode_computed_long_mean": (sum(computed_long) / len(computed_long)
@@ -204,6 +210,22 @@ def engine_layout(arm: str, cores: list[int]) -> list[tuple[str, str]]:
     return [("prefill", a), ("decode", b)]
 
 
+NIXL_PROG_THREAD_ENV = "KVPOOL_BENCH_NIXL_PROG_THREAD"
+NIXL_API_SHIM = f"""from nixl_cu12._api import *  # noqa: F403
+import os as _os
+from nixl_cu12._api import nixl_agent, nixl_agent_config as _config  # noqa: F401
+
+
+class nixl_agent_config(_config):
+    \"\"\"{NIXL_PROG_THREAD_ENV}=0: no progress thread (vLLM does not expose the flag).\"\"\"
+
+    def __init__(self, *args, **kwargs):
+        if _os.environ.get("{NIXL_PROG_THREAD_ENV}") == "0":
+            kwargs.setdefault("enable_prog_thread", False)
+        super().__init__(*args, **kwargs)
+"""
+
+
 def nixl_shim(into: Path) -> Path | None:
     """vLLM imports `nixl._api`; the `nixl-cu12` wheel installs `nixl_cu12` (PyPI's `nixl`
     is a meta package that pulls a second, CUDA 13 build). A two-line `nixl` package that
@@ -218,7 +240,7 @@ def nixl_shim(into: Path) -> Path | None:
     pkg = into / "nixl"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("from nixl_cu12 import *  # noqa: F403\n")
-    (pkg / "_api.py").write_text("from nixl_cu12._api import *  # noqa: F403\n")
+    (pkg / "_api.py").write_text(NIXL_API_SHIM)
     (pkg / "_bindings.py").write_text("from nixl_cu12._bindings import *  # noqa: F403\n")
     return into
 
@@ -367,9 +389,10 @@ def render(report: dict[str, Any]) -> str:
            f"cores {report['cores']}; {w['requests']} prompts of {w['prompt_min']}-"
            f"{w['prompt_max']} tokens every {w['interval_s']} s, {w['output_len']} output "
            f"tokens each, {w['decoders']} decoders ({w['decoder_prompt']}-token prompts, "
-           f"{w['decode_len']} tokens); --block-size {BLOCK_SIZE}", ""]
+           f"{w['decode_len']} tokens); --block-size {BLOCK_SIZE}; NIXL progress thread "
+           f"{'on' if report.get('nixl_progress_thread') else 'off'}", ""]
     head = (f"  {'arm':<10}{'engines':<22}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}"
-            f"{'p99':>8}{'computed max/mean':>19}{'engine':>8}{'handover p50/p99':>18}"
+            f"{'p99':>8}{'max':>9}{'computed max/mean':>19}{'engine':>8}{'handover p50/p99':>18}"
             f"{'prefill p50':>12}")
     out.append(head)
     for arm in report["arms"]:
@@ -384,7 +407,7 @@ def render(report: dict[str, Any]) -> str:
                f"{_ms(f['handover_p50_ms'])}/{_ms(f['handover_p99_ms'])}")
         out.append(f"  {arm:<10}{engines:<22}{_ms(f['ttft_p50_ms']):>10}"
                    f"{_ms(f['ttft_p99_ms']):>9}{_ms(f['itl_p50_ms']):>9}"
-                   f"{_ms(f['itl_p99_ms']):>8}{computed:>19}"
+                   f"{_ms(f['itl_p99_ms']):>8}{_ms(f.get('itl_max_ms')):>9}{computed:>19}"
                    f"{'-' if eng is None else f'{eng:.1f}':>8}{hop:>18}"
                    f"{_ms(f['prefill_p50_ms']):>12}")
     out.append("")
@@ -395,9 +418,12 @@ def render(report: dict[str, Any]) -> str:
                "handover: the decode stage's first token (P/D)")
     for arm, f in report["figures"].items():
         pinned = dict(report["layout"][arm])
+        for r, c in (f.get("escaped_at_start") or {}).items():
+            out.append(f"  {arm}: {r}'s threads had left core(s) {pinned[r]} for {c} by "
+                       f"themselves; {f['repinned_threads'].get(r, 0)} put back before the run")
         moved = {r: c for r, c in (f.get("affinity") or {}).items() if pinned.get(r) != c}
         if moved:
-            out.append(f"  {arm}: threads left their cores: "
+            out.append(f"  {arm}: threads left their cores during the run: "
                        + ", ".join(f"{r} may run on {c} (pinned {pinned[r]})"
                                    for r, c in moved.items()))
     kv = report.get("counters", {}).get("pd-kvpool")
@@ -502,6 +528,29 @@ def group_cpus(pgid: int) -> set[int]:
     return cpus
 
 
+def pin_group(pgid: int, cpus: set[int]) -> int:
+    """Put every thread of a process group that may run outside `cpus` back on them; how
+    many were. vLLM's
+    NixlConnector on the CPU platform moves its worker's main thread, which runs the
+    forward, onto the last core of the NUMA node (base_worker.py: a core reserved for KV
+    transfers), here the other engine's core: left there, the NIXL prefill engine computed
+    on the decode engine's core (5x slower prefills in a run under load)."""
+    from kvpool_dev.testbed.process import group_pids
+
+    moved = 0
+    for pid in group_pids(pgid):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                tid = int(task.name)
+                if not os.sched_getaffinity(tid) <= cpus:  # vLLM binds each OMP thread
+                    # to one core of its engine's: those stay as they are
+                    os.sched_setaffinity(tid, cpus)
+                    moved += 1
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile
+    return moved
+
+
 def scrape(base_url: str) -> dict[str, float]:
     """The connector counters and vLLM's prompt tokens by source of one engine."""
     from kvpool_dev.bench.serve_bench import counters
@@ -522,7 +571,8 @@ def warm_up(url: str) -> None:
 
 
 def run_arm(arm: str, model: Path, w: Workload, cores: list[int], dtype: str, workdir: Path,
-            namespace: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, float]]:
+            namespace: str, nixl_progress_thread: bool = False
+            ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, float]]:
     """Start the arm's engines (and Redis, the router), drive the workload, stop them."""
     from kvpool_dev.testbed.router import VllmRouter
     from kvpool_dev.testbed.servers import RedisServer
@@ -546,13 +596,20 @@ def run_arm(arm: str, model: Path, w: Workload, cores: list[int], dtype: str, wo
                 extra.update({"PYTHONPATH": os.pathsep.join(
                     [str(shim), *filter(None, [os.environ.get("PYTHONPATH")])]),
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+                    NIXL_PROG_THREAD_ENV: "1" if nixl_progress_thread else "0"})
             servers.append(pinned_server(model, c, cfg, extra, w, dtype,
                                          workdir / f"{arm}-{role}.log"))
         for s in servers:
             s.launch()
         for s in servers:
             s.wait_ready()
+        # where the engines put their threads themselves, then every thread on its cores
+        escaped = {role: ",".join(map(str, sorted(group_cpus(s.proc.pid))))
+                   for (role, c), s in zip(layout, servers, strict=True)
+                   if s.proc is not None and not group_cpus(s.proc.pid) <= parse_cpu_list(c)}
+        repinned = {role: pin_group(s.proc.pid, parse_cpu_list(c))
+                    for (role, c), s in zip(layout, servers, strict=True) if s.proc is not None}
         for s in servers:
             warm_up(s.base_url)
         if arm == "colo2":
@@ -582,11 +639,13 @@ def run_arm(arm: str, model: Path, w: Workload, cores: list[int], dtype: str, wo
         served = figures["requests_done"]
         figures["decode_computed_engine_mean"] = (delta.get("source:local_compute", 0.0) / served
                                                   if served else None)
-        # where each engine's threads may run now (NIXL moves a thread of its own: see
-        # docs/benchmarks.md); taskset's cores otherwise
+        # where each engine's threads may run at the end (after pin_group: its own cores
+        # unless it moved a thread again), where they had gone by themselves at the start
         figures["affinity"] = {role: ",".join(map(str, sorted(group_cpus(s.proc.pid))))
                                for (role, _), s in zip(layout, servers, strict=True)
                                if s.proc is not None}
+        figures["escaped_at_start"] = escaped
+        figures["repinned_threads"] = {r: n for r, n in repinned.items() if n}
         return figures, records, delta
     finally:
         if router is not None:
@@ -618,6 +677,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between long-prompt arrivals")
     ap.add_argument("--decoders", type=int, default=None,
                     help="short-prompt streams decoding all along")
+    ap.add_argument("--nixl-progress-thread", action="store_true", help="run NIXL with its "
+                    "progress thread, as vLLM configures it (it keeps a thread busy beside the "
+                    "forward, for which vLLM reserves a core on the CPU platform: on one core "
+                    "per engine it halves the engine); default: without it")
     ap.add_argument("--model", default=None, help="model path (default: the generated bench "
                     "model; --quick: the tiny one)")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the test bed's "
@@ -682,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             _log(f"{arm}: starting")
             try:
-                figures[arm], records, counters[arm] = run_arm(arm, model, w, cores, dtype,
-                                                               workdir, namespace)
+                figures[arm], records, counters[arm] = run_arm(
+                    arm, model, w, cores, dtype, workdir, namespace, args.nixl_progress_thread)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 (skipped if arm == "pd-nixl" else errors)[arm] = first_error_line(str(exc))
                 _log(f"{arm} did not run: {first_error_line(str(exc))}")
@@ -700,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report = {"cpu": cpu_line(), "dtype": dtype, "model": model.name, "arms": arms,
               "cores": cores, "workload": asdict(w), "block_size": BLOCK_SIZE,
+              "nixl_progress_thread": args.nixl_progress_thread,
               "max_model_len": max_model_len(w),
               "layout": {a: engine_layout(a, cores) for a in arms},
               "figures": figures, "counters": {a: c for a, c in counters.items() if c},
