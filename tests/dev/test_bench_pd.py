@@ -145,3 +145,21 @@ def test_the_nixl_shim_puts_a_nixl_package_over_the_cu12_wheel(tmp_path, monkeyp
     found["nixl"] = object()
     assert pb.nixl_shim(tmp_path / "third") == tmp_path / "third"  # nixl itself: nothing to add
     assert not (tmp_path / "third" / "nixl").exists()
+
+
+def test_the_table_names_the_arm_that_did_not_start_and_the_threads_put_back():
+    f = pb.arm_figures([_rec("long", 1.0, [0.01, 0.02], 20, hop=0.2, prefill=0.8)])
+    f.update(decode_computed_engine_mean=20.0, affinity={"prefill": "0", "decode": "1"},
+             escaped_at_start={"prefill": "0,1"}, repinned_threads={"prefill": 1})
+    report = {"cpu": "cpu", "dtype": "bfloat16", "model": "m", "cores": [0, 1],
+              "workload": vars(pb.QUICK), "arms": ["pd-kvpool", "pd-nixl"],
+              "layout": {a: pb.engine_layout(a, [0, 1]) for a in ("pd-kvpool", "pd-nixl")},
+              "figures": {"pd-kvpool": f}, "counters": {}, "nixl_progress_thread": True,
+              "verdicts": pb.verdicts({"pd-kvpool": f}), "errors": {},
+              "skipped": {"pd-nixl": "ModuleNotFoundError: No module named 'nixl'"}}
+    text = pb.render(report)
+    assert "arm pd-nixl did not start: ModuleNotFoundError: No module named 'nixl'" in text
+    assert "prefill's threads had left core(s) 0 for 0,1 by themselves; 1 put back" in text
+    assert "decode-side prompt tokens computed <= 1 per request: no" in text
+    assert "kvpool's hop at least as fast as NIXL's: n/a" in text
+    assert "NIXL progress thread on" in text

@@ -9,10 +9,12 @@ process of the server, `VLLM_CPU_OMP_THREADS_BIND` for its compute threads):
              through a shared Redis (the connector's handover, connector/handover.py)
   pd-nixl    the same with vLLM's NixlConnector (DRAM to DRAM over UCX on the CPU
              platform, the nixl-cu12 wheel); if it does not start, its one-line reason
-             is reported and the run goes on. NIXL's progress thread is off unless
-             --nixl-progress-thread: it busy-polls beside the forward (vLLM reserves a core
-             for it on the CPU platform), which on one core per engine halved the prefill
-             engine (a 1024-token prefill 3.3 s with it, 1.3 s without, under load)
+             is reported and the run goes on. NIXL runs as vLLM configures it, with its
+             progress thread, which busy-polls beside the forward (vLLM reserves a core for
+             it on the CPU platform): on one core per engine it halved the prefill engine
+             (a 1024-token prefill 3.3 s with it, 1.3 s without, under load).
+             --nixl-no-progress-thread turns it off; then a transfer moves only when both
+             engines poll, between their steps (the hop took seconds behind a prefill)
 Redis and the bench's client run unpinned (their cost falls on both cores alike). Threads
 an engine moves off its cores by itself are put back before the run (pin_group) and
 reported.
@@ -391,7 +393,7 @@ def render(report: dict[str, Any]) -> str:
            f"tokens each, {w['decoders']} decoders ({w['decoder_prompt']}-token prompts, "
            f"{w['decode_len']} tokens); --block-size {BLOCK_SIZE}; NIXL progress thread "
            f"{'on' if report.get('nixl_progress_thread') else 'off'}", ""]
-    head = (f"  {'arm':<10}{'engines':<22}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}"
+    head = (f"  {'arm':<10}{'engines':<30}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}"
             f"{'p99':>8}{'max':>9}{'computed max/mean':>19}{'engine':>8}{'handover p50/p99':>18}"
             f"{'prefill p50':>12}")
     out.append(head)
@@ -405,7 +407,7 @@ def render(report: dict[str, Any]) -> str:
         eng = f.get("decode_computed_engine_mean")
         hop = ("-" if f["handover_p50_ms"] is None else
                f"{_ms(f['handover_p50_ms'])}/{_ms(f['handover_p99_ms'])}")
-        out.append(f"  {arm:<10}{engines:<22}{_ms(f['ttft_p50_ms']):>10}"
+        out.append(f"  {arm:<10}{engines:<30}{_ms(f['ttft_p50_ms']):>10}"
                    f"{_ms(f['ttft_p99_ms']):>9}{_ms(f['itl_p50_ms']):>9}"
                    f"{_ms(f['itl_p99_ms']):>8}{_ms(f.get('itl_max_ms')):>9}{computed:>19}"
                    f"{'-' if eng is None else f'{eng:.1f}':>8}{hop:>18}"
@@ -571,7 +573,7 @@ def warm_up(url: str) -> None:
 
 
 def run_arm(arm: str, model: Path, w: Workload, cores: list[int], dtype: str, workdir: Path,
-            namespace: str, nixl_progress_thread: bool = False
+            namespace: str, nixl_progress_thread: bool = True
             ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, float]]:
     """Start the arm's engines (and Redis, the router), drive the workload, stop them."""
     from kvpool_dev.testbed.router import VllmRouter
@@ -677,10 +679,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds between long-prompt arrivals")
     ap.add_argument("--decoders", type=int, default=None,
                     help="short-prompt streams decoding all along")
-    ap.add_argument("--nixl-progress-thread", action="store_true", help="run NIXL with its "
-                    "progress thread, as vLLM configures it (it keeps a thread busy beside the "
-                    "forward, for which vLLM reserves a core on the CPU platform: on one core "
-                    "per engine it halves the engine); default: without it")
+    ap.add_argument("--nixl-no-progress-thread", action="store_true", help="run NIXL "
+                    "without its progress thread (vLLM runs it with one, which busy-polls "
+                    "beside the forward: vLLM reserves a core for it on the CPU platform, and on "
+                    "one core per engine it halves the engine; without it a transfer moves "
+                    "only when both engines poll, between their steps)")
     ap.add_argument("--model", default=None, help="model path (default: the generated bench "
                     "model; --quick: the tiny one)")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the test bed's "
@@ -746,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{arm}: starting")
             try:
                 figures[arm], records, counters[arm] = run_arm(
-                    arm, model, w, cores, dtype, workdir, namespace, args.nixl_progress_thread)
+                    arm, model, w, cores, dtype, workdir, namespace,
+                    not args.nixl_no_progress_thread)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 (skipped if arm == "pd-nixl" else errors)[arm] = first_error_line(str(exc))
                 _log(f"{arm} did not run: {first_error_line(str(exc))}")
@@ -763,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report = {"cpu": cpu_line(), "dtype": dtype, "model": model.name, "arms": arms,
               "cores": cores, "workload": asdict(w), "block_size": BLOCK_SIZE,
-              "nixl_progress_thread": args.nixl_progress_thread,
+              "nixl_progress_thread": not args.nixl_no_progress_thread,
               "max_model_len": max_model_len(w),
               "layout": {a: engine_layout(a, cores) for a in arms},
               "figures": figures, "counters": {a: c for a, c in counters.items() if c},
