@@ -8,6 +8,7 @@
   kvpool bench dtype [...]     prefill tokens/s in bfloat16 vs float32 (why engines pick a dtype)
   kvpool bench chat [...]      multi-turn chat, token-exact history: computed tokens and TTFT per turn
   kvpool bench warm [...]      a new engine with warm start vs without vs a plain cold replica
+  kvpool bench pd [...]        prefill/decode through the pool vs colocated engines vs NIXL, pinned
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
@@ -38,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "chunks, kvpool tails+decode, native"),
     "bench warm": ("kvpool_dev.bench.warm_bench", "a new engine: warm start / shared tier only / "
                    "plain cold replica"),
+    "bench pd": ("kvpool_dev.bench.pd_bench", "prefill/decode through kvpool vs colocated "
+                 "engines vs NIXL: TTFT, ITL, handover"),
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),

@@ -5,7 +5,8 @@ handover only once its chunks and tail are in Redis and on a disk volume; a deco
 given that handover (one reading Redis, one the disk volume) loads them and computes only
 what vLLM must (less than one block), bit for bit (KV audit), with outputs logprob-close to
 an engine without connector. A decode request without a handover (llm-d's shared-storage
-protocol) finds the written-through chunks and tail by an ordinary lookup. Decode asked
+protocol: the prefill engine runs with `handover_always`, its request carries no params)
+finds the written-through chunks and tail by an ordinary lookup. Decode asked
 before the tail landed waits and never loads the partial prefix; Redis killed between the
 two means recompute, never an error.
 """
@@ -49,14 +50,19 @@ def kv_audit(audit):
 @pytest.fixture(scope="module")
 def engines(tiny_model, redis_server, namespace, audit, tmp_path_factory):
     """The prefill engine writes through to a disk volume and Redis; one decode engine reads
-    Redis only, the other the disk volume only (the same directory: a volume both mount)."""
+    Redis only, the other the disk volume only (the same directory: a volume both mount).
+    The prefill engine has `handover_always` (llm-d's shared-storage protocol sends no params);
+    every other prefill here asks for its handover as the routers do, which it also gets
+    without the flag."""
     redis = redis_tier(redis_server)
     disk = {"type": "disk", "path": str(tmp_path_factory.mktemp("pd-disk")), "size": "1Gi"}
     # a small paged cache (96 blocks, 12k tokens): three engines at once stay in memory
     common = {"env": redis_env(redis_server), "audit_dir": audit.directory,
               "disable_log_stats": False, "max_model_len": 4096, "num_gpu_blocks_override": 96}
     wait = {"extra": {"handover_wait_seconds": WAIT_S}}
-    started = [connector_engine(tiny_model, [CPU, disk, redis], namespace, **common).launch(),
+    always = {"extra": {"handover_always": True}}
+    started = [connector_engine(tiny_model, [CPU, disk, redis], namespace, **always,
+                                **common).launch(),
                connector_engine(tiny_model, [CPU, redis], namespace, **wait, **common).launch(),
                connector_engine(tiny_model, [CPU, disk], namespace, **wait, **common).launch()]
     try:
@@ -126,11 +132,21 @@ def test_one_prefill_one_decode_through_a_shared_disk_volume(engines, audit, pla
                          names=names, label="decode after a prefill through a disk volume")
 
 
-def test_shared_storage_decode_finds_the_prompt_without_a_handover(engines, audit, plain_engine):
-    """llm-d's shared-storage protocol: the decode request carries nothing from the prefill;
-    its ordinary lookup finds the written-through chunks and the tail in Redis."""
+def test_shared_storage_decode_finds_the_prompt_without_a_handover(engines, redis_server,
+                                                                  namespace, audit,
+                                                                  plain_engine):
+    """llm-d's shared-storage protocol: the prefill request is `max_tokens: 1` with no
+    kv_transfer_params, the decode request carries nothing from the prefill. The prefill
+    engine's `handover_always` writes the prompt through before its response (the tail, the
+    prefix's last object, is in Redis when the response arrives), and the decode engine's
+    ordinary lookup finds the chunks and the tail."""
     prefill, decode, _ = engines
-    _prefill(prefill, ["shared"])  # (a shared-storage prefill engine: handover_always)
+    handovers = _counter(prefill, "kvpool_handovers")
+    (pre,) = prefill.generate([{"prompt_token_ids": PROMPTS["shared"]}], max_tokens=1)
+    hv = pre["kv_transfer_params"]["kvpool"]["handover"]  # asked for none, handed over all
+    assert hv["tokens"] == 1450 // BLOCK * BLOCK
+    assert _redis_has(redis_server, namespace, hv["name"])  # durable before the response
+    assert _counter(prefill, "kvpool_handovers") - handovers == 1
     before = audit.check()
     (out,) = decode.generate([PROMPTS["shared"]])
     assert out["num_cached_tokens"] == (1450 - 1) // BLOCK * BLOCK

@@ -74,6 +74,7 @@ class _RequestRecord:
     pending: tuple[int, int, Future] | None = None
     remote_tail: _RemoteAnswer | None = None  # the last remote lookup's, for _lookup_tail
     local_tokens: int = 0           # tokens vLLM's prefix cache held at the latest lookup
+    admitted_cached: int = 0        # local + external tokens at the latest admission
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
@@ -377,7 +378,15 @@ class SchedulerSide:
         # vLLM calls this once per admission (a new request, or one resumed after a preemption):
         # what the engine now prefills is what neither its prefix cache nor the pool held. The
         # autoscaling trigger on this counter credits pool hits, which queue depth does not.
-        computed = request.num_tokens - record.local_tokens - max(num_external_tokens, 0)
+        if request.num_computed_tokens > 0:
+            # admitted again once its load between steps is done (WAITING_FOR_REMOTE_KVS),
+            # with no external tokens and num_computed_tokens at what loaded (a preemption
+            # resets it to 0): counted at its first admission, all but what a failed load
+            # left to recompute (counting the prompt again doubled the decode side of P/D)
+            computed = record.admitted_cached - request.num_computed_tokens
+        else:
+            computed = request.num_tokens - record.local_tokens - max(num_external_tokens, 0)
+            record.admitted_cached = record.local_tokens + max(num_external_tokens, 0)
         if computed > 0:
             self.stats.inc("kvpool_prompt_tokens_computed", computed)
         if self.hotset is not None and not self._isolated(request):

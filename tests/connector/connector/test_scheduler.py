@@ -204,3 +204,25 @@ def test_prompt_tokens_computed_count_what_neither_cache_served(side):
     assert side.num_matched(hit, 0) == (384, False)  # the same first 512 tokens as r1: in the index
     allocate(side, hit, 384)
     assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 1488 + 512 - 384}
+
+
+def test_prompt_tokens_computed_count_a_load_between_steps_once(side):
+    """vLLM admits a request whose load runs between steps twice: with the pool's tokens,
+    then, the load done, again with none and its num_computed_tokens at what loaded. The
+    second admission counts only what a failed load left to recompute (counting the prompt
+    again put a P/D decode engine's counter at prompt + its own work per handover)."""
+    cold = make_request("c", 1000)
+    side.lower.put_many(chunk_keys(PREFIX, cold.block_hashes, BPC)[:3], [b"x" * 64] * 3)
+    loaded = make_request("r1", 1000)  # the same tokens as `cold`
+    assert side.num_matched(loaded, 0) == (768, True)  # from the lower tier: between steps
+    allocate(side, loaded, 768)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 232}
+    loaded.num_computed_tokens = 768  # vLLM, once the workers report the load done
+    allocate(side, loaded, 0)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 232}
+    failed = make_request("r2", 1000)
+    side.num_matched(failed, 0)
+    allocate(side, failed, 768)
+    failed.num_computed_tokens = 256  # the load failed past the first chunk: recompute
+    allocate(side, failed, 0)
+    assert side.stats.data["kvpool_prompt_tokens_computed"] == {"": 232 + 232 + 512}
