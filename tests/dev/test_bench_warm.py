@@ -22,6 +22,8 @@ kvpool_hit_objects_total{engine="0",kind="prompt",model_name="local",tier="cpu"}
 kvpool_hit_objects_total{engine="0",kind="prompt",model_name="local",tier="redis"} %(redis)s
 # TYPE kvpool_prewarm_bytes counter
 kvpool_prewarm_bytes_total{engine="0",model_name="local"} 1048576.0
+# TYPE kvpool_prewarm_objects counter
+kvpool_prewarm_objects_total{engine="0",model_name="local"} 1.0
 # TYPE kvpool_prewarm_seconds counter
 kvpool_prewarm_seconds_total{engine="0",model_name="local"} 0.5
 # TYPE vllm:prefix_cache_hits counter
@@ -70,6 +72,8 @@ def test_figures_and_verdict():
     v = verdict({"warm": warm, "cold-shared": shared, "plain": plain}, w)
     assert v == {"cpu_share_at_least_90pct": True, "no_prefix_token_computed": True,
                  "warm_up_within_budget": True, "ttft_p50_3x_below_plain": True}
+    assert not verdict({"warm": {**warm, "prewarm_objects": 0, "prewarm_seconds": 0.0},
+                        "cold-shared": shared, "plain": plain}, w)["warm_up_within_budget"]
     slow = {**warm, "ttft_p50_ms": 400.0, "tokens_computed": 129}
     v = verdict({"warm": slow, "plain": plain}, w)
     assert not v["ttft_p50_3x_below_plain"] and not v["no_prefix_token_computed"]

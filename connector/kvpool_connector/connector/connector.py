@@ -67,6 +67,17 @@ def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
     return cfg.model_copy(update={"metrics": False}) if cfg is not None else None
 
 
+def _manifest_store_config(cfg) -> StoreConfig | None:
+    """The tiers that hold the warm start manifest (warm.py): the remote ones (Redis, S3)
+    where there are any, else the shared disk. A disk in front of Redis or S3 is a pod's or a
+    node's: reading the manifest there would find a stale copy, and writing through it would
+    push that copy over the other engines' counts."""
+    shared = [t.type for t in cfg.tiers if tier_class(t.type).shared]
+    keep = [t for t in shared if tier_class(t).remote] or shared
+    return _unexported(cfg.as_store_config(drop_types=tuple(
+        t.type for t in cfg.tiers if t.type not in keep)))
+
+
 def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
     try:
         layer = vllm_config.compilation_config.static_forward_context[layer_name]
@@ -112,6 +123,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.prefix = self.keyspace.prefix()
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.manifest_store = None  # the warm start manifest's tiers (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
             spec = groups[0].kv_cache_spec
             chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.blocks_per_chunk
@@ -120,12 +132,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
             lower = (open_store(lower_cfg, layout=self.spec_fingerprint)
                      if lower_cfg is not None else None)
+            manifest_cfg = _manifest_store_config(self.cfg) if self.cfg.warm_start.enabled else None
+            self.manifest_store = (open_store(manifest_cfg, layout=self.spec_fingerprint)
+                                   if manifest_cfg is not None else None)
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
                                        chunk_bytes, size, lower, self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
                                        load=transfer_config.is_kv_consumer,
-                                       save=transfer_config.is_kv_producer)
+                                       save=transfer_config.is_kv_producer,
+                                       manifest_store=self.manifest_store)
             if kv_events_enabled(vllm_config):
                 self.sched.enable_events(chunk_bytes)
         else:
@@ -170,7 +186,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         ws = self.cfg.warm_start
         cpu_bytes = self.cfg.tiers[0].size  # type: ignore[attr-defined]  # cpu first: validated
         prefix0 = dataclasses.replace(self.keyspace, tp_rank=0).prefix()
-        manifest = read_manifest(store, manifest_key(prefix0))
+        manifest_cfg = _manifest_store_config(self.cfg)
+        if manifest_cfg is None:
+            return
+        manifests = open_store(manifest_cfg, layout=self.spec_fingerprint)
+        try:
+            manifest = read_manifest(manifests, manifest_key(prefix0))
+        finally:
+            manifests.close()
         keys = prewarm_keys(manifest, self.prefix, prewarm_objects(ws.max_bytes, cpu_bytes,
                                                                    chunk_bytes))
         self.worker.prewarm(keys, min(ws.max_bytes, cpu_bytes // 2), ws.max_seconds)
@@ -230,6 +253,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self.sched.close()
             if self.sched.lower is not None:
                 self.sched.lower.close()
+            if self.manifest_store is not None:
+                self.manifest_store.close()
 
     # ==== scheduler side ===============================================================
     def _request_block_ids(self, req_id: str) -> list[int]:

@@ -145,7 +145,7 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
                  lower_store, block_ids: Callable[[str], list[int]], is_async: bool,
-                 load: bool = True, save: bool = True):
+                 load: bool = True, save: bool = True, manifest_store=None):
         self.cfg = cfg
         self._block_ids = block_ids
         self.prefix = prefix
@@ -190,6 +190,8 @@ class SchedulerSide:
         self.handovers_out: dict[str, tuple[dict, list[bytes], _RequestRecord]] = {}
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
+        # the warm start manifest's own tiers (connector._manifest_store_config), else lower's
+        self.manifests = manifest_store if manifest_store is not None else lower_store
         if cfg.warm_start.enabled and lower_store is not None:
             self._warm_start(local_bytes, chunk_bytes)
 
@@ -199,9 +201,9 @@ class SchedulerSide:
         as the workers chose them) into the KeyIndex: hits in the workers' own memory."""
         ws = self.cfg.warm_start
         key = manifest_key(self.prefix)
-        self.hotset = ManifestWriter(self.lower, key, self.cfg.namespace, ws.top_k,
+        self.hotset = ManifestWriter(self.manifests, key, self.cfg.namespace, ws.top_k,
                                      ws.refresh_seconds)
-        keys = prewarm_keys(read_manifest(self.lower, key), self.prefix,
+        keys = prewarm_keys(read_manifest(self.manifests, key), self.prefix,
                             prewarm_objects(ws.max_bytes, cpu_bytes, chunk_bytes))
         present = self.lower.contains_many(keys) if keys else []
         warm = [k for k, ok in zip(keys, present, strict=True) if ok]

@@ -81,7 +81,8 @@ class ManifestWriter:
         if not delta:
             return False
         try:
-            merged = merge(read_manifest(self.store, self.key), delta, self.pool, self.top_k)
+            merged = merge(read_manifest(self.store, self.key), delta, self.pool, self.top_k,
+                           time.time())
             ok = bool(self.store.put(self.key, encode(merged), layout=MANIFEST_LAYOUT))
         except Exception:  # the store never raises on backend errors; a bug must not kill us
             log.exception("kvpool: warm start manifest write failed")

@@ -26,7 +26,7 @@ from kvpool_connector.connector.warm import (
     read_manifest,
 )
 from kvpool_connector.connector.worker import WorkerSide
-from kvpool_connector.store.hotset import Manifest, decode, encode
+from kvpool_connector.store.hotset import HIT_UNITS, Manifest, decode, encode
 from tests.connector.connector.conftest import scheduler_side
 from tests.connector.connector.helpers import BPC, PREFIX, allocate, answered, make_request
 from tests.connector.store.helpers import build_store
@@ -74,8 +74,8 @@ def test_reused_chunks_become_the_manifest_and_the_next_engines_local_hits(warm_
     assert a.hotset is not None and a.hotset.refresh()
     m = read_manifest(a.lower, manifest_key(PREFIX))
     assert m is not None and m.pool == a.cfg.namespace
-    assert m.entries == sorted([(keys[0][PREFIX_LEN:], 2), (keys[1][PREFIX_LEN:], 2)],
-                               key=lambda e: e[0]) + [(keys[2][PREFIX_LEN:], 1)]
+    assert m.entries == sorted([(keys[0][PREFIX_LEN:], 2 * HIT_UNITS), (keys[1][PREFIX_LEN:], 2 * HIT_UNITS)],
+                               key=lambda e: e[0]) + [(keys[2][PREFIX_LEN:], HIT_UNITS)]
 
     # a starting engine: the hot set's chunks the shared tier holds are in its KeyIndex
     b = warm_side()
@@ -97,7 +97,8 @@ def test_manifest_writes_merge_and_the_last_hits_are_written_at_close(warm_side,
     other.close()  # its last hits are written at shutdown
     m = read_manifest(a.lower, manifest_key(PREFIX))
     assert m is not None
-    assert dict(m.entries) == {keys[0][PREFIX_LEN:]: 1, keys[1][PREFIX_LEN:]: 1}  # 1*7//8 + 1
+    # both engines' hits, the first's aged by the seconds between the two writes
+    assert {k: round(c / HIT_UNITS) for k, c in m.entries} == {keys[0][PREFIX_LEN:]: 2, keys[1][PREFIX_LEN:]: 2}
 
 
 def test_requests_the_pool_isolates_are_not_counted(warm_side):
@@ -243,3 +244,43 @@ def test_warm_start_needs_a_cpu_first_tier_and_a_shared_tier():
     assert cfg.warm_start.max_bytes == 2 << 30 and cfg.warm_start.max_seconds == 30
     assert cfg.as_store_config() is not None  # the store never sees the connector's keys
     assert decode(b"") is None
+
+
+def test_engines_with_their_own_disk_share_one_manifest_in_redis(redis_tier, namespace, tmp_path):
+    """A disk in front of Redis is a pod's (or a node's): the manifest is read and written in
+    Redis only, so one engine's merge never pushes its disk's stale copy over another's hits
+    (it did: A adds X, B adds Y, A adds Z left Redis with X and Z)."""
+    from kvpool_connector.connector.connector import _manifest_store_config
+    from kvpool_connector.connector.scheduler import SchedulerSide
+    from kvpool_connector.store import open_store
+    from tests.conftest import SECURITY
+    from tests.connector.connector.helpers import BS
+
+    sides, stores = [], []
+    for name in ("a", "b"):
+        cfg = load_connector_config({
+            "namespace": namespace, "security": SECURITY, "tail_objects": False,
+            "warm_start": WARM, "tiers": [{"type": "cpu", "size": "64Mi"},
+                                           {"type": "disk", "path": str(tmp_path / name), "size": "64Mi"},
+                                           redis_tier]})
+        lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+        manifests = open_store(_manifest_store_config(cfg), layout="fp")
+        assert [t.type for t in _manifest_store_config(cfg).tiers] == ["redis"]
+        stores += [lower, manifests]
+        sides.append(SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
+                                   lower_store=lower, block_ids=lambda rid: [], is_async=True,
+                                   manifest_store=manifests))
+    a, b = sides
+    try:
+        x, y, z = (make_request(f"r{i}", 600, seed=i) for i in range(3))
+        for side, req in ((a, x), (b, y), (a, z)):
+            side.hotset.add([k[PREFIX_LEN:] for k in chunk_keys(PREFIX, req.block_hashes, BPC)])
+            assert side.hotset.refresh()
+        m = read_manifest(stores[1], manifest_key(PREFIX))
+        want = {k[PREFIX_LEN:] for req in (x, y, z) for k in chunk_keys(PREFIX, req.block_hashes, BPC)}
+        assert m is not None and {k for k, _ in m.entries} == want
+    finally:
+        for side in sides:
+            side.close()
+        for store in stores:
+            store.close()
