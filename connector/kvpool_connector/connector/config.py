@@ -101,6 +101,9 @@ class ConnectorConfig(StoreConfig):
                 raise ValueError("enabled: warm start loads the pool's hot set from a shared "
                                  "tier (redis, s3 or disk) into a cpu first tier; the tiers "
                                  f"are {types}")
+        if warm.enabled and info.data.get("promote") is False:
+            raise ValueError("enabled: warm start puts the hot set into the cpu tier by "
+                             "promoting what the shared tier serves, and promote is false")
         return warm
 
     def as_store_config(self, drop_types: tuple[str, ...] = ()) -> StoreConfig | None:

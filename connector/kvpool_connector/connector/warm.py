@@ -81,9 +81,14 @@ class ManifestWriter:
         if not delta:
             return False
         try:
-            merged = merge(read_manifest(self.store, self.key), delta, self.pool, self.top_k,
-                           time.time())
-            ok = bool(self.store.put(self.key, encode(merged), layout=MANIFEST_LAYOUT))
+            data = self.store.get(self.key, layout=MANIFEST_LAYOUT, promote=False)
+            existing = decode(data)  # another format's authentic bytes: written over
+            # a read that failed (a timeout, a tier down) is not an absent manifest: merging
+            # into nothing would overwrite the pool's counts with this engine's alone
+            ok = data is not None or not self.store.contains_many([self.key])[0]
+            if ok:
+                merged = merge(existing, delta, self.pool, self.top_k, time.time())
+                ok = bool(self.store.put(self.key, encode(merged), layout=MANIFEST_LAYOUT))
         except Exception:  # the store never raises on backend errors; a bug must not kill us
             log.exception("kvpool: warm start manifest write failed")
             ok = False

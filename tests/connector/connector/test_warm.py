@@ -235,6 +235,9 @@ def test_warm_start_needs_a_cpu_first_tier_and_a_shared_tier():
     with pytest.raises(ConnectorConfigError, match=r"extra_config\.warm_start: .*enabled: warm start"):
         load_connector_config({"tiers": [{"type": "cpu", "size": "1Gi"}],
                                "warm_start": {"enabled": True}})
+    with pytest.raises(ConnectorConfigError, match=r"warm_start: .*enabled: .*promote is false"):
+        load_connector_config({"tiers": [{"type": "cpu", "size": "1Gi"}, {"type": "redis", "url": "redis://h"}],
+                               "promote": False, "warm_start": {"enabled": True}})
     with pytest.raises(ConnectorConfigError, match="warm_start.top_k"):
         load_connector_config({"tiers": [{"type": "cpu", "size": "1Gi"}],
                                "warm_start": {"top_k": 0}})
@@ -284,3 +287,36 @@ def test_engines_with_their_own_disk_share_one_manifest_in_redis(redis_tier, nam
             side.close()
         for store in stores:
             store.close()
+
+
+class _ReadTimesOut:
+    """The real store, whose reads answer None as the store does when a read times out (a
+    fault injected here: a loopback Redis answers too fast to time out on cue)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def get(self, *args, **kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_failed_manifest_read_never_overwrites_the_pools_counts(warm_side):
+    a = warm_side()
+    x, y = make_request("r1", 600), make_request("r2", 600, seed=5)
+    admit(a, x, 512)
+    assert a.hotset is not None and a.hotset.refresh()
+    b = warm_side()
+    assert b.hotset is not None
+    admit(b, y, 512)
+    real = b.hotset.store
+    b.hotset.store = _ReadTimesOut(real)
+    assert not b.hotset.refresh()  # the manifest is there but unread: nothing written
+    xs = {k[PREFIX_LEN:] for k in chunk_keys(PREFIX, x.block_hashes, BPC)}
+    ys = {k[PREFIX_LEN:] for k in chunk_keys(PREFIX, y.block_hashes, BPC)}
+    assert {k for k, _ in read_manifest(real, manifest_key(PREFIX)).entries} == xs
+    b.hotset.store = real
+    assert b.hotset.refresh()  # b's hits were kept for the next write
+    assert {k for k, _ in read_manifest(real, manifest_key(PREFIX)).entries} == xs | ys
