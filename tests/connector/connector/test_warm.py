@@ -320,3 +320,37 @@ def test_a_failed_manifest_read_never_overwrites_the_pools_counts(warm_side):
     b.hotset.store = real
     assert b.hotset.refresh()  # b's hits were kept for the next write
     assert {k for k, _ in read_manifest(real, manifest_key(PREFIX)).entries} == xs | ys
+
+
+def test_a_frozen_redis_at_engine_start_costs_the_timeouts_not_a_hang(redis_tier, redis_server,
+                                                                       namespace):
+    """Warm start reads the manifest (both halves) and pre-warms through the store, whose every
+    read has its deadline: with Redis frozen (SIGSTOP: it accepts and never answers) the
+    scheduler half is built and the worker's pre-warm returns within a few timeouts, cold."""
+    import signal
+    import time
+
+    from tests.connector.store.test_faults import BOUND
+
+    tier = {**redis_tier}
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        side = scheduler_side(namespace, tier, tail_objects=False, timeout_seconds=0.3,
+                              warm_start={**WARM})
+        try:
+            assert time.monotonic() - t0 < BOUND and side.hotset is not None
+        finally:
+            side.close()
+            side.lower.close()
+        store = build_store(namespace, {"type": "cpu", "size": "16Mi"}, tier, timeout=0.3)
+        try:
+            t0 = time.monotonic()
+            manifest = read_manifest(store, manifest_key(PREFIX))
+            result = Prewarmer(store, [PREFIX + os.urandom(32) for _ in range(20)], 1 << 30).run(30)
+            assert manifest is None and result.objects == 0
+            assert time.monotonic() - t0 < BOUND
+        finally:
+            store.close()
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
