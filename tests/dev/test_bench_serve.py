@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpool_dev.bench import serve_bench as sb
 
 
@@ -167,3 +169,18 @@ def test_prefix_groups_follow_the_requests_vllms_client_sends(tiny_model):
             same = prompts[i][:40] == prompts[j][:40]
             assert same == (groups[i] == groups[j]), (i, j)
     assert sb.prefix_groups(w, tiny_model, seed=1001) != groups
+
+
+@pytest.mark.parametrize("module", ["serve_bench", "warm_bench", "pd_bench"])
+@pytest.mark.parametrize("args, option", [(["--model", "/nonexistent"], "--model"),
+                                          (["--json-out", "/nonexistent/dir/r.json"], "--json-out")])
+def test_a_bad_path_is_one_line_before_any_server_starts(module, args, option, capsys):
+    """Found at the start, not after the whole run (a --json-out directory that did not exist
+    was a traceback once every arm had run; a bad --model failed engine A with the hub's error).
+    No `vllm` mark: a server start here would fail the test (the test bed refuses it)."""
+    import importlib
+
+    main = importlib.import_module(f"kvpool_dev.bench.{module}").main
+    assert main(["--quick", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvpool bench {module.split('_')[0]}: {option}:") and "\n" not in err, err

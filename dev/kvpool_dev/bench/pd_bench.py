@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                     "removed)")
     args = ap.parse_args(argv)
 
-    from kvpool_dev.bench.serve_bench import cpu_line
+    from kvpool_dev.bench.serve_bench import check_paths, cpu_line, emit
     from kvpool_dev.testbed.dtype import DtypeError, engine_dtype
     from kvpool_dev.testbed.localmodel import ensure_model
 
@@ -717,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         for a in arms:
             transfer_config(a, "check")
         dtype = engine_dtype(args.dtype)
+        check_paths(args)
     except (ValueError, DtypeError) as exc:
         print(f"kvpool bench pd: {exc}", file=sys.stderr)
         return 2
@@ -774,10 +775,7 @@ def main(argv: list[str] | None = None) -> int:
               "verdicts": verdicts(figures), "errors": errors, "skipped": skipped,
               "requests": samples,
               "wall_s": time.monotonic() - t0}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 1 if errors else 0
+    return emit(report, args, render)
 
 
 if __name__ == "__main__":

@@ -336,6 +336,16 @@ def with_positive(w: Any, args: argparse.Namespace, fields: tuple[str, ...]) -> 
     return w
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a --model that is not a model directory or a
+    --json-out whose directory does not exist: found before any server starts, not after
+    the whole run."""
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model: {args.model} is not a model directory (no config.json)")
+    if args.json_out and not Path(args.json_out).resolve().parent.is_dir():
+        raise ValueError(f"--json-out: the directory of {args.json_out} does not exist")
+
+
 def emit(report: dict[str, Any], args: argparse.Namespace, render_fn) -> int:
     """Write the report (--json-out), print it (--json or the table); 1 if an arm failed."""
     if args.json_out:
@@ -434,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         w = with_positive(w, args, ("num_prompts", "prefix_len", "num_prefixes", "concurrency",
                                     "host_bytes"))
+        check_paths(args)
     except ValueError as exc:
         print(f"kvpool bench serve: {exc}", file=sys.stderr)
         return 2

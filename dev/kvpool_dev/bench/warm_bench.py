@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="server logs (default: a temp dir)")
     args = ap.parse_args(argv)
 
-    from kvpool_dev.bench.serve_bench import cpu_line, emit, warm_up, with_positive
+    from kvpool_dev.bench.serve_bench import check_paths, cpu_line, emit, warm_up, with_positive
     from kvpool_dev.testbed.dtype import DtypeError, engine_dtype
     from kvpool_dev.testbed.localmodel import ensure_model
     from kvpool_dev.testbed.servers import RedisServer
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         w = with_positive(QUICK if args.quick else Workload(), args,
                           ("prefixes", "prefix_len", "b_requests"))
+        check_paths(args)
         if w.prefix_len % w.chunk_tokens:
             raise ValueError(f"--prefix-len must be a multiple of {w.chunk_tokens}")
         for a in arms:
