@@ -98,7 +98,7 @@ def test_every_dashboard_panel_shows_data_from_a_connector_server(tiny_model, tm
     with server, _scraper(server) as prom:
         prom.wait_for('up{job="vllm"} == 1')
         answers = [_complete(server, p, ANSWER) for p in TURN1]  # saves
-        wait_until(lambda: len(disk_files(tmp_path / "disk")) >= 6 * len(TURN1),
+        wait_until(lambda: len(disk_files(tmp_path / "disk")) >= 7 * len(TURN1),
                    what="turn 1's objects on disk")
         # scraped before the hits, so the panels' rates see them happen
         prom.wait_for(f'kvpool_store_op_seconds_count{{op="get", tier="cpu", '
@@ -111,33 +111,36 @@ def test_every_dashboard_panel_shows_data_from_a_connector_server(tiny_model, tm
         queries = check_every_panel(prom, {"cpu", "disk"})
 
         # the connector's objects per tier and kind: each turn 2 loads its 3 prompt chunks,
-        # the chunk its answer completed and the decode tail; the cpu tier holds 8 objects
-        # of 18, so both tiers serve
+        # the chunk its answer completed, the decode tail and the partial block after it;
+        # the cpu tier holds 8 objects of 21, so both tiers serve
         obj = f'kvpool_dev_pool="{POOL}"'
-        prom.wait_for(f"sum(kvpool_hit_objects_total{{{obj}}}) >= 15", timeout=30)
-        prom.wait_for(f"sum(kvpool_saved_objects_total{{{obj}}}) >= 18", timeout=30)
+        prom.wait_for(f"sum(kvpool_hit_objects_total{{{obj}}}) >= 18", timeout=30)
+        prom.wait_for(f"sum(kvpool_saved_objects_total{{{obj}}}) >= 21", timeout=30)
         hits = _by(prom, f"sum by (kind) (kvpool_hit_objects_total{{{obj}}})", "kind")
-        assert hits == {("prompt",): 9, ("decode",): 3, ("decode_tail",): 3}, hits
+        assert hits == {("prompt",): 9, ("decode",): 3, ("decode_tail",): 6}, hits
         by_tier = _by(prom, f"sum by (tier) (kvpool_hit_objects_total{{{obj}}})", "tier")
-        assert set(by_tier) == {("cpu",), ("disk",)} and sum(by_tier.values()) == 15, by_tier
-        # tails are evicted first: after turn 1 the 8 cpu slots hold one tail, the last one
-        # saved, and conversation 1's chunks (plain LRU kept the last 8 objects saved, with
-        # conversation 1's decode tail: 2 decode tails from cpu)
+        assert set(by_tier) == {("cpu",), ("disk",)} and sum(by_tier.values()) == 18, by_tier
+        # tails and partial blocks are evicted first: after turn 1 the 8 cpu slots hold one
+        # of them, the last one saved (conversation 2's partial block), and chunks
         tails = _by(prom, f'sum by (tier) (kvpool_hit_objects_total{{kind="decode_tail", '
                           f'{obj}}})', "tier")
-        assert tails == {("cpu",): 1, ("disk",): 2}, tails
+        assert tails == {("cpu",): 1, ("disk",): 5}, tails
         saved = _by(prom, f"sum by (kind, tier) (kvpool_saved_objects_total{{{obj}}})",
                     "kind", "tier")
         assert {k: saved.get((k, "cpu")) for k in ("prompt", "decode", "prompt_tail",
                                                    "decode_tail")} == {
-            "prompt": 9, "decode": 3, "prompt_tail": 3, "decode_tail": 3}, saved
+            "prompt": 9, "decode": 3, "prompt_tail": 3, "decode_tail": 9}, saved
+        # (decode tails: turn 1's 3 tails and 3 partial blocks, and the partial block each
+        # turn 2 leaves with its own answer's tokens, which no turn 3 hits)
         assert {t for _, t in saved} == {"cpu"}  # saves are counted in the first tier
         # every token the scheduler promised was loaded, and counted by kind and tier
         tokens = _by(prom, f"sum(kvpool_hit_tokens_total{{{obj}}})")[()]
         assert tokens == _by(prom, f"sum(kvpool_lookup_hit_tokens_total{{{obj}}})")[()]
-        assert tokens == 3 * ((1000 + ANSWER - 1) // 128 * 128)  # 1152 per turn 2
+        # all that turn 1 computed: its prompt and answer but the answer's last token
+        assert tokens == sum(len(p) + len(a) - 1 for p, a in zip(TURN1, answers, strict=True))
         ratio = next(q for q in queries if q.legend == "hit / saved")
-        assert _by(prom, ratio.expr)[()] == 1.0  # every decode chunk and tail hit once
+        # every decode chunk, tail and partial block of turn 1 hit once; turn 2's not at all
+        assert _by(prom, ratio.expr)[()] == (3 + 6) / (3 + 9)
 
         # and they show what happened, not only zeros
         sel = f'kvpool_dev_pool="{POOL}", store="{namespace}"'

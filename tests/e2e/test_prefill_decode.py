@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128  # vLLM's block size on the CPU platform
 CPU = {"type": "cpu", "size": "256Mi"}
 WAIT_S = 4.0  # the decode engines' handover_wait_seconds
-# 1000: 3 chunks + a 1-block tail; 1024: 4 whole chunks (decode claims 7 of their 8 blocks);
-# 1700: 6 chunks + a 1-block tail
+# 1000: 3 chunks + a 1-block tail + 103 tokens of block 7 (all but the last prompt token);
+# 1024: 3 chunks + a 1-block tail + 127 tokens of block 7; 1700: 6 chunks + a 1-block tail
+# + 35 tokens of block 13. The decode engine computes only the last prompt token.
 PROMPTS = {"p1000": token_prompt(1000, 900), "p1024": token_prompt(1024, 901),
            "p1700": token_prompt(1700, 902), "race": token_prompt(1500, 903),
            "killed": token_prompt(1200, 904), "down": token_prompt(1100, 905),
@@ -86,6 +87,11 @@ def _decode(engine, names, params):
                             for n, p in zip(names, params, strict=True)])
 
 
+def _blocks(tokens: list[int]) -> int:
+    """Blocks loaded for these hits: whole blocks, and the partial block of each."""
+    return sum(-(-t // BLOCK) for t in tokens)
+
+
 def _counter(engine, name: str) -> float:
     return metric_total(engine.metric_samples(), name)
 
@@ -105,16 +111,15 @@ def test_one_prefill_one_decode_through_redis(engines, redis_server, namespace, 
     params = _prefill(prefill, names)
     for n, p in zip(names, params, strict=True):
         hv = p["kvpool"]["handover"]
-        assert hv["tokens"] == len(PROMPTS[n]) // BLOCK * BLOCK, (n, p)
+        assert hv["tokens"] == len(PROMPTS[n]) - 1, (n, p)
         # durable before the handover: the prefix's last object is in Redis already
         assert _redis_has(redis_server, namespace, hv["name"]), n
     hits, before = _counter(decode, "kvpool_handover_hits"), audit.check()
     outs = _decode(decode, names, params)
-    claim = [(len(PROMPTS[n]) - 1) // BLOCK * BLOCK for n in names]
+    claim = [len(PROMPTS[n]) - 1 for n in names]  # decode computes one token of each
     assert [o["num_cached_tokens"] for o in outs] == claim
-    assert all(len(PROMPTS[n]) - c <= BLOCK for n, c in zip(names, claim, strict=True))
     assert _counter(decode, "kvpool_handover_hits") - hits == len(names)
-    assert audit.check() - before == sum(claim) // BLOCK  # every block equals the one saved
+    assert audit.check() - before == _blocks(claim)  # every block equals the one saved
     check_logprobs_close(outs, plain_engine.generate([PROMPTS[n] for n in names]), names=names,
                          label="decode after a prefill through Redis")
 
@@ -125,9 +130,9 @@ def test_one_prefill_one_decode_through_a_shared_disk_volume(engines, audit, pla
     params = _prefill(prefill, [f"disk-{n}" for n in names])
     before = audit.check()
     outs = _decode(decode, [f"disk-{n}" for n in names], params)
-    claim = [(len(PROMPTS[n]) - 1) // BLOCK * BLOCK for n in names]
+    claim = [len(PROMPTS[n]) - 1 for n in names]
     assert [o["num_cached_tokens"] for o in outs] == claim
-    assert audit.check() - before == sum(claim) // BLOCK
+    assert audit.check() - before == _blocks(claim)
     check_logprobs_close(outs, plain_engine.generate([PROMPTS[f"disk-{n}"] for n in names]),
                          names=names, label="decode after a prefill through a disk volume")
 
@@ -139,18 +144,18 @@ def test_shared_storage_decode_finds_the_prompt_without_a_handover(engines, redi
     kv_transfer_params, the decode request carries nothing from the prefill. The prefill
     engine's `handover_always` writes the prompt through before its response (the tail, the
     prefix's last object, is in Redis when the response arrives), and the decode engine's
-    ordinary lookup finds the chunks and the tail."""
+    ordinary lookup finds the chunks, the tail and the partial block."""
     prefill, decode, _ = engines
     handovers = _counter(prefill, "kvpool_handovers")
     (pre,) = prefill.generate([{"prompt_token_ids": PROMPTS["shared"]}], max_tokens=1)
     hv = pre["kv_transfer_params"]["kvpool"]["handover"]  # asked for none, handed over all
-    assert hv["tokens"] == 1450 // BLOCK * BLOCK
+    assert hv["tokens"] == 1449
     assert _redis_has(redis_server, namespace, hv["name"])  # durable before the response
     assert _counter(prefill, "kvpool_handovers") - handovers == 1
     before = audit.check()
     (out,) = decode.generate([PROMPTS["shared"]])
-    assert out["num_cached_tokens"] == (1450 - 1) // BLOCK * BLOCK
-    assert audit.check() - before == (1450 - 1) // BLOCK
+    assert out["num_cached_tokens"] == 1449
+    assert audit.check() - before == _blocks([1449])
     check_logprobs_close([out], plain_engine.generate([PROMPTS["shared"]]), names=["shared"],
                          label="shared-storage decode")
 
@@ -161,7 +166,7 @@ def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server,
     (params,) = _prefill(prefill, ["race"])
     name = params["kvpool"]["handover"]["name"]
     r = redis_client(redis_server)
-    try:  # the chunks are visible, the tail is not (yet): a partial prefix
+    try:  # the chunks and the tail are visible, the last object is not (yet)
         (tail,) = r.scan_iter(match=f"*{namespace}:{name}")
         sealed = r.get(tail)
         assert r.delete(tail) == 1
@@ -176,8 +181,8 @@ def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server,
     finally:
         r.close()
     (out,) = got["out"]
-    # the whole handover, tail included: the partial prefix was never loaded
-    assert out["num_cached_tokens"] == (1500 - 1) // BLOCK * BLOCK
+    # the whole handover, its last object included: the shorter prefix was never loaded
+    assert out["num_cached_tokens"] == 1500 - 1
     check_logprobs_close([out], plain_engine.generate([PROMPTS["race"]]), names=["race"],
                          label="decode that waited for the handover")
 
@@ -185,7 +190,7 @@ def test_decode_asked_before_the_tail_landed_waits_for_it(engines, redis_server,
 def test_redis_killed_mid_handover_means_recompute(engines, redis_server, plain_engine):
     prefill, decode, _ = engines
     (params,) = _prefill(prefill, ["killed"])
-    assert params["kvpool"]["handover"]["tokens"] == 1200 // BLOCK * BLOCK
+    assert params["kvpool"]["handover"]["tokens"] == 1200 - 1
     timeouts = _counter(decode, "kvpool_handover_timeouts")
     redis_server.stop()
     try:

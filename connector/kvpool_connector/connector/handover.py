@@ -9,7 +9,9 @@ through to the shared tiers within the step and returns, in `request_finished`,
     {"kvpool": {"handover": {"v": 1, "tokens": N, "name": "<64 hex>"}}}
 
 which the router forwards verbatim to the decode engine. `tokens` is the prompt prefix the
-pool holds (whole vLLM blocks), `name` the pool's keyed object name (BLAKE3 under the pool
+pool holds (all but the last prompt token: full chunks, a tail of whole vLLM blocks and a
+partial-block object, tails.py; whole blocks from a prefill engine that saves no partial
+block), `name` the pool's keyed object name (BLAKE3 under the pool
 key, store/sealing.py) of the prefix's last object. The decode engine derives the keys from
 its own block hashes, so the params name no key a client could choose: a `name` that is
 not the one it derives (another prompt, model, tenant salt or pool key) makes the handover
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .keys import chunk_keys
-from .tails import tail_key
+from .tails import part_key, tail_key
 
 VERSION = 1
 MAX_TOKENS = 1 << 24  # no prompt is longer; bounds the keys a handover makes us derive
@@ -38,7 +40,7 @@ class HandoverError(ValueError):
 
 @dataclass(frozen=True)
 class Handover:
-    tokens: int  # prompt tokens the pool holds for this prompt (whole vLLM blocks)
+    tokens: int  # prompt tokens the pool holds for this prompt
     name: bytes  # keyed object name of the last object of that prefix
 
 
@@ -86,21 +88,49 @@ def parse_handover(params: Any) -> Handover | None:
     return Handover(tokens, bytes.fromhex(name))
 
 
-def handover_objects(prefix: bytes, block_hashes: Sequence, tokens: int, block_size: int,
-                     blocks_per_chunk: int) -> tuple[list[bytes], int, bytes | None] | None:
-    """The objects holding the first `tokens` tokens: (full chunk keys, tail block count,
-    tail key or None). None when the request has fewer block hashes than that (the
-    handover promises more than this prompt has: not this prompt's handover)."""
-    n_blocks = tokens // block_size
-    if tokens % block_size or n_blocks == 0 or n_blocks > len(block_hashes):
+@dataclass(frozen=True)
+class HandoverObjects:
+    """The objects holding a prompt's first `tokens` tokens, in order: full chunks, then a
+    tail of whole blocks, then a partial-block object."""
+
+    keys: list[bytes]          # full chunks
+    tail_blocks: int
+    tail: bytes | None
+    part_tokens: int
+    part: bytes | None
+    chunk_tokens: int
+    block_size: int
+
+    def objects(self) -> list[tuple[bytes, int]]:
+        """(key, the prompt tokens held up to and including it), in order."""
+        out = [(k, (i + 1) * self.chunk_tokens) for i, k in enumerate(self.keys)]
+        whole = len(self.keys) * self.chunk_tokens
+        if self.tail is not None:
+            whole += self.tail_blocks * self.block_size
+            out.append((self.tail, whole))
+        if self.part is not None:
+            out.append((self.part, whole + self.part_tokens))
+        return out
+
+    def last(self) -> bytes:
+        return self.objects()[-1][0]
+
+
+def handover_objects(prefix: bytes, block_hashes: Sequence, token_ids: Sequence[int],
+                     tokens: int, block_size: int, blocks_per_chunk: int,
+                     part_ok: bool = True) -> HandoverObjects | None:
+    """The objects holding the first `tokens` tokens. None when the request cannot hold
+    them (fewer tokens or block hashes than that, or a partial block where its ids do not
+    name its KV, `part_ok` false): the handover is not this prompt's."""
+    n_blocks, n = divmod(tokens, block_size)
+    if (n_blocks == 0 or n_blocks > len(block_hashes) or tokens > len(token_ids)
+            or (n and not part_ok)):
         return None
     full = n_blocks // blocks_per_chunk
     keys = chunk_keys(prefix, block_hashes, blocks_per_chunk, limit=full)
     rest = n_blocks - full * blocks_per_chunk
-    if not rest:
-        return keys, 0, None
-    return keys, rest, tail_key(prefix, block_hashes, full * blocks_per_chunk, rest)
-
-
-def last_object(keys: list[bytes], tail: bytes | None) -> bytes:
-    return tail if tail is not None else keys[-1]
+    tail = tail_key(prefix, block_hashes, full * blocks_per_chunk, rest) if rest else None
+    part = (part_key(prefix, block_hashes[n_blocks - 1],
+                     token_ids[n_blocks * block_size:tokens]) if n else None)
+    return HandoverObjects(keys, rest, tail, n, part, blocks_per_chunk * block_size,
+                           block_size)

@@ -25,6 +25,7 @@ class ChunkLoad:
     block_ids: list[int]  # destination blocks, same length as rows
     n_blocks: int = 0     # blocks the stored object holds; 0: a full chunk (a tail: fewer)
     kind: str = ""        # prompt, decode, prompt_tail or decode_tail (stats: hits by kind)
+    tokens: int = 0       # a partial-block object: the tokens it matches (0: whole blocks)
 
 
 @dataclass

@@ -37,16 +37,24 @@ from .events import KVEvents
 from .handover import (
     Handover,
     HandoverError,
+    HandoverObjects,
     build_handover,
     handover_objects,
-    last_object,
     parse_handover,
     wants_handover,
 )
 from .keys import chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
-from .tails import find_tail, request_options, tail_candidates, tail_key
+from .tails import (
+    find_tail,
+    part_candidates,
+    part_key,
+    part_usable,
+    request_options,
+    tail_candidates,
+    tail_key,
+)
 from .warm import PREFIX_LEN, ManifestWriter, manifest_key, prewarm_keys, read_manifest
 
 if TYPE_CHECKING:
@@ -57,6 +65,7 @@ log = logging.getLogger("kvpool.connector")
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
+DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
 
 @dataclass
@@ -78,6 +87,9 @@ class _RequestRecord:
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
     tail_key: bytes | None = None
     tail_local: bool = False        # the tail was found in the KeyIndex
+    part_tokens: int = 0            # tokens of the partial-block object after the tail
+    part_key: bytes | None = None
+    part_local: bool = False        # the partial-block object was found in the KeyIndex
     load_async: bool = True         # the last match's load: between steps, or in the step
     prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
     # prefill/decode (handover.py). Prefill: saves are written through to the shared tiers
@@ -88,7 +100,7 @@ class _RequestRecord:
     # (loaded as a hit) or "off" (timed out, malformed, not this prompt: an ordinary lookup)
     handover_in: Handover | None = None
     handover_state: str = "off"
-    handover_keys: tuple[list[bytes], int, bytes | None] | None = None
+    handover_keys: HandoverObjects | None = None
     handover_deadline: float = 0.0
     handover_check: Future | None = None
     handover_checked_at: float = 0.0
@@ -102,6 +114,8 @@ class _RemoteAnswer:
     more: int
     tail_at: int = -1
     tail_key: bytes | None = None
+    part_at: int = -1               # the full blocks the partial-block candidates followed
+    part_key: bytes | None = None
 
 
 def prewarm_objects(max_bytes: int, cpu_bytes: int, chunk_bytes: int) -> int:
@@ -168,6 +182,13 @@ class SchedulerSide:
         # disk; a lower tier's own index may lag behind). With a remote first tier the
         # scheduler asks the tier itself, so a failed write is never taken for a hit.
         self.track_stored = first_local
+        # A partial block leaves the engine whole: its slots past the tokens it holds keep
+        # what an earlier request left there (the attention kernel's own layout of a block,
+        # packed per ISA on CPU, leaves no token's bytes to zero). A pool that keeps
+        # requests without a tenant salt out of the shared tiers and does not encrypt them
+        # saves no partial block, so no such request's KV reaches them that way.
+        self._parts_saved = not (cfg.require_cache_salt and not cfg.security.encrypt
+                                 and any(tier_class(t.type).shared for t in cfg.tiers))
         self.reqs: dict[str, _RequestRecord] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
@@ -182,12 +203,13 @@ class SchedulerSide:
                              if remote and lower_store is not None else None)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
-        # decode chunks and decode tails saved here (bounded): a later hit of one is counted
-        # as such (the load plan's ChunkLoad.kind)
-        self.decode_keys = KeyIndex(self.index.capacity)
+        # decode chunks, tails and partial blocks saved here (bounded): a later hit of one is
+        # counted as such (the load plan's ChunkLoad.kind). Lower tiers outlast the first
+        # tier's index, so it keeps at least DECODE_KEYS (~2.5 MB of keys)
+        self.decode_keys = KeyIndex(max(self.index.capacity, DECODE_KEYS))
         # handovers returned this step whose write-through the workers report later in the
         # same update_from_output: req_id -> (the params returned, their objects, record)
-        self.handovers_out: dict[str, tuple[dict, list[bytes], _RequestRecord]] = {}
+        self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], _RequestRecord]] = {}
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
         # the warm start manifest's own tiers (connector._manifest_store_config), else lower's
@@ -304,7 +326,8 @@ class SchedulerSide:
         hold in their own memory, copied in a memcpy each (if one was evicted meanwhile, its
         blocks are load errors and vLLM recomputes them, as with any broken promise)."""
         return (record.hit_local_index >= record.hit_chunks
-                and (record.tail_key is None or record.tail_local))
+                and (record.tail_key is None or record.tail_local)
+                and (record.part_key is None or record.part_local))
 
     def _lookup(self, record: _RequestRecord, hashes: list, now: float) -> int | None:
         """Leading chunks present; None while a remote part of the lookup is running."""
@@ -330,15 +353,20 @@ class SchedulerSide:
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
-                tails = None
+                tails = parts = None
                 if self._options(record)[1]:  # the tails that could follow what is found
                     tails = functools.partial(
                         tail_candidates, self.prefix, list(hashes),
                         blocks_per_chunk=self.blocks_per_chunk,
                         max_blocks=self._claimable_blocks(record.request))
+                    if part_usable(record.request):
+                        parts = functools.partial(
+                            part_candidates, self.prefix, list(hashes),
+                            list(record.request.all_token_ids), block_size=self.block_size,
+                            max_tokens=record.request.num_tokens - 1)
                 record.pending = (len(hashes), local,
                                   self._lookup_pool.submit(self._remote_lookup, rest, local,
-                                                           tails))
+                                                           tails, parts))
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 return None
             hit, record.hit_local_index = self._count_hits(keys)
@@ -350,17 +378,28 @@ class SchedulerSide:
         return hit
 
     def _remote_lookup(self, keys: list[bytes], local: int,
-                       tails: Callable[..., list[tuple[int, bytes]]] | None) -> _RemoteAnswer:
+                       tails: Callable[..., list[tuple[int, bytes]]] | None,
+                       parts: Callable[..., list[tuple[int, bytes]]] | None = None
+                       ) -> _RemoteAnswer:
         """On the lookup pool: the leading chunks in the lower tiers, then the longest
-        tail object after them (the candidates in one batch: one round trip on Redis)."""
+        tail object after them, then the longest partial-block object after that (each
+        set of candidates in one batch: one round trip on Redis)."""
         more = self._remote_prefix(keys)
         answer = _RemoteAnswer(more)
         if tails is not None:
             answer.tail_at = local + more
             cands = tails(full_chunks=answer.tail_at)
             i = self.lower.first_present([k for _, k in cands]) if cands else None
+            blocks = answer.tail_at * self.blocks_per_chunk
             if i is not None:
                 answer.tail_key = cands[i][1]
+                blocks += cands[i][0]
+            if parts is not None:
+                answer.part_at = blocks
+                pcands = parts(n_blocks=blocks)
+                j = self.lower.first_present([k for _, k in pcands]) if pcands else None
+                if j is not None:
+                    answer.part_key = pcands[j][1]
         return answer
 
     def _remote_prefix(self, keys: list[bytes]) -> int:
@@ -411,6 +450,7 @@ class SchedulerSide:
                                     [block_ids[b] for b in range(lo, hi)],
                                     kind="decode" if key in self.decode_keys else "prompt"))
         self._load_tail(record, chunks, first_block, last_block, block_ids)
+        self._load_part(record, chunks, first_block, block_ids)
         record.load = LoadJob(request.request_id, chunks, record.load_async)
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
@@ -456,9 +496,7 @@ class SchedulerSide:
             job = self._plan_save(record, n_sched)
             if job is not None:
                 meta.saves.append(job)
-            job = self._plan_prompt_tail(record, n_sched)
-            if job is not None:
-                meta.saves.append(job)
+            meta.saves.extend(self._plan_prompt_tail(record, n_sched))
         meta.saves.extend(self.finish_saves)
         self.finish_saves = []
         meta.await_saves = set(self.await_saves)
@@ -550,9 +588,12 @@ class SchedulerSide:
         all_keys = chunk_keys(self.prefix, record.request.block_hashes, self.blocks_per_chunk,
                               limit=record.hit_chunks)
         bad = set(keys)
-        if record.tail_key is not None and record.tail_key in bad:
-            record.tail_blocks, record.tail_key = 0, None
+        tail_bad = record.tail_key is not None and record.tail_key in bad
+        if tail_bad or (record.part_key is not None and record.part_key in bad):
+            record.part_tokens, record.part_key = 0, None  # the part follows the tail
             record.lookup = None
+        if tail_bad:
+            record.tail_blocks, record.tail_key = 0, None
         first = next((i for i, k in enumerate(all_keys) if k in bad), None)
         if first is not None:
             record.hit_chunks = min(record.hit_chunks, first)
@@ -580,37 +621,39 @@ class SchedulerSide:
 
     # -- prefill/decode through the pool (handover.py) -------------------------------------
     def _handover_params(self, record: _RequestRecord) -> dict[str, Any] | None:
-        """The handover of a finished prefill: the prompt's whole blocks that its saves wrote
-        through. The last step's write-through is reported by the workers after this call,
-        in the same `update_from_output`: `_durable_reports` then shortens (or empties) the
-        params returned here before vLLM sends them."""
+        """The handover of a finished prefill: what its saves wrote through of the prompt
+        but its last token (the decode engine computes that one). The last step's
+        write-through is reported by the workers after this call, in the same
+        `update_from_output`: `_durable_reports` then shortens (or empties) the params
+        returned here before vLLM sends them."""
         req = record.request
         status = getattr(getattr(req, "status", None), "name", "")
         if (not record.handover_out or self.lower is None or self._isolated(req)
                 or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
             return None
-        n_blocks = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
+        tokens = req.num_prompt_tokens - 1
+        if not part_usable(req) or not self._parts_saved:  # no partial block: whole blocks
+            tokens -= tokens % self.block_size
         if not self._options(record)[1]:  # no tails: full chunks only
-            n_blocks -= n_blocks % self.blocks_per_chunk
-        objs = handover_objects(self.prefix, req.block_hashes, n_blocks * self.block_size,
+            tokens -= tokens % self.chunk_tokens
+        objs = handover_objects(self.prefix, req.block_hashes, req.all_token_ids, tokens,
                                 self.block_size, self.blocks_per_chunk)
         if objs is None:
             return None
-        keys, _, tail = objs
-        out = build_handover(n_blocks * self.block_size,
-                             self.lower.object_names([last_object(keys, tail)])[0])
+        out = build_handover(tokens, self.lower.object_names([objs.last()])[0])
         self.stats.inc("kvpool_handovers")
-        objects = keys + ([tail] if tail is not None else [])
+        objects = objs.objects()
         if record.durable_pending > 0:
             self.handovers_out[req.request_id] = (out, objects, record)
         else:
             self._settle_handover(out, objects, record)
         return out
 
-    def _settle_handover(self, out: dict, objects: list[bytes], record: _RequestRecord) -> None:
+    def _settle_handover(self, out: dict, objects: list[tuple[bytes, int]],
+                         record: _RequestRecord) -> None:
         """Promise only the leading objects every shared tier confirmed."""
         failed = record.durable_failed or set()
-        good = next((i for i, k in enumerate(objects) if k in failed), len(objects))
+        good = next((i for i, (k, _) in enumerate(objects) if k in failed), len(objects))
         if good == len(objects):
             return
         self.stats.inc("kvpool_handover_write_failures", len(objects) - good)
@@ -618,8 +661,9 @@ class SchedulerSide:
             out.clear()  # nothing to hand over: the decode engine computes the prompt
             return
         inner = out["kvpool"]["handover"]
-        inner["tokens"] = good * self.chunk_tokens  # a failed tail leaves the full chunks
-        inner["name"] = self.lower.object_names([objects[good - 1]])[0].hex()
+        key, tokens = objects[good - 1]  # e.g. a failed tail leaves the full chunks
+        inner["tokens"] = tokens
+        inner["name"] = self.lower.object_names([key])[0].hex()
 
     def _durable_reports(self, worker_meta: KVPoolWorkerMetadata) -> None:
         for req_id, n in worker_meta.durable_done.items():
@@ -646,11 +690,11 @@ class SchedulerSide:
         assert h is not None
         request = record.request
         if record.handover_keys is None:
-            objs = (handover_objects(self.prefix, request.block_hashes, h.tokens,
-                                     self.block_size, self.blocks_per_chunk)
-                    if self.lower is not None else None)
-            if objs is None or self.lower.object_names(
-                    [last_object(objs[0], objs[2])])[0] != h.name:
+            objs = (handover_objects(self.prefix, request.block_hashes, request.all_token_ids,
+                                     h.tokens, self.block_size, self.blocks_per_chunk,
+                                     part_ok=part_usable(request))
+                    if self.lower is not None and self._claimable(h.tokens, request) else None)
+            if objs is None or self.lower.object_names([objs.last()])[0] != h.name:
                 log.warning("kvpool: request %s: its handover names objects this prompt does "
                             "not have (another prompt, model, salt or pool key); ignored",
                             request.request_id)
@@ -659,8 +703,8 @@ class SchedulerSide:
                 return False
             record.handover_keys = objs
             record.handover_deadline = now + self.cfg.handover_wait_seconds
-        keys, rest, tail = record.handover_keys
-        objects = keys + ([tail] if tail is not None else [])
+        objs = record.handover_keys
+        objects = [k for k, _ in objs.objects()]
         fut = record.handover_check
         if fut is None and now - record.handover_checked_at >= HANDOVER_POLL_S:
             record.handover_checked_at = now
@@ -678,9 +722,12 @@ class SchedulerSide:
             visible = False
         if visible:
             record.handover_state = "ready"
-            record.hit_chunks, record.hit_local_index = len(keys), 0
-            record.tail_blocks, record.tail_key, record.tail_local = rest, tail, False
-            record.lookup = (len(request.block_hashes), len(keys), now)
+            record.hit_chunks, record.hit_local_index = len(objs.keys), 0
+            record.tail_blocks, record.tail_key, record.tail_local = (objs.tail_blocks,
+                                                                     objs.tail, False)
+            record.part_tokens, record.part_key, record.part_local = (objs.part_tokens,
+                                                                      objs.part, False)
+            record.lookup = (len(request.block_hashes), len(objs.keys), now)
             self.stats.inc("kvpool_handover_hits")
             return True
         if now < record.handover_deadline:
@@ -726,17 +773,26 @@ class SchedulerSide:
         return request_options(record.request, self.cfg.save_decode_tokens,
                                self.cfg.tail_objects)
 
+    def _claimable(self, tokens: int, request: Request) -> bool:
+        """Whether a handover of `tokens` fits the request: a partial block must end before
+        its last token (whole blocks are capped by `_hit_tokens`, as an earlier prefill
+        engine's handover of a prompt ending on a block boundary needs)."""
+        return tokens < request.num_tokens or tokens % self.block_size == 0
+
     def _claimable_blocks(self, request: Request) -> int:
         """Blocks a hit may cover: never the last prompt token (vLLM computes it to sample)."""
         return (request.num_tokens - 1) // self.block_size
 
     def _hit_tokens(self, record: _RequestRecord) -> int:
-        """Tokens of the last lookup's match: the full chunks, then the tail."""
+        """Tokens of the last lookup's match: the full chunks, the tail, then the
+        partial-block object (found only right after a match of whole blocks that ends
+        within what the request may claim)."""
         limit = self._claimable_blocks(record.request) * self.block_size
-        return min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
-                   limit)
+        whole = min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
+                    limit)
+        return whole + record.part_tokens
 
-    def _tail_present(self, key: bytes, remote: bytes | None) -> tuple[bool, bool]:
+    def _object_present(self, key: bytes, remote: bytes | None) -> tuple[bool, bool]:
         """(present, in the KeyIndex). Lower tiers are asked inline only when they are all
         local (disk); with Redis or S3 the remote lookup job asked them (`remote`: the
         longest tail it found there, off the step loop)."""
@@ -751,6 +807,7 @@ class SchedulerSide:
     def _lookup_tail(self, record: _RequestRecord, hit: int) -> None:
         """The longest tail object right after the `hit` leading full chunks, if any."""
         record.tail_blocks, record.tail_key, record.tail_local = 0, None, False
+        record.part_tokens, record.part_key, record.part_local = 0, None, False
         answer, record.remote_tail = record.remote_tail, None
         # the remote job's tail, if it asked after the same chunks (the KeyIndex may have
         # extended the remote prefix: then only the index's tails count)
@@ -765,7 +822,7 @@ class SchedulerSide:
         local: list[bool] = []
 
         def present(key: bytes) -> bool:
-            found, in_index = self._tail_present(key, remote)
+            found, in_index = self._object_present(key, remote)
             if found:
                 local.append(in_index)
             return found
@@ -773,6 +830,23 @@ class SchedulerSide:
         n, key = find_tail(cands, present)
         if key is not None:
             record.tail_blocks, record.tail_key, record.tail_local = n, key, local[-1]
+        self._lookup_part(record, hit * self.blocks_per_chunk + n, answer)
+
+    def _lookup_part(self, record: _RequestRecord, n_blocks: int,
+                     answer: _RemoteAnswer | None) -> None:
+        """The longest partial-block object right after the first `n_blocks` full blocks
+        (the chunks and the tail found), if any."""
+        request = record.request
+        if not part_usable(request):
+            return
+        remote = answer.part_key if answer is not None and answer.part_at == n_blocks else None
+        cands = part_candidates(self.prefix, request.block_hashes, request.all_token_ids,
+                                n_blocks, self.block_size, request.num_tokens - 1)
+        for n, key in cands:
+            found, in_index = self._object_present(key, remote)
+            if found:
+                record.part_tokens, record.part_key, record.part_local = n, key, in_index
+                return
 
     def _load_tail(self, record: _RequestRecord, chunks: list[ChunkLoad],
                    first_block: int, last_block: int, block_ids: list[int]) -> None:
@@ -789,6 +863,44 @@ class SchedulerSide:
                                 [block_ids[b] for b in range(lo, hi)],
                                 n_blocks=record.tail_blocks,
                                 kind="decode_tail" if decode else "prompt_tail"))
+
+    def _load_part(self, record: _RequestRecord, chunks: list[ChunkLoad], first_block: int,
+                   block_ids: list[int]) -> None:
+        """Add the partial-block object to a load plan: one block, of which its first
+        `part_tokens` tokens are the match (the rest, zeroes, vLLM computes over)."""
+        if record.part_key is None:
+            return
+        b = self._hit_tokens(record) // self.block_size
+        if b < first_block or b >= len(block_ids):
+            return
+        decode = record.part_key in self.decode_keys
+        chunks.append(ChunkLoad(record.part_key, [0], [block_ids[b]], n_blocks=1,
+                                kind="decode_tail" if decode else "prompt_tail",
+                                tokens=record.part_tokens))
+
+    def _part_job(self, record: _RequestRecord, n_tokens: int, block_ids: list[int],
+                  durable: bool = False) -> SaveJob | None:
+        """A save of the block the first `n_tokens` tokens end inside (None when they end
+        on a block boundary, the request's ids do not name its KV, or the pool has or is
+        saving that object already)."""
+        req = record.request
+        b, n = divmod(n_tokens, self.block_size)
+        if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
+                or not part_usable(req) or not self._parts_saved):
+            return None
+        key = part_key(self.prefix, req.block_hashes[b - 1],
+                       req.all_token_ids[b * self.block_size:n_tokens])
+        if (key in self.index or key in self.inflight or key == record.part_key) and not durable:
+            return None
+        self.inflight.add(key)
+        decode = n_tokens > req.num_prompt_tokens  # holds generated tokens
+        if decode:
+            self.decode_keys.add(key)
+        record.pending_copies += self.world_size
+        if durable:
+            record.durable_pending += self.world_size
+        return SaveJob(req.request_id, [key], [[block_ids[b]]],
+                       ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
     def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int],
                   durable: bool = False) -> SaveJob | None:
@@ -819,17 +931,23 @@ class SchedulerSide:
         return (self.save_enabled and not self._isolated(record.request)
                 and self._options(record)[1])
 
-    def _plan_prompt_tail(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
+    def _plan_prompt_tail(self, record: _RequestRecord, n_sched: int) -> list[SaveJob]:
         """At the step that ends the prompt's prefill: the prompt's tail (a concurrent or
-        aborted request, or one preempted later, finds the whole prompt)."""
+        aborted request, or one preempted later, finds the prompt's whole blocks) and, for a
+        handover, the partial block of all but its last token (the decode engine computes
+        only that token; a chat's partial block is the one saved at finish)."""
         req = record.request
         if record.prompt_tail_done or req.num_computed_tokens + n_sched < req.num_prompt_tokens:
-            return None
+            return []
         record.prompt_tail_done = True
         if not self._tails_saved(record):
-            return None
-        return self._tail_job(record, req.num_prompt_tokens // self.block_size,
-                              self._block_ids(req.request_id), durable=record.handover_out)
+            return []
+        ids = self._block_ids(req.request_id)
+        jobs = [self._tail_job(record, (req.num_prompt_tokens - 1) // self.block_size, ids,
+                               durable=record.handover_out),
+                self._part_job(record, req.num_prompt_tokens - 1, ids, durable=True)
+                if record.handover_out else None]
+        return [j for j in jobs if j is not None]
 
     def _plan_finish_tail(self, record: _RequestRecord, block_ids: list[int]) -> None:
         """A finished request: the tail of everything computed (the prompt and, with decode
@@ -844,6 +962,7 @@ class SchedulerSide:
         done = req.num_computed_tokens
         if not self._options(record)[0]:
             done = min(done, req.num_prompt_tokens)
-        job = self._tail_job(record, done // self.block_size, block_ids)
-        if job is not None:
-            self.finish_saves.append(job)
+        for job in (self._tail_job(record, done // self.block_size, block_ids),
+                    self._part_job(record, done, block_ids)):
+            if job is not None:
+                self.finish_saves.append(job)

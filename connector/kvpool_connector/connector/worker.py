@@ -486,7 +486,8 @@ class WorkerSide:
             self._inc("kvpool_prewarm_hit_objects")
         self._inc("kvpool_hit_objects", 1, kind_tier(kind, tier))
         if self.count_tokens and self.block_size:
-            self._inc("kvpool_hit_tokens", len(c.rows) * self.block_size, kind_tier(kind, tier))
+            self._inc("kvpool_hit_tokens", c.tokens or len(c.rows) * self.block_size,
+                      kind_tier(kind, tier))
 
     def _scatter(self, good: list, layered: _Load | None) -> None:
         """Copy verified chunks into their blocks: all layers at once, or layer by layer

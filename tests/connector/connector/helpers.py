@@ -16,6 +16,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvpool_connector.connector.keys import KeySpace
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
+from kvpool_connector.connector.tails import part_key
 
 BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
 PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 0, 1, "sha256", 256).prefix()
@@ -29,6 +30,12 @@ def make_request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None,
     return Request(rid, [rng.randrange(3, 2000) for _ in range(n)],
                    SamplingParams(max_tokens=4, extra_args=extra), None, cache_salt=cache_salt,
                    block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def part_of(req, n: int) -> bytes:
+    """Key of the partial-block object of the request's first `n` tokens (n % BS != 0)."""
+    b = n // BS
+    return part_key(PREFIX, req.block_hashes[b - 1], list(req.all_token_ids)[b * BS:n])
 
 
 def scheduler_output(sched: dict[str, int], preempted=()) -> SchedulerOutput:

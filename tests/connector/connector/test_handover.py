@@ -27,6 +27,7 @@ from tests.connector.connector.helpers import (
     allocate,
     answered,
     make_request,
+    part_of,
     scheduler_output,
 )
 
@@ -103,19 +104,34 @@ def _report(side, saves, failed=()):
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
-def test_prefill_writes_through_chunks_and_tail_and_hands_over_whole_blocks(side):
-    req = make_request("p", 1000)  # 7 blocks: 3 chunks + a 1-block tail
+def test_prefill_writes_through_all_but_the_last_prompt_token_and_hands_it_over(side):
+    req = make_request("p", 1000)  # 7 blocks (3 chunks + a 1-block tail), 104 tokens more
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     # the chunks are already in the workers' memory: a handover writes them through anyway
     side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys))
     req, saves, params = _prefill(side, 1000, cached_chunks=3)
     assert all(s.durable for s in saves)
     tail = tail_key(PREFIX, req.block_hashes, 6, 1)
-    assert [k for s in saves for k in s.keys] == keys + [tail]
-    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
+    part = part_of(req, 999)  # block 7's first 103 tokens: all but the last prompt token
+    assert [k for s in saves for k in s.keys] == keys + [tail, part]
+    assert saves[-1].block_ids == [[side.test_blocks["p"][7]]]
+    assert parse_handover(params) == Handover(999, side.lower.object_names([part])[0])
     _report(side, saves)
-    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
+    assert parse_handover(params) == Handover(999, side.lower.object_names([part])[0])
     assert side.stats.data["kvpool_handovers"] == {"": 1}
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_prompt_ending_on_a_block_boundary_hands_over_its_last_block_but_one_token(side):
+    """1024 tokens, 4 whole chunks: the handover is 3 chunks, a 1-block tail and the last
+    block's first 127 tokens, all saved at prefill end (the 4th chunk too, for others)."""
+    req, saves, params = _prefill(side, 1024)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    part = part_of(req, 1023)
+    assert [k for s in saves for k in s.keys] == keys + [tail, part]
+    _report(side, saves)
+    assert parse_handover(params) == Handover(1023, side.lower.object_names([part])[0])
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -125,6 +141,10 @@ def test_a_write_that_did_not_go_through_shortens_the_handover_returned(side):
     tail = tail_key(PREFIX, req.block_hashes, 6, 1)
     _report(side, saves, failed=[tail])  # reported in the same update_from_output
     assert parse_handover(params) == Handover(3 * 256, side.lower.object_names([keys[2]])[0])
+    req, saves, params = _prefill(side, 1000, seed=2)
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    _report(side, saves, failed=[part_of(req, 999)])  # the partial block alone
+    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
     req, saves, params = _prefill(side, 1000, seed=1)
     _report(side, saves, failed=[chunk_keys(PREFIX, req.block_hashes, BPC)[0]])
     assert params == {}  # nothing to hand over: the decode engine computes the prompt
@@ -149,21 +169,56 @@ def test_decode_waits_for_every_object_then_loads_them_as_a_hit(side):
     req = make_request("x", 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     tail = tail_key(PREFIX, req.block_hashes, 6, 1)
-    params = build_handover(7 * BS, side.lower.object_names([tail])[0])
+    part = part_of(req, 999)
+    params = build_handover(999, side.lower.object_names([part])[0])
     dec = _decode_request(params)
     assert side.num_matched(dec, 0) == (None, False)  # nothing visible yet
-    side.lower.put_many(keys, [b"c" * 64] * 3)
+    side.lower.put_many(keys + [tail], [b"c" * 64] * 4)
     side.reqs["d"].handover_checked_at = 0.0  # (the next check is due)
-    # the chunks alone are a visible prefix, but the handover promised the tail too
+    # the chunks and the tail are a visible prefix, but the handover promised the part too
     assert side.num_matched(dec, 0) == (None, False)
-    side.lower.put_many([tail], [b"t" * 64])
+    side.lower.put_many([part], [b"t" * 64])
     side.reqs["d"].handover_checked_at = 0.0
-    assert side.num_matched(dec, 0) == (7 * BS, True)  # all but the block vLLM computes
-    ids = allocate(side, dec, 7 * BS)
+    assert side.num_matched(dec, 0) == (999, True)  # all but the token vLLM computes
+    ids = allocate(side, dec, 999)
     (load,) = side.build_meta(scheduler_output({})).loads
-    assert [c.key for c in load.chunks] == keys + [tail]
-    assert load.chunks[-1].block_ids == [ids[6]] and load.chunks[-1].n_blocks == 1
+    assert [c.key for c in load.chunks] == keys + [tail, part]
+    assert load.chunks[-2].block_ids == [ids[6]] and load.chunks[-2].n_blocks == 1
+    # the partial block: copied whole into block 7, of which 103 tokens are the hit
+    last = load.chunks[-1]
+    assert (last.rows, last.block_ids, last.n_blocks, last.tokens) == ([0], [ids[7]], 1, 103)
     assert side.stats.data["kvpool_handover_hits"] == {"": 1}
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_whole_block_handover_of_an_earlier_prefill_engine_still_loads(side):
+    req = make_request("x", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    side.lower.put_many(keys + [tail], [b"c" * 64] * 4)
+    dec = _decode_request(build_handover(7 * BS, side.lower.object_names([tail])[0]))
+    assert side.num_matched(dec, 0) == (7 * BS, True)
+    # a prompt ending on a block boundary: such an engine handed all of its blocks over,
+    # of which the decode engine claims all but the last
+    req = make_request("y", 1024, seed=5)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.lower.put_many(keys, [b"c" * 64] * 4)
+    dec = make_request("d1024", 1024, seed=5, kv_transfer_params=build_handover(
+        1024, side.lower.object_names([keys[3]])[0]))
+    assert side.num_matched(dec, 0) == (7 * BS, True)
+
+
+def test_a_handover_past_the_last_prompt_token_or_a_partial_block_of_an_image_is_refused(side):
+    """A decode engine computes at least the last token, and a request with multimodal
+    inputs has no partial-block key (its token ids do not name its KV)."""
+    req = make_request("x", 1000)
+    whole = build_handover(1000, side.lower.object_names([part_of(req, 1000)])[0])
+    assert side.num_matched(_decode_request(whole), 0) == (0, False)
+    img = _decode_request(build_handover(999, side.lower.object_names([part_of(req, 999)])[0]),
+                          rid="i")
+    img.mm_features = ["an image"]
+    assert side.num_matched(img, 0) == (0, False)
+    assert side.stats.data["kvpool_handover_rejected"] == {"": 2}
 
 
 @pytest.mark.parametrize("side", [{**TAILS, "handover_wait_seconds": 0}], indirect=True)
@@ -201,7 +256,7 @@ def test_handover_always_makes_every_request_a_handover_prefill(side):
     assert meta.saves and all(s.durable for s in meta.saves)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = side.finish(req, side.test_blocks["s"])
-    assert parse_handover(params).tokens == 7 * BS
+    assert parse_handover(params).tokens == 999
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -213,13 +268,13 @@ def test_a_prefill_over_several_steps_settles_with_the_last_steps_report(side):
     assert [len(s.keys) for s in first] == [2] and first[0].durable
     _report(side, first)  # confirmed in the step after
     req.num_computed_tokens = 600
-    last = side.build_meta(scheduler_output({"p": 400})).saves  # chunk 3 and the tail
+    last = side.build_meta(scheduler_output({"p": 400})).saves  # chunk 3, tail and part
     req.num_computed_tokens = 1000
     req.append_output_token_ids(7)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = side.finish(req, side.test_blocks["p"])
-    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
-    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
+    part = part_of(req, 999)
+    assert parse_handover(params) == Handover(999, side.lower.object_names([part])[0])
     _report(side, last, failed=[last[0].keys[0]])  # chunk 3 did not go through
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
     assert parse_handover(params) == Handover(2 * 256, side.lower.object_names([keys[1]])[0])

@@ -131,3 +131,4 @@ def test_payload_bytes_do_not_depend_on_physical_strides():
     b.scatter(pa, 3, [0, 1, 2], [1, 2, 3])  # a payload of one path loads into the other
     for k in logical:
         assert torch.equal(strided[k][1:4], logical[k][ids])
+

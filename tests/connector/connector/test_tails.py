@@ -12,6 +12,7 @@ from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.connector.tails import is_tail_key, request_options, tail_key
 from kvpool_connector.store import open_store
 from tests.conftest import SECURITY
+from tests.connector.connector.conftest import scheduler_side
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -19,6 +20,7 @@ from tests.connector.connector.helpers import (
     allocate,
     held_then_answered,
     make_request,
+    part_of,
     run_turn,
     scheduler_output,
     with_prompt,
@@ -28,35 +30,66 @@ TAILS = {"tail_objects": True}
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
-def test_second_turn_loads_full_chunks_and_the_tail_up_to_the_last_full_block(side):
-    t1 = make_request("t1", 700)  # 5 blocks: 2 chunks + a 1-block tail
+def test_second_turn_loads_everything_the_first_computed(side):
+    t1 = make_request("t1", 700)  # 5 blocks (2 chunks + a 1-block tail) and 60 tokens
     assert side.num_matched(t1, 0) == (0, False)
     allocate(side, t1, 0)
     jobs = run_turn(side, t1, list(range(10, 210)))  # 200 tokens: 900 in all, 899 computed
     kinds = [k for j in jobs for k in j.kinds]
-    # the prompt's two chunks, its tail at prefill end, the chunk the answer completed
-    # (tokens 512-767), and at finish the tail of block 6 (tokens 768-895)
-    assert kinds == ["prompt", "prompt", "prompt_tail", "decode", "decode_tail"]
-    prompt_tail, finish_tail = [j for j in jobs if j.kinds[0].endswith("tail")]
+    # the prompt's two chunks; at prefill end its tail (block 4); the chunk the answer
+    # completed (tokens 512-767); at finish the tail of block 6 and the partial block 7
+    # (tokens 896-898)
+    assert kinds == ["prompt", "prompt", "prompt_tail", "decode", "decode_tail", "decode_tail"]
+    prompt_tail, finish_tail, finish_part = [j for j in jobs if j.kinds[0].endswith("tail")]
     assert prompt_tail.keys == [tail_key(PREFIX, t1.block_hashes, 4, 1)]
     assert prompt_tail.block_ids == [[side.test_blocks["t1"][4]]]
     assert finish_tail.keys == [tail_key(PREFIX, t1.block_hashes, 6, 1)]
-    assert all(is_tail_key(k) for k in prompt_tail.keys + finish_tail.keys)
+    assert finish_part.keys == [part_of(t1, 899)]
+    assert finish_part.block_ids == [[side.test_blocks["t1"][7]]]
+    tails = prompt_tail.keys + finish_tail.keys + finish_part.keys
+    assert all(is_tail_key(k) for k in tails)
     # the predicate the worker's store evicts first by: tails only, never a full chunk
     assert not any(is_tail_key(k) for k in chunk_keys(PREFIX, t1.block_hashes, BPC))
 
     t2 = with_prompt("t2", list(t1.all_token_ids) + list(range(300, 350)))  # 950 tokens
     hit, is_async = side.num_matched(t2, 0)
-    # 3 full chunks + the 1-block tail: 896 of 950; computed 54 <= 50 new + one block
-    assert (hit, is_async) == (896, False)  # all in the workers' memory: loaded within the step
-    ids = allocate(side, t2, 896)
+    # 3 full chunks, the 1-block tail and 3 tokens of block 7: 899 of 950, computed 51:
+    # the 50 new tokens and the answer's last one, which vLLM never computed
+    assert (hit, is_async) == (899, False)  # all in the workers' memory: loaded within the step
+    ids = allocate(side, t2, 899)
     (load,) = side.build_meta(scheduler_output({})).loads
     keys = chunk_keys(PREFIX, t2.block_hashes, BPC)
-    assert [c.key for c in load.chunks] == keys[:3] + finish_tail.keys
-    tail = load.chunks[-1]
-    assert (tail.rows, tail.block_ids, tail.n_blocks) == ([0], [ids[6]], 1)
+    assert [c.key for c in load.chunks] == keys[:3] + finish_tail.keys + finish_part.keys
+    tail, part = load.chunks[-2:]
+    assert (tail.rows, tail.block_ids, tail.n_blocks, tail.tokens) == ([0], [ids[6]], 1, 0)
+    assert (part.rows, part.block_ids, part.n_blocks, part.tokens) == ([0], [ids[7]], 1, 3)
     # the workers count each hit by these kinds (and the tier that served it)
-    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "decode", "decode_tail"]
+    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "decode", "decode_tail",
+                                             "decode_tail"]
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_partial_block_matches_only_its_own_tokens_and_follows_vllms_own_cache(side):
+    t1 = make_request("t1", 700)
+    allocate(side, t1, 0)
+    run_turn(side, t1, list(range(10, 14)))  # 704 tokens, 703 computed: block 5 holds 63
+    base = list(t1.all_token_ids)[:703]
+    # the same 703 tokens then others: the partial block 5 (63 tokens)
+    assert side.num_matched(with_prompt("a", base + [5, 6]), 0) == (703, False)
+    # block 5's 61st token differs: no partial block matches, the whole blocks do
+    changed = base[:700] + [1999] + base[701:] + [5]
+    assert side.num_matched(with_prompt("b", changed), 0) == (640, False)
+    # vLLM's own prefix cache holds the 5 whole blocks: the partial block alone is loaded
+    c = with_prompt("c", base + [5])
+    assert side.num_matched(c, 640) == (63, False)
+    ids = allocate(side, c, 63)
+    (load,) = side.build_meta(scheduler_output({})).loads
+    assert [(x.key, x.block_ids, x.tokens) for x in load.chunks] == [
+        (part_of(t1, 703), [ids[5]], 63)]
+    # a request with an image: token ids do not name its KV, no partial block
+    img = with_prompt("i", base + [5])
+    img.mm_features = ["an image"]
+    assert side.num_matched(img, 0) == (640, False)
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -82,13 +115,15 @@ def test_per_request_override_keeps_the_answer_out_and_tails_off(side):
     t1.kv_transfer_params = {"kvpool": {"save_decode": False}}
     allocate(side, t1, 0)
     jobs = run_turn(side, t1, list(range(10, 210)))
-    # no decode chunk; the finish tail would be the prompt's tail again: nothing new
-    assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "prompt_tail"]
+    # no decode chunk; at finish the tail is the prompt's again (nothing new) and the
+    # partial block the 60 prompt tokens of block 5
+    assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "prompt_tail",
+                                                  "prompt_tail"]
     t2 = with_prompt("t2", list(t1.all_token_ids) + [9] * 50)
-    assert side.num_matched(t2, 0) == (640, False)  # the prompt and its tail, not the answer
-    allocate(side, t2, 640)
+    assert side.num_matched(t2, 0) == (700, False)  # the prompt, not the answer
+    allocate(side, t2, 700)
     (load,) = side.build_meta(scheduler_output({})).loads
-    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "prompt_tail"]
+    assert [c.kind for c in load.chunks] == ["prompt", "prompt", "prompt_tail", "prompt_tail"]
     off = with_prompt("t3", list(t1.all_token_ids) + [9] * 50)
     off.kv_transfer_params = {"kvpool": {"tails": False}}
     assert side.num_matched(off, 0) == (512, False)
@@ -105,17 +140,18 @@ def test_config_off_is_todays_behaviour(side):
 
 def test_a_second_engine_sharing_redis_finds_the_tail_the_first_wrote(redis_server, namespace,
                                                                        monkeypatch):
-    """Engine A's workers wrote a prompt's 2 chunks and its tail through their cpu tier to
-    Redis. Engine B (its own, empty cpu tier) finds both off the step loop: None while the
-    Redis job runs, then the chunks and the tail, up to the last full block, from Redis."""
+    """Engine A's workers wrote a prompt's 2 chunks, its tail and its partial block through
+    their cpu tier to Redis. Engine B (its own, empty cpu tier) finds them off the step
+    loop: None while the Redis job runs, then all 700 prompt tokens, from Redis."""
     monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
     cfg = load_connector_config({"namespace": namespace, "security": SECURITY, "tiers": [
         {"type": "cpu", "size": "64Mi"},
         {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
-    t1 = make_request("t1", 700)  # 5 blocks: 2 chunks + a 1-block tail
-    keys = [*chunk_keys(PREFIX, t1.block_hashes, BPC), tail_key(PREFIX, t1.block_hashes, 4, 1)]
+    t1 = make_request("t1", 700)  # 5 blocks: 2 chunks + a 1-block tail, and 60 tokens
+    keys = [*chunk_keys(PREFIX, t1.block_hashes, BPC), tail_key(PREFIX, t1.block_hashes, 4, 1),
+            part_of(t1, 700)]
     with open_store(cfg.as_store_config(), layout="fp") as engine_a:
-        engine_a.put_many(keys, [b"x" * 64] * 3)
+        engine_a.put_many(keys, [b"x" * 64] * 4)
     lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     b = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
                       block_ids=lambda rid: b.test_blocks[rid], is_async=True)
@@ -126,12 +162,13 @@ def test_a_second_engine_sharing_redis_finds_the_tail_the_first_wrote(redis_serv
         # would block the lookup instead of answering None
         answer = held_then_answered(b, t2, monkeypatch, lower,
                                     "first_present")
-        assert answer == (640, True)  # 2 chunks + the tail; tails off: 512
+        assert answer == (700, True)  # 2 chunks, the tail, 60 tokens; tails off: 512
         assert b.hit_sources(t2) == (0, 2) and not b.tail_hit_local(t2)
-        allocate(b, t2, 640)
+        allocate(b, t2, 700)
         (load,) = b.build_meta(scheduler_output({})).loads
-        assert [(c.key, c.kind) for c in load.chunks] == [
-            (keys[0], "prompt"), (keys[1], "prompt"), (keys[2], "prompt_tail")]
+        assert [(c.key, c.kind, c.tokens) for c in load.chunks] == [
+            (keys[0], "prompt", 0), (keys[1], "prompt", 0), (keys[2], "prompt_tail", 0),
+            (keys[3], "prompt_tail", 60)]
     finally:
         b.close()
         lower.close()
@@ -143,3 +180,29 @@ def test_request_options_parse_only_booleans():
     assert request_options(R(), True, True) == (False, True)
     R.kv_transfer_params = None
     assert request_options(R(), True, False) == (True, False)
+
+
+@pytest.mark.parametrize("side", [{**TAILS, "require_cache_salt": True}], indirect=True)
+def test_a_pool_isolating_unsalted_requests_without_encryption_saves_no_partial_block(side,
+                                                                                    tmp_path):
+    """A partial block carries its block's other slots as an earlier request left them,
+    maybe an unsalted one the pool never stores: with require_cache_salt and unencrypted
+    shared tiers (this disk tier) no partial block is saved; whole blocks are."""
+    assert not side.cfg.security.encrypt
+    t1 = make_request("t1", 700, cache_salt="tenant-a")
+    allocate(side, t1, 0)
+    jobs = run_turn(side, t1, list(range(10, 210)))
+    assert [k for j in jobs for k in j.kinds] == ["prompt", "prompt", "prompt_tail", "decode",
+                                                  "decode_tail"]
+    # the same pool encrypting its shared tiers saves it
+    enc = scheduler_side("enc", {"type": "disk", "path": str(tmp_path / "enc"), "size": "64Mi"},
+                         **TAILS, require_cache_salt=True,
+                         security={**SECURITY, "encrypt": True})
+    try:
+        t2 = make_request("t2", 700, cache_salt="tenant-a")
+        allocate(enc, t2, 0)
+        jobs = run_turn(enc, t2, list(range(10, 210)))
+        assert jobs[-1].keys == [part_of(t2, 899)]
+    finally:
+        enc.close()
+        enc.lower.close()

@@ -267,3 +267,26 @@ def test_a_missing_object_is_no_hit_and_rank_one_counts_no_tokens(tmp_path):
     assert "kvpool_hit_tokens" not in data
     assert side.take_load_errors() == {6, 7}
     side.shutdown()
+
+
+
+def test_a_partial_block_loads_whole_and_counts_only_its_tokens():
+    """A partial-block object is one whole block (vLLM computes over the slots past its
+    tokens), loaded bit for bit; only its tokens count as hit tokens."""
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = open_store({"namespace": "worker-test", "tiers": [{"type": "cpu", "size": "16Mi"}]},
+                       layout=b"l")
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False, block_size=16)
+    side.register(layout)
+    part = b"p" * 16
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("r", [part], [[3]], ["decode_tail"])]))
+    assert side.worker_meta().stored_keys == [part]
+    side.take_stats()
+    load = LoadJob("q", [ChunkLoad(part, rows=[0], block_ids=[7], n_blocks=1,
+                                   kind="decode_tail", tokens=5)], is_async=False)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    for cache in caches.values():
+        assert torch.equal(cache[7], cache[3])
+    assert side.take_stats().data["kvpool_hit_tokens"] == {"decode_tail/cpu": 5}
+    side.shutdown()
