@@ -842,10 +842,14 @@ class SchedulerSide:
         remote = answer.part_key if answer is not None and answer.part_at == n_blocks else None
         cands = part_candidates(self.prefix, request.block_hashes, request.all_token_ids,
                                 n_blocks, self.block_size, request.num_tokens - 1)
-        for n, key in cands:
-            found, in_index = self._object_present(key, remote)
-            if found:
-                record.part_tokens, record.part_key, record.part_local = n, key, in_index
+        in_index = [k in self.index for _, k in cands]
+        lower_at = None  # local lower tiers (disk) are asked inline, all candidates at once
+        if self.lower is not None and self._lookup_pool is None:
+            first = next((i for i, x in enumerate(in_index) if x), len(cands))
+            lower_at = self.lower.first_present([k for _, k in cands[:first]]) if first else None
+        for i, (n, key) in enumerate(cands):  # the longest present
+            if in_index[i] or key == remote or i == lower_at:
+                record.part_tokens, record.part_key, record.part_local = n, key, in_index[i]
                 return
 
     def _load_tail(self, record: _RequestRecord, chunks: list[ChunkLoad],
@@ -867,11 +871,14 @@ class SchedulerSide:
     def _load_part(self, record: _RequestRecord, chunks: list[ChunkLoad], first_block: int,
                    block_ids: list[int]) -> None:
         """Add the partial-block object to a load plan: one block, of which its first
-        `part_tokens` tokens are the match (the rest, zeroes, vLLM computes over)."""
+        `part_tokens` tokens are the match (vLLM computes over the rest, which holds
+        whatever an earlier request left in that block)."""
         if record.part_key is None:
             return
         b = self._hit_tokens(record) // self.block_size
-        if b < first_block or b >= len(block_ids):
+        if b < first_block or b >= len(block_ids):  # not reached: vLLM allocates that block
+            log.error("kvpool: request %s: partial block %d outside its blocks %d..%d",
+                      record.request.request_id, b, first_block, len(block_ids))
             return
         decode = record.part_key in self.decode_keys
         chunks.append(ChunkLoad(record.part_key, [0], [block_ids[b]], n_blocks=1,
@@ -884,7 +891,7 @@ class SchedulerSide:
         on a block boundary, the request's ids do not name its KV, or the pool has or is
         saving that object already)."""
         req = record.request
-        b, n = divmod(n_tokens, self.block_size)
+        b, n = divmod(min(n_tokens, len(req.all_token_ids)), self.block_size)
         if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
                 or not part_usable(req) or not self._parts_saved):
             return None
@@ -943,7 +950,10 @@ class SchedulerSide:
         if not self._tails_saved(record):
             return []
         ids = self._block_ids(req.request_id)
-        jobs = [self._tail_job(record, (req.num_prompt_tokens - 1) // self.block_size, ids,
+        # a handover covers what a decode engine may claim, all but the last token; else the
+        # whole blocks of the prompt (its last token's block included, for a longer prompt)
+        claim = req.num_prompt_tokens - 1 if record.handover_out else req.num_prompt_tokens
+        jobs = [self._tail_job(record, claim // self.block_size, ids,
                                durable=record.handover_out),
                 self._part_job(record, req.num_prompt_tokens - 1, ids, durable=True)
                 if record.handover_out else None]
@@ -959,7 +969,11 @@ class SchedulerSide:
             return  # aborted: what was computed is uncertain; preempted: nothing held
         if not self._tails_saved(record):
             return
-        done = req.num_computed_tokens
+        # what the executed steps computed: with async scheduling (and speculative decoding)
+        # num_computed_tokens also counts a step in flight, whose tokens (drafts) may not be
+        # in all_token_ids yet (vLLM's own safe point for caching blocks)
+        done = min(req.num_computed_tokens - getattr(req, "num_output_placeholders", 0),
+                   len(req.all_token_ids))
         if not self._options(record)[0]:
             done = min(done, req.num_prompt_tokens)
         for job in (self._tail_job(record, done // self.block_size, block_ids),

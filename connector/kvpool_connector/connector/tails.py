@@ -102,13 +102,14 @@ def find_tail(candidates: list[tuple[int, bytes]], present: Callable[[bytes], bo
 
 
 def request_options(request: Any, save_decode: bool, tails: bool) -> tuple[bool, bool]:
-    """(save decode KV, use tail objects) for one request: the pool's defaults, overridden by
-    `kv_transfer_params={"kvpool": {"save_decode": false, "tails": false}}`."""
+    """(save decode KV, use tail objects) for one request: the pool's settings, which
+    `kv_transfer_params={"kvpool": {"save_decode": false, "tails": false}}` may turn off
+    but never on (a client does not choose what of other requests' blocks is stored)."""
     params = getattr(request, "kv_transfer_params", None)
     opts = params.get("kvpool") if isinstance(params, dict) else None
     if isinstance(opts, dict):
-        if isinstance(opts.get("save_decode"), bool):
-            save_decode = opts["save_decode"]
-        if isinstance(opts.get("tails"), bool):
-            tails = opts["tails"]
+        if opts.get("save_decode") is False:
+            save_decode = False
+        if opts.get("tails") is False:
+            tails = False
     return save_decode, tails

@@ -318,3 +318,21 @@ def test_an_ordinary_lookup_finds_the_tail_in_redis(remote_side):
     remote_side.lower.put_many([tail_key(PREFIX, req.block_hashes, 6, 1)], [b"t" * 64])
     again = make_request("s2", 1000, seed=3)
     assert answered(remote_side, again) == (7 * BS, True)  # chunks and tail, up to the last block
+
+
+@pytest.mark.parametrize("side", [{**TAILS, "require_cache_salt": True}], indirect=True)
+def test_a_pool_saving_no_partial_block_hands_over_whole_blocks(side):
+    """require_cache_salt with unencrypted shared tiers: no partial block is saved
+    (test_tails.py), so the handover promises only the whole blocks it wrote."""
+    req = make_request("p", 1000, cache_salt="tenant-a",
+                       kv_transfer_params={"do_remote_decode": True})
+    side.num_matched(req, 0)
+    allocate(side, req, 0)
+    saves = side.build_meta(scheduler_output({"p": 1000})).saves
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    assert [k for s in saves for k in s.keys][-1] == tail
+    req.num_computed_tokens = 1000
+    req.append_output_token_ids(7)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = side.finish(req, side.test_blocks["p"])
+    assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])

@@ -5,9 +5,11 @@ computed (prompt, answer, the blocks past the last full chunk) up to the last fu
 from __future__ import annotations
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
+from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.connector.tails import is_tail_key, request_options, tail_key
 from kvpool_connector.store import open_store
@@ -206,3 +208,63 @@ def test_a_pool_isolating_unsalted_requests_without_encryption_saves_no_partial_
     finally:
         enc.close()
         enc.lower.close()
+
+
+def test_a_request_may_turn_tails_and_decode_kv_off_but_never_on():
+    class R:
+        kv_transfer_params = {"kvpool": {"save_decode": True, "tails": True}}
+    assert request_options(R(), False, False) == (False, False)
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_finish_saves_only_what_executed_steps_computed(side):
+    """With async scheduling (speculative decoding) num_computed_tokens counts a step in
+    flight, drafts not in all_token_ids yet: the finish saves stop at vLLM's safe point
+    (num_computed_tokens - num_output_placeholders) and never past the token ids (a
+    255-token prompt and one output token used to end the engine in an assertion)."""
+    req = make_request("s", 255)
+    allocate(side, req, 0)
+    side.build_meta(scheduler_output({"s": 255}))
+    req.num_computed_tokens = 259  # the in-flight step: 1 real token + 3 drafts
+    req.num_output_placeholders = 3
+    req.append_output_token_ids(7)  # 256 token ids
+    req.status = RequestStatus.FINISHED_STOPPED
+    side.finished(req, list(range(100, 104)))
+    saves = side.build_meta(scheduler_output({})).saves
+    assert [k for s in saves for k in s.keys] == []  # 256 tokens: one full chunk, saved
+    req2 = make_request("s2", 300)
+    allocate(side, req2, 0)
+    side.build_meta(scheduler_output({"s2": 300}))
+    req2.num_computed_tokens = 304  # no placeholders reported, ids end at 301
+    req2.append_output_token_ids(7)
+    req2.status = RequestStatus.FINISHED_STOPPED
+    side.finished(req2, list(range(100, 104)))
+    (part,) = side.build_meta(scheduler_output({})).saves
+    assert part.keys == [part_of(req2, 301)]
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_history_shorter_than_a_block_saves_no_partial_block(side):
+    """A partial block keys on the block before it (whose hash chain carries the tenant's
+    salt): nothing of block 0 alone is ever saved or looked up."""
+    req = make_request("short", 60, cache_salt="tenant-a")
+    allocate(side, req, 0)
+    jobs = run_turn(side, req, list(range(10, 40)))  # 90 tokens, 89 computed
+    assert jobs == []
+    again = with_prompt("again", list(req.all_token_ids) + [5])
+    assert side.num_matched(again, 0) == (0, False)
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_a_partial_block_that_fails_to_load_is_forgotten_and_recomputed(side):
+    t1 = make_request("t1", 700)
+    allocate(side, t1, 0)
+    run_turn(side, t1, list(range(10, 14)))  # 703 computed: the partial block 5 (63)
+    t2 = with_prompt("t2", list(t1.all_token_ids) + [5])
+    assert side.num_matched(t2, 0) == (703, False)
+    allocate(side, t2, 703)
+    side.build_meta(scheduler_output({}))
+    part = part_of(t1, 703)
+    side.on_worker_meta(KVPoolWorkerMetadata(failed_loads={"t2": [part]}))
+    assert part not in side.index  # evicted or corrupt: no longer promised
+    assert side.num_matched(t2, 0) == (640, False)  # the chunks and the tail still are
