@@ -163,3 +163,19 @@ def test_the_table_names_the_arm_that_did_not_start_and_the_threads_put_back():
     assert "decode-side prompt tokens computed <= 1 per request: no" in text
     assert "kvpool's hop at least as fast as NIXL's: n/a" in text
     assert "NIXL progress thread on" in text
+
+
+def test_the_hop_is_split_into_bytes_loaded_and_store_reads():
+    """The decode engine's store reads (its /metrics histogram) per request, per tier."""
+    text = "\n".join([
+        'kvpool_store_op_seconds_sum{engine="0",op="get",store="ns",tier="redis"} 0.8',
+        'kvpool_store_op_seconds_count{engine="0",op="get",store="ns",tier="redis"} 16.0',
+        'kvpool_store_op_seconds_sum{engine="0",op="put",store="ns",tier="redis"} 9.0',
+        'kvpool_store_op_seconds_bucket{engine="0",le="0.1",op="get",store="ns",tier="redis"} 3',
+        'kvpool_store_op_seconds_sum{engine="0",op="get",store="ns",tier="cpu"} 0.2'])
+    assert pb.store_reads(text) == {"reads:redis:s": 0.8, "reads:redis:n": 16.0,
+                                    "reads:cpu:s": 0.2}
+    parts = pb.hop_parts({"kvpool_loaded_bytes_total": 8 * (1 << 20), "reads:redis:s": 0.8,
+                          "reads:redis:n": 16.0}, served=4)
+    assert parts == {"loaded_mib": 2.0, "read_ms:redis": 200.0}
+    assert pb.hop_parts({}, served=4) is None

@@ -74,7 +74,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
 HANDOVER_COUNTERS = ("kvpool_handovers_total", "kvpool_handover_hits_total",
                      "kvpool_handover_timeouts_total", "kvpool_handover_rejected_total",
                      "kvpool_handover_write_failures_total",
-                     "kvpool_prompt_tokens_computed_total")
+                     "kvpool_prompt_tokens_computed_total", "kvpool_loaded_bytes_total")
 
 
 @dataclass(frozen=True)
@@ -431,7 +431,16 @@ def render(report: dict[str, Any]) -> str:
     kv = report.get("counters", {}).get("pd-kvpool")
     if kv:
         out.append("  pd-kvpool counters: " + ", ".join(
-            f"{k.removesuffix('_total')} {v:g}" for k, v in kv.items()))
+            f"{k.removesuffix('_total')} {v:g}" for k, v in kv.items()
+            if not k.startswith("reads:")))
+    parts = (report["figures"].get("pd-kvpool") or {}).get("hop_parts")
+    if parts:
+        reads = ", ".join(f"{k.split(':')[1]} {v:.0f} ms" for k, v in parts.items()
+                          if k.startswith("read_ms:"))
+        out.append(f"  pd-kvpool hop, per decode request: {parts['loaded_mib']:.1f} MiB "
+                   f"loaded; the store's reads took {reads or 'no time recorded'} (the rest "
+                   f"of the handover p50: the lookups, the copy into the paged cache, the "
+                   f"steps the request waits)")
     v = report["verdicts"]
     yn = {True: "yes", False: "no", None: "n/a"}
     out.append(f"  decode-side prompt tokens computed <= 1 per request: "
@@ -502,6 +511,35 @@ def prompt_sources(text: str) -> dict[str, float]:
     return out
 
 
+def store_reads(text: str) -> dict[str, float]:
+    """The store's reads (`kvpool_store_op_seconds{op="get"}`) per tier: seconds in all
+    (`reads:<tier>:s`) and calls (`reads:<tier>:n`), summed over stores (pure)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix, key in (("_sum{", "s"), ("_count{", "n")):
+            if not line.startswith("kvpool_store_op_seconds" + suffix):
+                continue
+            labels, _, value = line.rpartition("} ")
+            fields = dict(part.partition("=")[::2] for part in
+                          labels.split("{", 1)[1].split(","))
+            fields = {k.strip(): v.strip().strip('"') for k, v in fields.items()}
+            if fields.get("op") == "get" and fields.get("tier"):
+                name = f"reads:{fields['tier']}:{key}"
+                out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def hop_parts(delta: dict[str, float], served: int) -> dict[str, float] | None:
+    """Per decode request: MiB loaded and seconds the store's reads took, by tier (pure)."""
+    if not served or not delta.get("kvpool_loaded_bytes_total"):
+        return None
+    out = {"loaded_mib": delta["kvpool_loaded_bytes_total"] / served / (1 << 20)}
+    for k, v in delta.items():
+        if k.startswith("reads:") and k.endswith(":s"):
+            out[f"read_ms:{k.split(':')[1]}"] = v / served * 1000
+    return out
+
+
 def parse_cpu_list(text: str) -> set[int]:
     """"0-2,5" -> {0, 1, 2, 5} (pure)."""
     out: set[int] = set()
@@ -562,7 +600,8 @@ def scrape(base_url: str) -> dict[str, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    return {**counters(text), **{f"source:{k}": v for k, v in prompt_sources(text).items()}}
+    return {**counters(text), **{f"source:{k}": v for k, v in prompt_sources(text).items()},
+            **store_reads(text)}
 
 
 def warm_up(url: str) -> None:
@@ -635,12 +674,14 @@ def run_arm(arm: str, model: Path, w: Workload, cores: list[int], dtype: str, wo
         delta: dict[str, float] = {}
         for s, b in zip(serving, before, strict=True):
             for k, v in scrape(s.base_url).items():
-                if k in HANDOVER_COUNTERS or k.startswith("source:"):
+                if k in HANDOVER_COUNTERS or k.startswith(("source:", "reads:")):
                     delta[k] = delta.get(k, 0.0) + v - b.get(k, 0.0)
         figures = arm_figures(records)
         served = figures["requests_done"]
         figures["decode_computed_engine_mean"] = (delta.get("source:local_compute", 0.0) / served
                                                   if served else None)
+        if arm == "pd-kvpool":  # where the hop's time goes: the bytes and the store's reads
+            figures["hop_parts"] = hop_parts(delta, served)
         # where each engine's threads may run at the end (after pin_group: its own cores
         # unless it moved a thread again), where they had gone by themselves at the start
         figures["affinity"] = {role: ",".join(map(str, sorted(group_cpus(s.proc.pid))))
