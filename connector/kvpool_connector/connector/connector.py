@@ -292,7 +292,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                  else CacheHitSource.EXTERNAL_UNSPECIFIED)
         n_first = min(num_external_tokens, local * self.cfg.chunk_tokens)
         if not lower_chunks and self.sched.tail_hit_local(request):
-            n_first = num_external_tokens  # every chunk and the tail from the first tier
+            n_first = num_external_tokens  # every chunk, tail and partial block: first tier
         out: dict[CacheHitSource, int] = {}
         if n_first:
             out[first] = n_first

@@ -753,9 +753,13 @@ class SchedulerSide:
         return record.hit_local_index, record.hit_chunks - record.hit_local_index
 
     def tail_hit_local(self, request: Request) -> bool:
-        """Whether the last lookup's tail (if any) came from the workers' local first tier."""
+        """Whether the last lookup found a tail or a partial block after its chunks, and each
+        of them it found came from the workers' local first tier."""
         record = self.reqs.get(request.request_id)
-        return record is not None and record.tail_local
+        return (record is not None
+                and (record.tail_key is not None or record.part_key is not None)
+                and (record.tail_key is None or record.tail_local)
+                and (record.part_key is None or record.part_local))
 
     def take_stats(self) -> KVPoolConnectorStats | None:
         now = time.monotonic()

@@ -84,6 +84,9 @@ def test_a_partial_block_matches_only_its_own_tokens_and_follows_vllms_own_cache
     # vLLM's own prefix cache holds the 5 whole blocks: the partial block alone is loaded
     c = with_prompt("c", base + [5])
     assert side.num_matched(c, 640) == (63, False)
+    # vLLM's hit sources name the cpu tier for all of it (the connector's
+    # get_external_cache_hit_sources asks this)
+    assert side.hit_sources(c) == (2, 0) and side.tail_hit_local(c)
     ids = allocate(side, c, 63)
     (load,) = side.build_meta(scheduler_output({})).loads
     assert [(x.key, x.block_ids, x.tokens) for x in load.chunks] == [
