@@ -36,6 +36,9 @@ def test_offloading_arms_get_the_same_host_memory_and_chunk():
     assert native["kv_connector_extra_config"]["cpu_bytes_to_use"] == 3 << 30
     assert native["kv_connector_extra_config"]["block_size"] == 512
     assert sb.transfer_config("plain", w, "ns") is None
+    prompt_only = sb.transfer_config("kvpool-prompt", w, "ns")["kv_connector_extra_config"]
+    assert (prompt_only["tail_objects"], prompt_only["save_decode_tokens"]) == (False, False)
+    assert "tail_objects" not in kv["kv_connector_extra_config"]  # the defaults: on
 
 
 def test_client_args_are_vllms_own_flags():

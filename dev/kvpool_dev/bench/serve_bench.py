@@ -46,6 +46,9 @@ from typing import Any
 from kvpool_dev.bench import kv_configs
 
 ARMS = ("plain", "kvpool", "native")
+# on request (--arms): kvpool saving prompt chunks only (no tail objects, partial blocks or
+# decode KV), what native offloading saves here: what those finish saves cost this workload
+EXTRA_ARMS = ("kvpool-prompt",)
 DATASETS = ("prefix_repetition", "random")
 BLOCK_SIZE = 32
 MAX_NUM_SEQS = 4
@@ -98,14 +101,17 @@ def pass_orders(arms: list[str], passes: int) -> list[list[str]]:
 def transfer_config(arm: str, w: Workload, namespace: str) -> dict[str, Any] | None:
     """The arm's --kv-transfer-config: the same host memory and chunk size for both
     offloading arms (pure)."""
-    if arm == "kvpool":
+    if arm in ("kvpool", "kvpool-prompt"):
+        only_prompt = ({"tail_objects": False, "save_decode_tokens": False}
+                       if arm == "kvpool-prompt" else {})
         return kv_configs.kvpool_config([{"type": "cpu", "size": w.host_bytes}], namespace,
-                                        chunk_tokens=w.chunk_tokens)
+                                        chunk_tokens=w.chunk_tokens, **only_prompt)
     if arm == "native":
         return kv_configs.native_config(w.host_bytes, chunk_tokens=w.chunk_tokens)
     if arm == "plain":
         return None
-    raise ValueError(f"--arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    raise ValueError(f"--arms: unknown arm {arm!r}; choose from "
+                     f"{', '.join(ARMS + EXTRA_ARMS)}")
 
 
 def server_args(w: Workload) -> list[str]:
@@ -415,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, 12 prompts of 4 prefixes x 512 tokens, one pass of "
                          "prefix_repetition (a smoke run)")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {','.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"comma list from {','.join(ARMS + EXTRA_ARMS)}")
     ap.add_argument("--datasets", default=None, help=f"comma list from {','.join(DATASETS)} "
                     "(default: both; --quick: prefix_repetition)")
     ap.add_argument("--passes", type=int, default=None, help="passes, alternating the arms' "
