@@ -47,7 +47,6 @@ from .keys import chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 from .tails import (
-    find_tail,
     part_candidates,
     part_key,
     part_usable,
@@ -796,17 +795,21 @@ class SchedulerSide:
                     limit)
         return whole + record.part_tokens
 
-    def _object_present(self, key: bytes, remote: bytes | None) -> tuple[bool, bool]:
-        """(present, in the KeyIndex). Lower tiers are asked inline only when they are all
-        local (disk); with Redis or S3 the remote lookup job asked them (`remote`: the
-        longest tail it found there, off the step loop)."""
-        if key in self.index:
-            return True, True
-        if key == remote:
-            return True, False
+    def _longest_present(self, cands: list[tuple[int, bytes]], remote: bytes | None
+                         ) -> tuple[int, bytes | None, bool]:
+        """The longest candidate present, (size, key, in the KeyIndex), or (0, None, False):
+        in the KeyIndex, or the remote job's answer (`remote`: the longest it found in Redis
+        or S3, off the step loop), or, when the lower tiers are all local (disk), asked
+        inline, every candidate longer than the index's longest in one call."""
+        in_index = [k in self.index for _, k in cands]
+        lower_at = None
         if self.lower is not None and self._lookup_pool is None:
-            return bool(self.lower.contains_prefix([key])), False
-        return False, False
+            first = next((i for i, x in enumerate(in_index) if x), len(cands))
+            lower_at = self.lower.first_present([k for _, k in cands[:first]]) if first else None
+        for i, (n, key) in enumerate(cands):
+            if in_index[i] or key == remote or i == lower_at:
+                return n, key, in_index[i]
+        return 0, None, False
 
     def _lookup_tail(self, record: _RequestRecord, hit: int) -> None:
         """The longest tail object right after the `hit` leading full chunks, if any."""
@@ -823,18 +826,9 @@ class SchedulerSide:
         # may have ended inside chunk `hit`, without the answer's KV)
         cands = tail_candidates(self.prefix, request.block_hashes, hit, self.blocks_per_chunk,
                                 self._claimable_blocks(request))
-        local: list[bool] = []
-
-        def present(key: bytes) -> bool:
-            found, in_index = self._object_present(key, remote)
-            if found:
-                local.append(in_index)
-            return found
-
-        n, key = find_tail(cands, present)
-        if key is not None:
-            record.tail_blocks, record.tail_key, record.tail_local = n, key, local[-1]
-        self._lookup_part(record, hit * self.blocks_per_chunk + n, answer)
+        record.tail_blocks, record.tail_key, record.tail_local = self._longest_present(cands,
+                                                                                   remote)
+        self._lookup_part(record, hit * self.blocks_per_chunk + record.tail_blocks, answer)
 
     def _lookup_part(self, record: _RequestRecord, n_blocks: int,
                      answer: _RemoteAnswer | None) -> None:
@@ -846,15 +840,8 @@ class SchedulerSide:
         remote = answer.part_key if answer is not None and answer.part_at == n_blocks else None
         cands = part_candidates(self.prefix, request.block_hashes, request.all_token_ids,
                                 n_blocks, self.block_size, request.num_tokens - 1)
-        in_index = [k in self.index for _, k in cands]
-        lower_at = None  # local lower tiers (disk) are asked inline, all candidates at once
-        if self.lower is not None and self._lookup_pool is None:
-            first = next((i for i, x in enumerate(in_index) if x), len(cands))
-            lower_at = self.lower.first_present([k for _, k in cands[:first]]) if first else None
-        for i, (n, key) in enumerate(cands):  # the longest present
-            if in_index[i] or key == remote or i == lower_at:
-                record.part_tokens, record.part_key, record.part_local = n, key, in_index[i]
-                return
+        record.part_tokens, record.part_key, record.part_local = self._longest_present(cands,
+                                                                                   remote)
 
     def _load_tail(self, record: _RequestRecord, chunks: list[ChunkLoad],
                    first_block: int, last_block: int, block_ids: list[int]) -> None:
@@ -895,7 +882,8 @@ class SchedulerSide:
         on a block boundary, the request's ids do not name its KV, or the pool has or is
         saving that object already)."""
         req = record.request
-        b, n = divmod(min(n_tokens, len(req.all_token_ids)), self.block_size)
+        n_tokens = min(n_tokens, len(req.all_token_ids))
+        b, n = divmod(n_tokens, self.block_size)
         if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
                 or not part_usable(req) or not self._parts_saved):
             return None

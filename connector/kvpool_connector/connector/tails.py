@@ -29,7 +29,7 @@ them (the longest one present), then at most one partial-block object right afte
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,11 @@ def part_key(prefix: bytes, parent_hash, tokens: Sequence[int]) -> bytes:
     assert 0 < len(tokens) < 1 << 16
     digest = hashlib.sha256(block_hash_bytes(parent_hash))
     digest.update(np.asarray(tokens, dtype="<i8").tobytes())
-    return prefix + PART_MARK + len(tokens).to_bytes(2, "big") + digest.digest()
+    return _part_key(prefix, len(tokens), digest)
+
+
+def _part_key(prefix: bytes, n: int, digest) -> bytes:
+    return prefix + PART_MARK + n.to_bytes(2, "big") + digest.digest()
 
 
 def is_tail_key(key: bytes, prefix_len: int = 16) -> bool:
@@ -77,9 +81,14 @@ def part_candidates(prefix: bytes, block_hashes: Sequence, token_ids: Sequence[i
     if n_blocks <= 0 or n_blocks > len(block_hashes):
         return []
     start = n_blocks * block_size
-    tokens = list(token_ids[start:start + min(block_size - 1, max_tokens - start)])
-    parent = block_hashes[n_blocks - 1]
-    return [(n, part_key(prefix, parent, tokens[:n])) for n in range(len(tokens), 0, -1)]
+    tokens = np.asarray(token_ids[start:start + min(block_size - 1, max_tokens - start)],
+                        dtype="<i8")
+    digest = hashlib.sha256(block_hash_bytes(block_hashes[n_blocks - 1]))
+    out = []
+    for n, token in enumerate(tokens.tobytes()[i:i + 8] for i in range(0, 8 * len(tokens), 8)):
+        digest.update(token)  # one pass over the block: each key extends the previous one
+        out.append((n + 1, _part_key(prefix, n + 1, digest)))
+    return out[::-1]
 
 
 def tail_candidates(prefix: bytes, block_hashes: Sequence, full_chunks: int,
@@ -90,15 +99,6 @@ def tail_candidates(prefix: bytes, block_hashes: Sequence, full_chunks: int,
     first = full_chunks * blocks_per_chunk
     top = min(blocks_per_chunk - 1, len(block_hashes) - first, max_blocks - first)
     return [(n, tail_key(prefix, block_hashes, first, n)) for n in range(top, 0, -1)]
-
-
-def find_tail(candidates: list[tuple[int, bytes]], present: Callable[[bytes], bool]
-              ) -> tuple[int, bytes | None]:
-    """The longest candidate `present` finds: (block count, key), or (0, None)."""
-    for n, key in candidates:
-        if present(key):
-            return n, key
-    return 0, None
 
 
 def request_options(request: Any, save_decode: bool, tails: bool) -> tuple[bool, bool]:
