@@ -27,7 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,13 @@ log = logging.getLogger("kvpool.connector")
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
+# A job on the lookup threads (a remote lookup, a handover's visibility check) is waited for
+# this long before the request is told to ask again next step: Redis on a LAN answers in
+# well under a millisecond, and a step of waiting is tens to hundreds of milliseconds of
+# the request's TTFT. INLINE_BUDGET_S bounds the waiting of one scheduler step, however many
+# requests arrive in it, so a slow tier (S3) still answers off the step loop.
+INLINE_WAIT_S = 0.005
+INLINE_BUDGET_S = 0.010
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
 
@@ -200,6 +207,7 @@ class SchedulerSide:
         remote = any(tier_class(t.type).remote for t in cfg.tiers)
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
+        self._inline_left = INLINE_BUDGET_S  # this step's wait for lookup jobs (INLINE_WAIT_S)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
         # decode chunks, tails and partial blocks saved here (bounded): a later hit of one is
@@ -363,11 +371,10 @@ class SchedulerSide:
                             part_candidates, self.prefix, list(hashes),
                             list(record.request.all_token_ids), block_size=self.block_size,
                             max_tokens=record.request.num_tokens - 1)
-                record.pending = (len(hashes), local,
-                                  self._lookup_pool.submit(self._remote_lookup, rest, local,
-                                                           tails, parts))
+                fut = self._lookup_pool.submit(self._remote_lookup, rest, local, tails, parts)
+                record.pending = (len(hashes), local, fut)
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
-                return None
+                return self._lookup(record, hashes, now) if self._answered(fut) else None
             hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
             record.remote_tail = None
@@ -483,6 +490,7 @@ class SchedulerSide:
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
+        self._inline_left = INLINE_BUDGET_S  # the next step's lookups may wait again
         self.handovers_out.clear()  # their outputs are gone: nothing left to amend
         for waiting in self.reqs.values():
             if waiting.load is not None:
@@ -712,7 +720,7 @@ class SchedulerSide:
             else:  # every shared tier is local (disk): answered inline
                 fut = Future()
                 fut.set_result(self._visible(objects))
-        if fut is None or not fut.done():
+        if fut is None or not self._answered(fut):
             return None
         record.handover_check = None
         try:
@@ -737,6 +745,21 @@ class SchedulerSide:
         self.stats.inc("kvpool_handover_timeouts")
         record.handover_state = "off"
         return False
+
+    def _answered(self, fut: Future) -> bool:
+        """Whether a lookup-thread job is done, waiting for it up to INLINE_WAIT_S within
+        what is left of this step's INLINE_BUDGET_S."""
+        if fut.done() or self._inline_left <= 0:
+            return fut.done()
+        t0 = time.perf_counter()
+        try:
+            fut.result(timeout=min(INLINE_WAIT_S, self._inline_left))
+        except FutureTimeout:
+            pass
+        except Exception:  # the job's own failure is read where its answer is
+            pass
+        self._inline_left -= time.perf_counter() - t0
+        return fut.done()
 
     def _visible(self, keys: list[bytes]) -> bool:
         """Every key in the shared tiers now (asked afresh: another engine just wrote them)."""

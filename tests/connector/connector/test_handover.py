@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.handover import (
     Handover,
     HandoverError,
@@ -318,6 +319,26 @@ def test_an_ordinary_lookup_finds_the_tail_in_redis(remote_side):
     remote_side.lower.put_many([tail_key(PREFIX, req.block_hashes, 6, 1)], [b"t" * 64])
     again = make_request("s2", 1000, seed=3)
     assert answered(remote_side, again) == (7 * BS, True)  # chunks and tail, up to the last block
+
+
+def test_a_handover_already_visible_in_redis_loads_without_a_step_of_waiting(remote_side,
+                                                                             monkeypatch):
+    """The visibility check runs on the lookup threads; when it answers within the
+    scheduler's inline bound (raised here, so that a busy machine cannot miss it), the
+    first ask is the hit: the decode engine loads in the step it admits the request."""
+    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
+    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    remote_side.build_meta(scheduler_output({}))
+    req = make_request("x", 1000, seed=5)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    tail = tail_key(PREFIX, req.block_hashes, 6, 1)
+    part = part_of(req, 999)
+    remote_side.lower.put_many(keys + [tail, part], [b"c" * 64] * 5)
+    remote_side.lower.flush()
+    params = build_handover(999, remote_side.lower.object_names([part])[0])
+    dec = make_request("d", 1000, seed=5, kv_transfer_params=params)
+    assert remote_side.num_matched(dec, 0) == (999, True)
+    assert remote_side.stats.data["kvpool_handover_hits"] == {"": 1}
 
 
 @pytest.mark.parametrize("side", [{**TAILS, "require_cache_salt": True}], indirect=True)

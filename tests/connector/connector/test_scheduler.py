@@ -3,8 +3,11 @@ disk-tier store: lookups, load plans, save plans, delayed frees, failed-load re-
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
@@ -16,6 +19,7 @@ from tests.connector.connector.helpers import (
     BS,
     PREFIX,
     allocate,
+    answered,
     held_then_answered,
     make_request,
     scheduler_output,
@@ -184,6 +188,62 @@ def test_remote_lookups_never_block_the_scheduler(redis_server, monkeypatch):
         s.close()
     finally:
         lower.close()
+
+
+@pytest.fixture
+def redis_side(redis_server, monkeypatch):
+    """A SchedulerSide with Redis below its cpu tier (lookups on the lookup threads)."""
+    monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
+    cfg = load_connector_config({"namespace": "inline-lookup", "security": SECURITY, "tiers": [
+        {"type": "cpu", "size": "64Mi"},
+        {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
+                      lower_store=lower, block_ids=lambda rid: [], is_async=True)
+    yield s
+    s.close()
+    lower.close()
+
+
+def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(redis_side, monkeypatch):
+    """A lookup job that is done within INLINE_WAIT_S is answered in the call that asked
+    (no "ask again next step"). The bound is raised here so that a busy test machine cannot
+    make the loopback round trip miss it: what is checked is the waiting, not its speed."""
+    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
+    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    redis_side.build_meta(scheduler_output({}))  # a new step: the raised budget
+    req = make_request("r1", 1000, seed=12)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    redis_side.lower.put_many(keys[:2], [b"x" * 64] * 2)
+    redis_side.lower.flush()
+    assert redis_side.num_matched(req, 0) == (2 * 256, True)
+    assert redis_side.hit_sources(req) == (0, 2)
+
+
+def test_the_wait_for_lookup_jobs_is_bounded_per_step(redis_side, monkeypatch):
+    """Lookups held on a slow tier: each request waits at most INLINE_WAIT_S, all of one
+    step's together at most INLINE_BUDGET_S; then they answer None without waiting, until
+    the next step (build_meta) renews the budget."""
+    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.03)
+    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 0.05)
+    redis_side.build_meta(scheduler_output({}))
+    gate = threading.Event()
+    lower = redis_side.lower
+    real = lower.contains_prefix
+    monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
+    reqs = [make_request(f"h{i}", 1000, seed=20 + i) for i in range(3)]
+    assert redis_side.num_matched(reqs[0], 0) == (None, False)  # waited, up to 0.03 s
+    left = redis_side._inline_left
+    assert left <= 0.05 - 0.03 + 1e-3  # it waited its 0.03 s (a busy machine: longer)
+    assert redis_side.num_matched(reqs[1], 0) == (None, False)  # what was left of 0.05 s
+    assert redis_side._inline_left <= 0
+    spent = redis_side._inline_left
+    assert redis_side.num_matched(reqs[2], 0) == (None, False)
+    assert redis_side._inline_left == spent  # the budget is gone: no wait at all
+    redis_side.build_meta(scheduler_output({}))
+    assert redis_side._inline_left == 0.05
+    gate.set()
+    assert answered(redis_side, reqs[2]) == (0, False)
 
 
 def test_prompt_tokens_computed_count_what_neither_cache_served(side):
