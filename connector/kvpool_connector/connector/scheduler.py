@@ -11,13 +11,15 @@ computed. A lookup is only a promise: if a chunk is gone by the time the worker 
 `get_block_ids_with_load_errors`, vLLM recomputes them (`kv_load_failure_policy:
 recompute`) and the recomputed chunks are saved again.
 
-Remote lookups never block the scheduler. When the lower tiers include Redis or S3, the
-part of a lookup that needs them runs on a small thread pool and `num_matched` answers
-None ("ask again next step", which vLLM supports) until it is done; the in-memory index
-and local disk are answered inline. A step of the engine loop therefore never waits on a
-network round trip. The same job then asks for the tail objects that could follow the
-chunks it found (tails.py), all candidates in one batch (one pipeline on Redis), so an
-engine finds the tails another engine of the pool wrote.
+Remote lookups never hold the scheduler up for long. When the lower tiers include Redis or
+S3, the part of a lookup that needs them runs on a small thread pool; the scheduler waits
+for it up to INLINE_WAIT_S (a LAN round trip: the request is then admitted in the step that
+asked) and otherwise `num_matched` answers None ("ask again next step", which vLLM
+supports) until it is done. The wait is skipped while such jobs have recently taken longer
+than the bound (S3), and one step waits INLINE_BUDGET_S at most however many requests
+arrive; the in-memory index and local disk are answered inline. The same job then asks for
+the tail objects that could follow the chunks it found (tails.py), all candidates in one
+batch (one pipeline on Redis), so an engine finds the tails another engine of the pool wrote.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,12 +67,14 @@ LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
 # A job on the lookup threads (a remote lookup, a handover's visibility check) is waited for
-# this long before the request is told to ask again next step: Redis on a LAN answers in
-# well under a millisecond, and a step of waiting is tens to hundreds of milliseconds of
-# the request's TTFT. INLINE_BUDGET_S bounds the waiting of one scheduler step, however many
-# requests arrive in it, so a slow tier (S3) still answers off the step loop.
+# this long when it is submitted, before the request is told to ask again next step: a
+# Redis lookup takes a few milliseconds, a step of waiting is tens to hundreds of the
+# request's TTFT. INLINE_BUDGET_S bounds one scheduler step's waiting however many requests
+# arrive in it; while the jobs' recent durations (JOB_EWMA) exceed INLINE_WAIT_S (S3, a
+# backend in trouble) nobody waits, and every answer comes off the step loop.
 INLINE_WAIT_S = 0.005
 INLINE_BUDGET_S = 0.010
+JOB_EWMA = 0.25  # weight of the latest job in the running mean of job durations
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
 
@@ -208,6 +212,7 @@ class SchedulerSide:
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
         self._inline_left = INLINE_BUDGET_S  # this step's wait for lookup jobs (INLINE_WAIT_S)
+        self._job_s = 0.0  # running mean of the lookup jobs' durations (JOB_EWMA)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
         # decode chunks, tails and partial blocks saved here (bounded): a later hit of one is
@@ -371,10 +376,11 @@ class SchedulerSide:
                             part_candidates, self.prefix, list(hashes),
                             list(record.request.all_token_ids), block_size=self.block_size,
                             max_tokens=record.request.num_tokens - 1)
-                fut = self._lookup_pool.submit(self._remote_lookup, rest, local, tails, parts)
+                fut = self._submit(self._remote_lookup, rest, local, tails, parts)
                 record.pending = (len(hashes), local, fut)
+                answered = self._answered(fut)
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
-                return self._lookup(record, hashes, now) if self._answered(fut) else None
+                return self._lookup(record, hashes, now) if answered else None
             hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
             record.remote_tail = None
@@ -716,11 +722,12 @@ class SchedulerSide:
         if fut is None and now - record.handover_checked_at >= HANDOVER_POLL_S:
             record.handover_checked_at = now
             if self._lookup_pool is not None:
-                fut = record.handover_check = self._lookup_pool.submit(self._visible, objects)
+                fut = record.handover_check = self._submit(self._visible, objects)
+                self._answered(fut)  # waited for once, when asked; then polled
             else:  # every shared tier is local (disk): answered inline
                 fut = Future()
                 fut.set_result(self._visible(objects))
-        if fut is None or not self._answered(fut):
+        if fut is None or not fut.done():
             return None
         record.handover_check = None
         try:
@@ -746,19 +753,25 @@ class SchedulerSide:
         record.handover_state = "off"
         return False
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """fn on the lookup threads, its duration folded into the jobs' running mean."""
+        def timed() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._job_s += JOB_EWMA * (time.perf_counter() - t0 - self._job_s)
+        assert self._lookup_pool is not None
+        return self._lookup_pool.submit(timed)
+
     def _answered(self, fut: Future) -> bool:
-        """Whether a lookup-thread job is done, waiting for it up to INLINE_WAIT_S within
-        what is left of this step's INLINE_BUDGET_S."""
-        if fut.done() or self._inline_left <= 0:
-            return fut.done()
-        t0 = time.perf_counter()
-        try:
-            fut.result(timeout=min(INLINE_WAIT_S, self._inline_left))
-        except FutureTimeout:
-            pass
-        except Exception:  # the job's own failure is read where its answer is
-            pass
-        self._inline_left -= time.perf_counter() - t0
+        """Whether a lookup job just submitted is done, waiting for it up to INLINE_WAIT_S
+        within what is left of this step's INLINE_BUDGET_S, unless recent jobs took longer
+        than that (then waiting would only delay the step)."""
+        if not fut.done() and self._inline_left > 0 and self._job_s <= INLINE_WAIT_S:
+            t0 = time.perf_counter()
+            wait([fut], timeout=min(INLINE_WAIT_S, self._inline_left))
+            self._inline_left -= time.perf_counter() - t0
         return fut.done()
 
     def _visible(self, keys: list[bytes]) -> bool:

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
 from tests.conftest import SECURITY
 from tests.connector.connector.helpers import BPC, BS, PREFIX
+
+
+@pytest.fixture(autouse=True)
+def no_inline_wait(monkeypatch):
+    """Lookup jobs are never waited for here (INLINE_WAIT_S 0): whether a loopback Redis
+    round trip beats a 5 ms bound depends on the machine's load, and a test must take one
+    path. The tests of the wait raise the bound themselves."""
+    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.0)
 
 
 @pytest.fixture
