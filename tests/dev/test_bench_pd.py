@@ -71,6 +71,7 @@ def test_figures_take_ttft_from_long_requests_and_itl_from_every_stream():
     assert f["long_done"] == 2 and f["requests_done"] == 3 and f["failed"] == 1
     assert f["ttft_p50_ms"] == pytest.approx(2000.0)  # the decoder's 50 ms is not a TTFT
     assert f["itl_count"] == 4 and f["itl_p50_ms"] == pytest.approx(25.0)
+    assert f["stalls"] == 1 and f["itl_max_ms"] == pytest.approx(500.0)  # the 0.5 s gap
     assert f["decode_computed_max"] == 7 and f["decode_computed_long_mean"] == 6
     assert f["handover_p50_ms"] == pytest.approx(200.0)
     assert f["prefill_p50_ms"] == pytest.approx(1800.0)

@@ -127,6 +127,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+STALL_S = 0.5  # an inter-token gap this long is a stall (a prefill step in the stream's way)
+
+
 def arm_figures(requests: list[dict[str, Any]]) -> dict[str, Any]:
     """One arm's figures from its requests' records (pure): TTFT of the long requests, the
     inter-token gaps of every stream, decode-side computed prompt tokens, the P/D stages."""
@@ -150,6 +153,10 @@ def arm_figures(requests: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
         "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99), "itl_count": len(itl),
         "itl_max_ms": max(itl) * 1000 if itl else None,
+        "itl_p999_ms": ms(itl, 99.9),
+        # gaps a reader sees as the stream freezing: how many, whatever share of the
+        # gaps they are (p99 sees them only above 1% of the gaps)
+        "stalls": sum(1 for g in itl if g >= STALL_S),
         "decode_computed_max": max(computed) if computed else None,
         "decode_computed_mean": sum(computed) / len(computed) if computed else None,
         "decode_computed_long_mean": (sum(computed_long) / len(computed_long)
@@ -418,6 +425,9 @@ def render(report: dict[str, Any]) -> str:
                "decode) engine computed per request, from each response's usage (max/mean) "
                "and from the engine's vllm:prompt_tokens_by_source local_compute (mean); "
                "handover: the decode stage's first token (P/D)")
+    out.append(f"  stalls (gaps of {STALL_S * 1000:.0f} ms or more) and ITL p99.9: " + "; ".join(
+        f"{arm} {f['stalls']} of {f['itl_count']}, {_ms(f.get('itl_p999_ms'))}"
+        for arm, f in report["figures"].items() if f.get("stalls") is not None))
     for arm, f in report["figures"].items():
         pinned = dict(report["layout"][arm])
         for r, c in (f.get("escaped_at_start") or {}).items():
