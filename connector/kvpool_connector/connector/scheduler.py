@@ -380,7 +380,10 @@ class SchedulerSide:
                 record.pending = (len(hashes), local, fut)
                 answered = self._answered(fut)
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
-                return self._lookup(record, hashes, now) if answered else None
+                if answered:
+                    return self._lookup(record, hashes, now)
+                self.stats.inc("kvpool_lookups_deferred")
+                return None
             hit, record.hit_local_index = self._count_hits(keys)
             n_hashes = len(hashes)
             record.remote_tail = None

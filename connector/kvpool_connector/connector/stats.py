@@ -73,6 +73,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                           KIND_TIER),
     "kvpool_lookups": ("Scheduler lookups of prompt prefixes", ()),
     "kvpool_lookup_seconds": ("Scheduler time spent in lookups", ()),
+    "kvpool_lookups_deferred": ("Lookups whose Redis/S3 job was not done within the "
+                                "scheduler's inline wait (5 ms): each cost its request at "
+                                "least one engine step", ()),
     "kvpool_handovers": ("Prefill requests that returned a handover for a decode engine "
                          "(prefill/decode through the pool)", ()),
     "kvpool_handover_write_failures": ("Objects of a handover not written through to the "

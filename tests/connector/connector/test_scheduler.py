@@ -221,6 +221,7 @@ def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(redis_side,
     redis_side.lower.flush()
     assert redis_side.num_matched(req, 0) == (2 * 256, True)
     assert redis_side.hit_sources(req) == (0, 2)
+    assert "kvpool_lookups_deferred" not in redis_side.stats.data
 
 
 def test_the_wait_for_lookup_jobs_is_bounded_per_step(redis_side, monkeypatch):
@@ -245,6 +246,7 @@ def test_the_wait_for_lookup_jobs_is_bounded_per_step(redis_side, monkeypatch):
         spent = redis_side._inline_left
         assert redis_side.num_matched(reqs[2], 0) == (None, False)
         assert redis_side._inline_left == spent  # the budget is gone: no wait at all
+        assert redis_side.stats.data["kvpool_lookups_deferred"] == {"": 3}  # a step each
         redis_side.build_meta(scheduler_output({}))
         assert redis_side._inline_left == 0.05
     finally:
