@@ -33,6 +33,15 @@ def side(tmp_path, request):
     s.lower.close()
 
 
+@pytest.fixture
+def remote_side(redis_tier, namespace):
+    """A SchedulerSide whose shared tier is Redis (lookups on the lookup threads)."""
+    s = scheduler_side(namespace, redis_tier)
+    yield s
+    s.close()
+    s.lower.close()
+
+
 def scheduler_side(namespace: str, shared_tier: dict, **keys) -> SchedulerSide:
     """A SchedulerSide over a cpu tier (the workers') and `shared_tier`, which it opens."""
     cfg = load_connector_config({"namespace": namespace, "security": SECURITY, **keys,

@@ -20,7 +20,6 @@ from kvpool_connector.connector.handover import (
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.tails import tail_key
-from tests.connector.connector.conftest import scheduler_side
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -299,15 +298,6 @@ def test_vllm_hands_the_workers_report_over_after_request_finished_in_the_same_c
     assert finished < report
     step = inspect.getsource(EngineCore.step)
     assert "update_from_output" in step and "output_queue" not in step
-
-
-@pytest.fixture
-def remote_side(redis_tier, namespace):
-    """A SchedulerSide whose shared tier is Redis (lookups on the lookup threads)."""
-    s = scheduler_side(namespace, redis_tier)
-    yield s
-    s.close()
-    s.lower.close()
 
 
 def test_an_ordinary_lookup_finds_the_tail_in_redis(remote_side):

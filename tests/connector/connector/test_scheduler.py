@@ -9,12 +9,9 @@ import time
 import pytest
 
 from kvpool_connector.connector import scheduler as scheduler_mod
-from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
-from kvpool_connector.store import open_store
-from tests.conftest import SECURITY
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -167,143 +164,117 @@ def test_cache_salt_isolates_tenants_and_can_be_required(side):
     assert strict.build_meta(scheduler_output({"s": 1000})).saves
 
 
-def test_a_remote_lookup_running_past_the_bound_answers_at_a_later_step(redis_server,
+def test_a_remote_lookup_running_past_the_bound_answers_at_a_later_step(remote_side,
                                                                         monkeypatch):
     """With Redis below the cpu tier, a lookup answers None ("ask again next step") while
     the Redis round trip runs on a thread past the inline bound, then the hit count once it
     is back."""
-    monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
-    cfg = load_connector_config({"namespace": "async-lookup", "security": SECURITY, "tiers": [
-        {"type": "cpu", "size": "64Mi"},
-        {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
-    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
-    try:
-        s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
-                          lower_store=lower, block_ids=lambda rid: [], is_async=True)
-        req = make_request("r1", 1000, seed=11)
-        keys = chunk_keys(PREFIX, req.block_hashes, BPC)
-        lower.put_many(keys[:2], [b"x" * 64] * 2)
-        lower.flush()
-        answer = held_then_answered(s, req, monkeypatch, lower,
-                                    "contains_prefix")
-        assert answer == (2 * 256, True)
-        assert s.hit_sources(req) == (0, 2)
-        s.close()
-    finally:
-        lower.close()
+    req = make_request("r1", 1000, seed=11)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    remote_side.lower.put_many(keys[:2], [b"x" * 64] * 2)
+    remote_side.lower.flush()
+    answer = held_then_answered(remote_side, req, monkeypatch, remote_side.lower,
+                                "contains_prefix")
+    assert answer == (2 * 256, True)
+    assert remote_side.hit_sources(req) == (0, 2)
 
 
-@pytest.fixture
-def redis_side(redis_server, monkeypatch):
-    """A SchedulerSide with Redis below its cpu tier (lookups on the lookup threads)."""
-    monkeypatch.setenv("KVPOOL_TEST_REDIS_PASSWORD", redis_server.password)
-    cfg = load_connector_config({"namespace": "inline-lookup", "security": SECURITY, "tiers": [
-        {"type": "cpu", "size": "64Mi"},
-        {"type": "redis", "url": redis_server.url, "password_env": "KVPOOL_TEST_REDIS_PASSWORD"}]})
-    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
-    s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1,
-                      lower_store=lower, block_ids=lambda rid: [], is_async=True)
-    yield s
-    s.close()
-    lower.close()
-
-
-def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(redis_side, monkeypatch):
+def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(remote_side, monkeypatch):
     """A lookup job that is done within INLINE_WAIT_S is answered in the call that asked
     (no "ask again next step"). The bound is raised here so that a busy test machine cannot
     make the loopback round trip miss it: what is checked is the waiting, not its speed."""
     monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
     monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
-    redis_side.build_meta(scheduler_output({}))  # a new step: the raised budget
+    remote_side.build_meta(scheduler_output({}))  # a new step: the raised budget
     req = make_request("r1", 1000, seed=12)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
-    redis_side.lower.put_many(keys[:2], [b"x" * 64] * 2)
-    redis_side.lower.flush()
-    assert redis_side.num_matched(req, 0) == (2 * 256, True)
-    assert redis_side.hit_sources(req) == (0, 2)
-    assert "kvpool_lookups_deferred" not in redis_side.stats.data
+    remote_side.lower.put_many(keys[:2], [b"x" * 64] * 2)
+    remote_side.lower.flush()
+    assert remote_side.num_matched(req, 0) == (2 * 256, True)
+    assert remote_side.hit_sources(req) == (0, 2)
+    assert "kvpool_lookups_deferred" not in remote_side.stats.data
 
 
-def test_the_wait_for_lookup_jobs_is_bounded_per_step(redis_side, monkeypatch):
+def test_the_wait_for_lookup_jobs_is_bounded_per_step(remote_side, monkeypatch):
     """Lookups held on a slow tier: each request waits INLINE_WAIT_S, all of one step's
     together at most INLINE_BUDGET_S; then they answer None without waiting, until the next
     step (build_meta) renews the budget."""
     monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.03)
     monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 0.05)
-    redis_side.build_meta(scheduler_output({}))
+    remote_side.build_meta(scheduler_output({}))
     gate = threading.Event()
-    lower = redis_side.lower
+    lower = remote_side.lower
     real = lower.contains_prefix
     monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
     reqs = [make_request(f"h{i}", 1000, seed=20 + i) for i in range(3)]
     try:
         t0 = time.perf_counter()
-        assert redis_side.num_matched(reqs[0], 0) == (None, False)
+        assert remote_side.num_matched(reqs[0], 0) == (None, False)
         assert time.perf_counter() - t0 >= 0.03  # it did wait (a timed wait never ends early)
-        assert redis_side._inline_left <= 0.05 - 0.03 + 1e-3
-        assert redis_side.num_matched(reqs[1], 0) == (None, False)  # what was left of 0.05 s
-        assert redis_side._inline_left <= 0
-        spent = redis_side._inline_left
-        assert redis_side.num_matched(reqs[2], 0) == (None, False)
-        assert redis_side._inline_left == spent  # the budget is gone: no wait at all
-        assert redis_side.stats.data["kvpool_lookups_deferred"] == {"": 3}  # a step each
-        redis_side.build_meta(scheduler_output({}))
-        assert redis_side._inline_left == 0.05
+        assert remote_side._inline_left <= 0.05 - 0.03 + 1e-3
+        assert remote_side.num_matched(reqs[1], 0) == (None, False)  # what was left of 0.05 s
+        assert remote_side._inline_left <= 0
+        spent = remote_side._inline_left
+        assert remote_side.num_matched(reqs[2], 0) == (None, False)
+        assert remote_side._inline_left == spent  # the budget is gone: no wait at all
+        assert remote_side.stats.data["kvpool_lookups_deferred"] == {"": 3}  # a step each
+        remote_side.build_meta(scheduler_output({}))
+        assert remote_side._inline_left == 0.05
     finally:
         gate.set()
-    assert answered(redis_side, reqs[2]) == (0, False)
+    assert answered(remote_side, reqs[2]) == (0, False)
 
 
-def test_nobody_waits_while_lookup_jobs_run_longer_than_the_bound(redis_side, monkeypatch):
+def test_nobody_waits_while_lookup_jobs_run_longer_than_the_bound(remote_side, monkeypatch):
     """A slow tier (S3; here Redis behind a 60 ms delay): once the jobs' running mean of
     durations passes INLINE_WAIT_S, a new lookup is not waited for at all (it would only
     delay the step); when the tier is fast again, the wait comes back."""
     monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.02)
     monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
-    lower = redis_side.lower
+    lower = remote_side.lower
     real = lower.contains_prefix
     delay = {"s": 0.06}
     monkeypatch.setattr(lower, "contains_prefix",
                         lambda ks: (time.sleep(delay["s"]), real(ks))[1])
     for i in range(2):  # the mean after two 60 ms jobs: >= 0.06 * (1 - 0.75 ** 2) = 26 ms
-        redis_side.build_meta(scheduler_output({}))
-        assert answered(redis_side, make_request(f"s{i}", 1000, seed=40 + i)) == (0, False)
-    assert redis_side._job_s > 0.02
-    redis_side.build_meta(scheduler_output({}))
+        remote_side.build_meta(scheduler_output({}))
+        assert answered(remote_side, make_request(f"s{i}", 1000, seed=40 + i)) == (0, False)
+    assert remote_side._job_s > 0.02
+    remote_side.build_meta(scheduler_output({}))
     slow = make_request("s2", 1000, seed=42)
-    assert redis_side.num_matched(slow, 0) == (None, False)
-    assert redis_side._inline_left == 30.0  # not waited for
+    assert remote_side.num_matched(slow, 0) == (None, False)
+    assert remote_side._inline_left == 30.0  # not waited for
     delay["s"] = 0.0
-    assert answered(redis_side, slow) == (0, False)
+    assert answered(remote_side, slow) == (0, False)
     for i in range(20):  # fast jobs pull the mean down
-        if redis_side._job_s <= 0.02:
+        if remote_side._job_s <= 0.02:
             break
-        assert answered(redis_side, make_request(f"f{i}", 1000, seed=60 + i)) == (0, False)
-    assert redis_side._job_s <= 0.02
+        assert answered(remote_side, make_request(f"f{i}", 1000, seed=60 + i)) == (0, False)
+    assert remote_side._job_s <= 0.02
     gate = threading.Event()  # the next job held: whether the ask waits is then plain
     monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
     try:
-        redis_side.build_meta(scheduler_output({}))
+        remote_side.build_meta(scheduler_output({}))
         held = make_request("w", 1000, seed=90)
-        assert redis_side.num_matched(held, 0) == (None, False)
-        assert redis_side._inline_left <= 30.0 - 0.02  # the wait is back
+        assert remote_side.num_matched(held, 0) == (None, False)
+        assert remote_side._inline_left <= 30.0 - 0.02  # the wait is back
     finally:
         gate.set()
-    assert answered(redis_side, held) == (0, False)
+    assert answered(remote_side, held) == (0, False)
 
 
-def test_a_lookup_job_that_fails_within_the_bound_is_a_miss_counted_once(redis_side,
+def test_a_lookup_job_that_fails_within_the_bound_is_a_miss_counted_once(remote_side,
                                                                           monkeypatch):
     monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
     monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
-    redis_side.build_meta(scheduler_output({}))
+    remote_side.build_meta(scheduler_output({}))
 
     def broken(keys):
         raise RuntimeError("a bug in a tier")
-    monkeypatch.setattr(redis_side.lower, "contains_prefix", broken)
-    before = redis_side.stats.data.get("kvpool_lookups", {}).get("", 0)
-    assert redis_side.num_matched(make_request("b", 1000, seed=80), 0) == (0, False)
-    assert redis_side.stats.data["kvpool_lookups"][""] == before + 1
+    monkeypatch.setattr(remote_side.lower, "contains_prefix", broken)
+    before = remote_side.stats.data.get("kvpool_lookups", {}).get("", 0)
+    assert remote_side.num_matched(make_request("b", 1000, seed=80), 0) == (0, False)
+    assert remote_side.stats.data["kvpool_lookups"][""] == before + 1
 
 
 def test_prompt_tokens_computed_count_what_neither_cache_served(side):
