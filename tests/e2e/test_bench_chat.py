@@ -54,6 +54,52 @@ def test_summary_goals_and_table():
     assert "76 (60) 100ms" in text and "[met ]" in text and "block size 32" in text
 
 
+# vLLM's three TTFT histograms as a server prints them (names from vllm/v1/metrics/loggers.py),
+# two requests: queue 0.01 + 0.03 s, prefill 0.05 + 0.07 s, the API server's TTFT 0.1 + 0.14 s
+STAGE_METRICS = """\
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="local"} 2.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="local"} 2.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="local"} 0.04
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="local"} 2.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="local"} 2.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="local"} 0.12
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="local"} 2.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="local"} 2.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="local"} 0.24
+"""
+
+
+def test_ttft_stages_come_from_vllms_histograms():
+    from kvpool_dev.bench.fleet_bench import counters, delta
+
+    now = counters(STAGE_METRICS)
+    assert now["time:ttft_count"] == 2 and now["time:prefill_sum"] == pytest.approx(0.12)
+    st = chat_bench.stages(delta(now, {}))
+    assert st == pytest.approx({"queue": 20, "prefill": 60, "api": 40, "vllm": 120})
+    assert chat_bench.stages(delta(now, now)) is None  # no request in the delta
+
+
+def test_the_stage_table_splits_each_arms_ttft_and_compares_the_engine_parts():
+    def arm(client_s, queue, prefill, vllm):
+        return {"later_ttft_mean_s": client_s,
+                "later_stages_ms": {"queue": queue, "prefill": prefill,
+                                    "api": vllm - queue - prefill, "vllm": vllm}}
+
+    lines = chat_bench.render_stages({"chunks": arm(0.184, 33, 91, 141),
+                                      "tails": arm(0.113, 0, 56, 76),
+                                      "plain": {"later_ttft_mean_s": 1.0,
+                                                "later_stages_ms": None}})
+    text = "\n".join(lines)
+    assert "chunks         184 =  43 +  141 ( 17 +  33 +   91)" in text
+    assert "tails          113 =  37 +   76 ( 20 +   0 +   56)" in text
+    assert "plain" not in text  # an arm without the histograms is left out
+    assert "engine (queue + prefill) 2.21x, vLLM's TTFT 1.86x, client 1.63x" in text
+    assert chat_bench.render_stages({"plain": {"later_ttft_mean_s": None}}) == []
+
+
 def test_drift_none_when_the_server_repeats_the_generated_ids():
     prev, generated, tail = [5, 6, 7], [8, 9], [1, 10, 11]
     exact = prev + generated + tail
@@ -164,12 +210,16 @@ def test_bench_chat_quick(repo_root, tiny_model, tmp_path):
          "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "computed prompt tokens per request" in proc.stdout and "goals" in proc.stdout
+    assert "where the TTFT of turns 2+ goes" in proc.stdout and "chunks/tails: engine" in proc.stdout
     report = json.loads(report_path.read_text())
     s = report["settings"]
     for arm in ("chunks", "tails"):
         r = report["runs"][arm]
         assert r["requests"] == s["conversations"] * s["turns"]
         assert [b["turn"] for b in r["by_turn"]] == list(range(1, s["turns"] + 1))
+        st = r["later_stages_ms"]  # the servers' own histograms, turns 2+ only
+        assert st["vllm"] >= st["queue"] + st["prefill"] and st["prefill"] > 0
+        assert r["later_ttft_mean_s"] * 1000 >= st["prefill"]
     tails = report["runs"]["tails"]
     assert tails["later_computed_tokens"] <= tails["later_new_tokens"] + chat_bench.BLOCK_TOKENS
     assert report["goals"][0]["met"] is True

@@ -23,7 +23,11 @@ native with the 256-token host blocks and prompt-only offloading earlier runs us
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
 TTFT p50 (first streamed token), and where each request's prompt came from: vLLM's hit
 sources and kvpool's tokens by object kind and tier (the servers' counters, read after each
-round). A benchmark, not a timed test: the numbers of one run, side by side.
+round). For turns 2+, where the TTFT went (vLLM's own histograms, see stages): the
+engine's queue and prefill, which the connector changes, apart from the API server's path
+and the client's HTTP, which are the same work in every arm. The client sends each request
+on a plain loopback connection (bench/completions.py), so its own setup is not in a TTFT. A
+benchmark, not a timed test: the numbers of one run, side by side.
 
 The chat-API drift (on the tails arm's server, after its own conversations, under a cache
 salt of its own): the same conversations through /v1/chat/completions with the history kept
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.client
 import json
 import random
 import shutil
@@ -52,7 +57,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool_dev.bench import kv_configs
+from kvpool_dev.bench import completions, kv_configs
 
 ARMS = ("plain", "chunks", "tails", "native")
 # on request only: full chunks with today's loads (sync within the step), which isolates what
@@ -112,11 +117,32 @@ def served(d: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in d.items() if k.startswith(("cached:", "served:")) and v}
 
 
+def stages(d: dict[str, float]) -> dict[str, float] | None:
+    """Where the requests of a counters delta (fleet_bench.counters) spent their TTFT, mean
+    ms per request, from vLLM's histograms (fleet_bench.TTFT_STAGES): `queue` (queued ->
+    first scheduled, in the engine: an async load's wait is here), `prefill` (scheduled ->
+    first token, in the engine: the steps that computed it), `api` (the rest of vLLM's own
+    TTFT, from the API server's arrival to its first token: rendering, the hops between
+    the API server and the engine, the step the request arrived during), `vllm` (that whole
+    TTFT) (pure); None when the delta counts no request."""
+    def mean_ms(stage: str) -> float | None:
+        n = d.get(f"time:{stage}_count", 0.0)
+        return d.get(f"time:{stage}_sum", 0.0) / n * 1000 if n > 0 else None
+
+    queue, prefill, vllm = mean_ms("queue"), mean_ms("prefill"), mean_ms("ttft")
+    if queue is None or prefill is None or vllm is None:
+        return None
+    return {"queue": queue, "prefill": prefill, "api": max(0.0, vllm - queue - prefill),
+            "vllm": vllm}
+
+
 def summarize(arm: str, turns: list[dict], sources: dict[str, float],
-              turn_served: dict[int, dict[str, float]] | None = None) -> dict[str, Any]:
+              turn_served: dict[int, dict[str, float]] | None = None,
+              later_stages: dict[str, float] | None = None) -> dict[str, Any]:
     """Per turn index: requests, prompt tokens computed (mean), TTFT p50, and (from
     `turn_served`, that turn index's counters delta, see served) tokens per request by
-    source (pure)."""
+    source; for turns 2+ also the client's mean TTFT beside `later_stages` (see stages)
+    (pure)."""
     from kvpool_dev.demo import percentile
 
     by_turn = []
@@ -135,6 +161,8 @@ def summarize(arm: str, turns: list[dict], sources: dict[str, float],
                                       / len(later)) if later else None,
             "later_new_tokens": sum(t["new_tokens"] for t in later) / len(later) if later else None,
             "later_ttft_p50_s": percentile([t["ttft_s"] for t in later], 50) if later else None,
+            "later_ttft_mean_s": sum(t["ttft_s"] for t in later) / len(later) if later else None,
+            "later_stages_ms": later_stages,
             # the goal is per request: the most any later request computed beyond its new tokens
             "later_max_excess": max(t["prompt_tokens"] - t["cached_tokens"] - t["new_tokens"]
                                     for t in later) if later else None,
@@ -237,6 +265,34 @@ def render_chat(chat: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_stages(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Where turns 2+ spent their TTFT, per arm (see stages), and the chunks/tails ratio of
+    each part that both arms report (pure): the connector acts in the engine's queue and
+    prefill; the API server's path and the client's HTTP are the same work in every arm."""
+    rows = {n: r for n, r in runs.items() if r.get("later_stages_ms") and r.get("later_ttft_mean_s")}
+    if not rows:
+        return []
+    out = ["", "where the TTFT of turns 2+ goes (mean ms per request; vLLM's histograms): "
+           "client = HTTP + vLLM's TTFT (API server <-> engine + queue + prefill)"]
+    for n, r in rows.items():
+        st, client = r["later_stages_ms"], r["later_ttft_mean_s"] * 1000
+        out.append(f"  {n:<12} {client:>5.0f} = {max(0.0, client - st['vllm']):>3.0f} + "
+                   f"{st['vllm']:>4.0f} ({st['api']:>3.0f} + {st['queue']:>3.0f} + "
+                   f"{st['prefill']:>4.0f})")
+    if "chunks" in rows and "tails" in rows:
+        c, t = rows["chunks"], rows["tails"]
+        ct, tt = c["later_stages_ms"], t["later_stages_ms"]
+
+        def x(a: float, b: float) -> str:
+            return f"{a / b:.2f}x" if b > 0 else "-"
+
+        out.append(f"  chunks/tails: engine (queue + prefill) "
+                   f"{x(ct['queue'] + ct['prefill'], tt['queue'] + tt['prefill'])}, "
+                   f"vLLM's TTFT {x(ct['vllm'], tt['vllm'])}, client "
+                   f"{x(c['later_ttft_mean_s'], t['later_ttft_mean_s'])} (means)")
+    return out
+
+
 def render(report: dict[str, Any]) -> str:
     """The per-turn table (pure)."""
     s, runs = report["settings"], report["runs"]
@@ -265,6 +321,7 @@ def render(report: dict[str, Any]) -> str:
     out.append(f"{'2+':<8}" + "".join(
         f"{runs[n]['later_computed_tokens'] or 0:.0f} ({runs[n]['later_new_tokens'] or 0:.0f}) "
         f"{(runs[n]['later_ttft_p50_s'] or 0) * 1000:.0f}ms".ljust(w) for n in names))
+    out += render_stages(runs)
     out += ["", "prompt tokens per request by source (vLLM: device = its prefix cache, "
             "external = a connector; kvpool: kind/tier)"]
     for n in names:
@@ -352,32 +409,12 @@ def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
 def _turn(base_url: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None
           ) -> dict[str, Any]:
     """One streamed completion of prompt token ids: the generated ids, TTFT, usage."""
-    import httpx
-
-    body: dict[str, Any] = {
-        "model": "local", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "return_token_ids": True,
-        "stream_options": {"include_usage": True}}
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    t0 = time.perf_counter()
-    ttft, ids, usage = None, [], None
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                got = choice.get("token_ids") or []
-                if got and ttft is None:
-                    ttft = time.perf_counter() - t0
-                ids += got
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return {"ids": ids, "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "prompt_tokens": (usage or {}).get("prompt_tokens", len(prompt)),
+    s = completions.stream(base_url, prompt, max_tokens, timeout=900, return_token_ids=True,
+                           **({"cache_salt": cache_salt} if cache_salt else {}))
+    usage = s["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ids": s["ids"], "ttft_s": (s["times"] or [time.perf_counter()])[0] - s["t0"],
+            "prompt_tokens": usage.get("prompt_tokens", len(prompt)),
             "cached_tokens": details.get("cached_tokens") or 0}
 
 
@@ -464,16 +501,20 @@ def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
     return results
 
 
-def _counters_at(server: Any, prompt_tokens: float, timeout_s: float = 30.0
+def _counters_at(server: Any, prompt_tokens: float, requests: float, timeout_s: float = 30.0
                  ) -> dict[str, float]:
-    """The server's counters once they count `prompt_tokens` prompt tokens in all (the
-    requests so far recorded: vLLM records a step's stats after handing out its tokens)."""
+    """The server's counters once they count `prompt_tokens` prompt tokens and `requests`
+    finished requests in all (vLLM records a step's stats after handing out its tokens, and
+    a request's queue and prefill times when it finishes: a round's figures must not miss
+    its last request, nor the next round's count it)."""
     from kvpool_dev.bench.fleet_bench import counters
 
     deadline = time.monotonic() + timeout_s
     while True:
         now = counters(server.metrics())
-        if now.get("prompt_tokens", 0.0) >= prompt_tokens or time.monotonic() > deadline:
+        if ((now.get("prompt_tokens", 0.0) >= prompt_tokens
+             and now.get("time:prefill_count", 0.0) >= requests)
+                or time.monotonic() > deadline):
             return now
         time.sleep(0.05)
 
@@ -495,7 +536,7 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
     try:
         _log(f"{arm}: server up in {time.monotonic() - t0:.0f}s")
         _turn(server.base_url, [7] * 200, 4)  # first-request costs outside the figures
-        before = _counters_at(server, 200.0)
+        before = _counters_at(server, 200.0, 1)
         prompts = [list(c["turns"][0]) for c in work]
         results: list[dict[str, Any]] = []
         lock = threading.Lock()
@@ -511,16 +552,20 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
 
         turn_served: dict[int, dict[str, float]] = {}
         with ThreadPoolExecutor(max_workers=s.concurrency) as pool:
-            last = before
+            last = first = before
             for k in range(s.turns):  # a round ends with all its requests: read the counters
                 list(pool.map(functools.partial(one, k=k), range(len(work))))
+                done = [r for r in results if r["turn"] == k]
                 now = _counters_at(server, last.get("prompt_tokens", 0.0) + sum(
-                    r["prompt_tokens"] for r in results if r["turn"] == k))
+                    r["prompt_tokens"] for r in done), last.get("time:prefill_count", 0.0)
+                    + len(done))
                 turn_served[k] = served(delta(now, last))
                 last = now
+                if k == 0:
+                    first = now
         d = delta(last, before)
         sources = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("cached:") and v}
-        summary = summarize(arm, results, sources, turn_served)
+        summary = summarize(arm, results, sources, turn_served, stages(delta(last, first)))
         if chat:
             t1 = time.monotonic()
             rows = run_chat(server.base_url, s, work, model)
@@ -607,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"][arm] = r
             _log(f"{arm}: turns 2+ computed {r['later_computed_tokens']}, TTFT p50 "
                  f"{r['later_ttft_p50_s']}")
-    except (RuntimeError, TimeoutError, ValueError, httpx.HTTPError) as exc:
+    except (RuntimeError, OSError, ValueError, http.client.HTTPException,
+            httpx.HTTPError) as exc:
         msg = str(exc).splitlines()[0] if isinstance(exc, httpx.HTTPError) else exc
         print(f"kvpool bench chat: {msg}", file=sys.stderr)
         return 1

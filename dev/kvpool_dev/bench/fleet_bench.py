@@ -76,10 +76,18 @@ class Settings(DemoSettings):
 # -- pure parts -------------------------------------------------------------------------------
 
 
+# vLLM's per-request histograms that split a TTFT (v1/metrics/stats.py): queued -> first
+# scheduled in the engine, scheduled -> first token in the engine, and the API server's own
+# arrival -> first token; counters() keeps their sums and counts as time:<stage>_sum/_count
+TTFT_STAGES = {"vllm:request_queue_time_seconds": "queue",
+               "vllm:request_prefill_time_seconds": "prefill",
+               "vllm:time_to_first_token_seconds": "ttft"}
+
+
 def counters(text: str) -> dict[str, float]:
     """The counters this bench compares, from a server's Prometheus text (summed over
     engine labels): prompt tokens, cached tokens by vLLM's source, kvpool tier hits, prompt
-    tokens kvpool served by object kind and tier."""
+    tokens kvpool served by object kind and tier, the TTFT stages' sums and counts."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -101,6 +109,9 @@ def counters(text: str) -> dict[str, float]:
                 add(f"routed:{s.labels.get('worker', '')}", s.value)
             elif s.name == "vllm_router_prefix_routing_decisions_total":
                 add(f"decision:{s.labels.get('outcome', '')}", s.value)
+            elif s.name.endswith(("_sum", "_count")) and (
+                    stage := TTFT_STAGES.get(s.name.rsplit("_", 1)[0])):
+                add(f"time:{stage}_{s.name.rsplit('_', 1)[1]}", s.value)
     return out
 
 

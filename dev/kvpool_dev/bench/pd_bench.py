@@ -44,7 +44,6 @@ decode engine's kvpool_handover_* counters.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
@@ -54,13 +53,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvpool_dev.bench import kv_configs
+from kvpool_dev.bench.completions import complete, computed_of, stream
 
 ARMS = ("colo1", "colo2", "pd-kvpool", "pd-nixl")
 PD_ARMS = ("pd-kvpool", "pd-nixl")
@@ -252,70 +251,6 @@ def nixl_shim(into: Path) -> Path | None:
     (pkg / "_api.py").write_text(NIXL_API_SHIM)
     (pkg / "_bindings.py").write_text("from nixl_cu12._bindings import *  # noqa: F403\n")
     return into
-
-
-# -- the client: streaming completions, timed per token ---------------------------------------
-
-
-def _post(base_url: str, body: dict[str, Any], timeout: float) -> http.client.HTTPResponse:
-    u = urllib.parse.urlsplit(base_url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    return resp
-
-
-def complete(base_url: str, prompt: list[int], max_tokens: int,
-             kv_transfer_params: dict | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """One non-streaming completion (a P/D prefill); its usage and kv_transfer_params."""
-    body: dict[str, Any] = {"model": "local", "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    resp = _post(base_url, body, timeout)
-    return json.loads(resp.read())
-
-
-def stream(base_url: str, prompt: list[int], max_tokens: int,
-           kv_transfer_params: dict | None = None, timeout: float = 1800) -> dict[str, Any]:
-    """One streaming completion: when each chunk with text came (perf_counter), the usage."""
-    body: dict[str, Any] = {"model": "local", "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    t0 = time.perf_counter()
-    resp = _post(base_url, body, timeout)
-    times: list[float] = []
-    usage: dict[str, Any] | None = None
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        msg = json.loads(data)
-        if msg.get("choices"):
-            times.append(time.perf_counter())
-        if msg.get("usage"):
-            usage = msg["usage"]
-    return {"t0": t0, "times": times, "usage": usage or {}}
-
-
-def computed_of(usage: dict[str, Any]) -> int | None:
-    """Prompt tokens the engine computed: prompt tokens - cached (its prefix cache and
-    connector hits; `--enable-prompt-tokens-details`) (pure)."""
-    if "prompt_tokens" not in usage:
-        return None
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return int(usage["prompt_tokens"]) - int(cached)
 
 
 def one_request(arm: str, urls: dict[str, str], prompt: list[int], max_tokens: int,
