@@ -190,7 +190,7 @@ def test_an_unknown_arm_is_one_line(capsys):
     (["--concurrency", "0"], "--concurrency"),
     (["--arms", "tails,tails"], "--arms"),
     (["--model", "/nonexistent"], "--model"),
-    (["--json", "/nonexistent/dir/chat.json"], "--json"),
+    (["--json-out", "/nonexistent/dir/chat.json"], "--json-out"),
     (["--block-size", "24"], "--block-size"),   # not a multiple of 16
     (["--block-size", "512"], "--block-size"),  # more than a chunk
 ])
@@ -207,7 +207,8 @@ def test_bench_chat_quick(repo_root, tiny_model, tmp_path):
     report_path = tmp_path / "chat.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "bench", "chat", "--quick", "--arms", "chunks,tails",
-         "--json", str(report_path)], cwd=repo_root, capture_output=True, text=True, env=dev_tool_env(), timeout=900)
+         "--json-out", str(report_path)], cwd=repo_root, capture_output=True, text=True,
+        env=dev_tool_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "computed prompt tokens per request" in proc.stdout and "goals" in proc.stdout
     assert "where the TTFT of turns 2+ goes" in proc.stdout and "chunks/tails: engine" in proc.stdout

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import functools
 import http.client
-import json
 import random
 import shutil
 import sys
@@ -577,8 +576,8 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
 
 
 def _argument_mistake(args: argparse.Namespace, arms: list[str]) -> str | None:
-    """The first argument that cannot work, named, before any server starts (a bad --json
-    path would otherwise fail only after the whole run, losing its report)."""
+    """The first argument that cannot work, named, before any server starts (a bad
+    --json-out path would otherwise fail only after the whole run, losing its report)."""
     for name in ("conversations", "turns", "concurrency"):
         if (v := getattr(args, name)) is not None and v < 1:
             return f"--{name}: {v} must be at least 1"
@@ -586,10 +585,12 @@ def _argument_mistake(args: argparse.Namespace, arms: list[str]) -> str | None:
         return f"--arms: {','.join(arms)} names an arm twice"
     if (b := args.block_size) is not None and (b < 16 or b % 16 or 256 % b):
         return f"--block-size: {b} must be a multiple of 16 that divides the 256-token chunk"
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        return f"--model: {args.model} is not a model directory (no config.json)"
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        return f"--json: the directory of {args.json} does not exist"
+    from kvpool_dev.bench.serve_bench import check_paths
+
+    try:
+        check_paths(args)  # --model, --json-out: as every bench checks them
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -609,7 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-chat-api", action="store_true",
                     help="skip the chat-API drift measurement (run on the tails arm's server)")
-    ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    ap.add_argument("--json-out", default=None, metavar="FILE",
+                    help="also write the report here as JSON")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("--workdir", default=None, help="keep the engine logs here")
     args = ap.parse_args(argv)
 
@@ -662,10 +665,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     report["goals"] = goals(report["runs"], s.block_size)
     report["wall_s"] = time.monotonic() - t0
-    print(render(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
+    from kvpool_dev.bench.serve_bench import emit
+
+    return emit(report, args, render)
 
 
 if __name__ == "__main__":
