@@ -14,6 +14,10 @@ from kvpool_dev.bench import completions
 
 
 class _Completions(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive, the stream sent in chunked encoding one event per chunk,
+    as uvicorn sends vLLM's: the client must read the framing, not wait for a close."""
+
+    protocol_version = "HTTP/1.1"
     bodies: list[dict] = []
 
     def log_message(self, *args) -> None:  # keep pytest's output clean
@@ -36,8 +40,19 @@ class _Completions(BaseHTTPRequestHandler):
         events = [{"choices": [{"text": "a", "token_ids": [11]}]},
                   {"choices": [{"text": "b", "token_ids": [12, 13]}]},
                   {"choices": [], "usage": usage}]
-        self._send(200, "text/event-stream", b"".join(
-            b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n")
+        if body.get("cache_salt") == "fail":  # vLLM: 200, then the error inside the stream
+            events = events[:1] + [{"error": {"message": "KV load\nfailed", "code": 500}}]
+        if body.get("cache_salt") == "empty":  # a stream that ends before any token
+            events = events[2:]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for e in [json.dumps(e) for e in events] + ["[DONE]"]:
+            data = f"data: {e}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
     def _send(self, status: int, ctype: str, payload: bytes) -> None:
         self.send_response(status)
@@ -51,7 +66,8 @@ class _Completions(BaseHTTPRequestHandler):
 def server():
     _Completions.bodies = []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True)
     t.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
@@ -84,3 +100,17 @@ def test_a_refused_request_is_one_line_with_the_servers_reason(server):
     msg = str(e.value)
     assert msg.startswith("/v1/completions: HTTP 400:") and "max_tokens must be" in msg
     assert "\n" not in msg
+
+
+def test_an_error_inside_the_stream_is_one_line_not_a_short_stream(server):
+    with pytest.raises(RuntimeError) as e:
+        completions.stream(server, [1, 2], 4, cache_salt="fail")
+    assert str(e.value) == "/v1/completions: error in the stream: KV load failed"
+
+
+def test_bench_chat_takes_no_ttft_from_a_stream_without_a_token(server):
+    from kvpool_dev.bench import chat_bench
+
+    assert chat_bench._turn(server, [1, 2], 4)["ttft_s"] > 0
+    with pytest.raises(RuntimeError, match="no token streamed"):
+        chat_bench._turn(server, [1, 2], 4, cache_salt="empty")

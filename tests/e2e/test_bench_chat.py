@@ -1,6 +1,7 @@
 """`kvpool bench chat`: its pure parts, and `--quick` on real servers (the kvpool arms).
 Asserts what the arms must do by construction (token-exact history: the tails arm computes
-each later turn's new tokens plus at most one block), never timings."""
+each later turn's new tokens plus at most one block) and the orderings a request's timeline
+implies, never timing thresholds."""
 
 from __future__ import annotations
 

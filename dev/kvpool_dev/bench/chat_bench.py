@@ -24,8 +24,8 @@ Per turn index: prompt tokens computed (prompt - cached, from the usage of each 
 TTFT p50 (first streamed token), and where each request's prompt came from: vLLM's hit
 sources and kvpool's tokens by object kind and tier (the servers' counters, read after each
 round). For turns 2+, where the TTFT went (vLLM's own histograms, see stages): the
-engine's queue and prefill, which the connector changes, apart from the API server's path
-and the client's HTTP, which are the same work in every arm. The client sends each request
+engine's queue and prefill, the API server's path with the wait for the step in flight, and
+what lies outside vLLM's TTFT (HTTP, parsing), alike in every arm. The client sends each request
 on a plain loopback connection (bench/completions.py), so its own setup is not in a TTFT. A
 benchmark, not a timed test: the numbers of one run, side by side.
 
@@ -121,9 +121,10 @@ def stages(d: dict[str, float]) -> dict[str, float] | None:
     ms per request, from vLLM's histograms (fleet_bench.TTFT_STAGES): `queue` (queued ->
     first scheduled, in the engine: an async load's wait is here), `prefill` (scheduled ->
     first token, in the engine: the steps that computed it), `api` (the rest of vLLM's own
-    TTFT, from the API server's arrival to its first token: rendering, the hops between
-    the API server and the engine, the step the request arrived during), `vllm` (that whole
-    TTFT) (pure); None when the delta counts no request."""
+    TTFT, from the API server's rendering to its first token: the hops between the API
+    server and the engine, and the wait for the step in flight when the request arrived,
+    which the engine finishes before it queues a new request: as long as the arm's steps
+    are), `vllm` (that whole TTFT) (pure); None when the delta counts no request."""
     def mean_ms(stage: str) -> float | None:
         n = d.get(f"time:{stage}_count", 0.0)
         return d.get(f"time:{stage}_sum", 0.0) / n * 1000 if n > 0 else None
@@ -267,12 +268,14 @@ def render_chat(chat: dict[str, Any]) -> list[str]:
 def render_stages(runs: dict[str, dict[str, Any]]) -> list[str]:
     """Where turns 2+ spent their TTFT, per arm (see stages), and the chunks/tails ratio of
     each part that both arms report (pure): the connector acts in the engine's queue and
-    prefill; the API server's path and the client's HTTP are the same work in every arm."""
+    prefill, and in the steps a new request waits for (the `api` part); the client's part
+    (HTTP, the API server's parsing, the first chunk's serialization) is alike in every arm."""
     rows = {n: r for n, r in runs.items() if r.get("later_stages_ms") and r.get("later_ttft_mean_s")}
     if not rows:
         return []
     out = ["", "where the TTFT of turns 2+ goes (mean ms per request; vLLM's histograms): "
-           "client = HTTP + vLLM's TTFT (API server <-> engine + queue + prefill)"]
+           "client = outside vLLM's TTFT (HTTP, parsing) + vLLM's TTFT (API server <-> engine "
+           "and the step in flight + queue + prefill)"]
     for n, r in rows.items():
         st, client = r["later_stages_ms"], r["later_ttft_mean_s"] * 1000
         out.append(f"  {n:<12} {client:>5.0f} = {max(0.0, client - st['vllm']):>3.0f} + "
@@ -410,9 +413,11 @@ def _turn(base_url: str, prompt: list[int], max_tokens: int, cache_salt: str | N
     """One streamed completion of prompt token ids: the generated ids, TTFT, usage."""
     s = completions.stream(base_url, prompt, max_tokens, timeout=900, return_token_ids=True,
                            **({"cache_salt": cache_salt} if cache_salt else {}))
+    if not s["times"]:
+        raise RuntimeError("/v1/completions: no token streamed")
     usage = s["usage"]
     details = usage.get("prompt_tokens_details") or {}
-    return {"ids": s["ids"], "ttft_s": (s["times"] or [time.perf_counter()])[0] - s["t0"],
+    return {"ids": s["ids"], "ttft_s": s["times"][0] - s["t0"],
             "prompt_tokens": usage.get("prompt_tokens", len(prompt)),
             "cached_tokens": details.get("cached_tokens") or 0}
 
@@ -438,8 +443,7 @@ def _chat_turn(base_url: str, messages: list[dict[str, str]], max_tokens: int,
             "cache_salt": cache_salt, "allowed_token_ids": allowed}
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=900)
     if r.status_code != 200:  # no chat template, say: the server's one-line reason
-        raise RuntimeError(f"/v1/chat/completions: HTTP {r.status_code}: "
-                           f"{' '.join(r.text.split())[:300]}")
+        raise RuntimeError(completions.http_error(r.status_code, r.text, "/v1/chat/completions"))
     out = r.json()
     choice, usage = out["choices"][0], out.get("usage") or {}
     return {"text": choice["message"].get("content") or "", "ids": choice["token_ids"],
@@ -511,9 +515,14 @@ def _counters_at(server: Any, prompt_tokens: float, requests: float, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while True:
         now = counters(server.metrics())
-        if ((now.get("prompt_tokens", 0.0) >= prompt_tokens
-             and now.get("time:prefill_count", 0.0) >= requests)
-                or time.monotonic() > deadline):
+        # every finished request is one sample of vLLM's prefill-time histogram
+        seen = now.get("prompt_tokens", 0.0), now.get("time:prefill_count", 0.0)
+        if seen[0] >= prompt_tokens and seen[1] >= requests:
+            return now
+        if time.monotonic() > deadline:
+            _log(f"warning: after {timeout_s:.0f}s the server counts {seen[0]:.0f} of "
+                 f"{prompt_tokens:.0f} prompt tokens and {seen[1]:.0f} of {requests:.0f} "
+                 "finished requests: this round's sources and TTFT split are short")
             return now
         time.sleep(0.05)
 

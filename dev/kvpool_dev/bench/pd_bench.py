@@ -44,6 +44,7 @@ decode engine's kvpool_handover_* counters.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -279,7 +280,7 @@ def one_request(arm: str, urls: dict[str, str], prompt: list[int], max_tokens: i
         # (vLLM's scheduler, remote_prefill_cached_tokens): only the engine counter tells
         rec["decode_computed"] = None if arm == "pd-nixl" else computed_of(s["usage"])
         rec["ok"] = True
-    except (OSError, RuntimeError, ValueError) as exc:
+    except (OSError, RuntimeError, ValueError, http.client.HTTPException) as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return rec
 
