@@ -1056,6 +1056,14 @@ class KVCachePoolSpec(_Model):
         "for reasoning models whose chat template strips earlier <think> text: the next turn never "
         "repeats those tokens, so their KV is never hit.",
     )
+    lookup_wait_ms: float | None = Field(
+        None, ge=0, le=60000,
+        description="tiered: how long an engine's scheduler waits, inside its step, for a lookup in the shared "
+        "tiers (Redis, S3) before the request is told to ask again next step, which costs it a step; one step "
+        "waits twice this at most, and nobody waits while recent lookups took longer (unset: the connector's "
+        "5 ms, a LAN round trip). Raise it to the Redis round trip when that is longer (another zone); "
+        "kvpool_lookups_deferred_total counts the lookups it missed.",
+    )
     tiers: Tiers = Field(description="Offloading tiers, fastest first.")
     native: NativeOptions = Field(default_factory=NativeOptions, description="Options of native mode.")
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Engine pod placement.")

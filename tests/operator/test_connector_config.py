@@ -55,15 +55,39 @@ def test_native_kvpool_tier_class_is_importable_by_vllm():
     assert hasattr(module, "kvpool")
 
 
+def _connector_yaml(example, settings, tmp_path):
+    """The rendered connector.yaml's text and the connector's config loaded from it."""
+    manifests = render(example, settings, "kvpool")
+    text = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]["connector.yaml"]
+    path = tmp_path / "connector.yaml"
+    path.write_text(text)
+    return text, load_connector_config({"config_file": str(path)})
+
+
 def test_save_decode_switch_reaches_the_connector(settings, tmp_path):
     """spec.saveDecode (default on) becomes the connector's save_decode_tokens."""
     for flag in (None, False):
         example = load_example("tiered-cpu-only")
         if flag is not None:
             example["spec"]["saveDecode"] = flag
-        manifests = render(example, settings, "kvpool")
-        data = next(m for m in manifests if m["kind"] == "ConfigMap")["data"]
-        path = tmp_path / "connector.yaml"
-        path.write_text(data["connector.yaml"])
-        cfg = load_connector_config({"config_file": str(path)})
+        _, cfg = _connector_yaml(example, settings, tmp_path)
         assert cfg.save_decode_tokens is (flag is None)
+
+
+def test_lookup_wait_reaches_the_connector_and_bad_values_name_the_field(settings, tmp_path):
+    """spec.lookupWaitMs becomes the connector's lookup_wait_ms; unset, the connector's own
+    default (5 ms); out of range, one error naming the field."""
+    from kvpool_operator.models import format_error, parse_spec
+
+    for value, expected in ((None, 5.0), (25, 25.0), (0, 0.0)):
+        example = load_example("tiered-full")
+        if value is not None:
+            example["spec"]["lookupWaitMs"] = value
+        text, cfg = _connector_yaml(example, settings, tmp_path)
+        assert cfg.lookup_wait_ms == expected
+        assert ("lookup_wait_ms" in text) is (value is not None)
+    example = load_example("tiered-full")
+    example["spec"]["lookupWaitMs"] = -1
+    with pytest.raises(ValueError) as e:
+        parse_spec(example["spec"])
+    assert format_error(e.value).startswith("spec.lookupWaitMs: ")

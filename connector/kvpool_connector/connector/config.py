@@ -19,7 +19,7 @@ from ..config import PositiveSize, StoreConfig, _Strict, parse_size, read_docume
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
                   "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
-                  "handover_wait_seconds", "handover_always", "warm_start")
+                  "handover_wait_seconds", "handover_always", "lookup_wait_ms", "warm_start")
 # tier types whose objects other engines of the pool read: where the hot set manifest lives
 WARM_START_TIERS = ("redis", "s3", "disk")
 
@@ -85,6 +85,16 @@ class ConnectorConfig(StoreConfig):
                                   "to the shared tiers before its response), for a prefill "
                                   "engine behind llm-d's shared-storage protocol, which sends "
                                   "no kv_transfer_params")
+
+    lookup_wait_ms: float = Field(5.0, ge=0, le=60000, description="how long the scheduler "
+                                  "waits, inside its step, for a lookup that asks Redis or S3 "
+                                  "(a handover's visibility check too) before it answers vLLM "
+                                  "\"ask again next step\", which costs the request a step; "
+                                  "one step waits twice this at most, and nobody waits while "
+                                  "recent lookups took longer than this (a slow tier). Raise it "
+                                  "to the shared tier's round trip when that is over 5 ms (Redis "
+                                  "in another zone); 0: never wait. "
+                                  "kvpool_lookups_deferred_total counts the lookups it missed")
 
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig,
                                         description="pre-warm a starting engine's cpu tier "

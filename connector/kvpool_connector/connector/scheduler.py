@@ -13,11 +13,11 @@ recompute`) and the recomputed chunks are saved again.
 
 Remote lookups never hold the scheduler up for long. When the lower tiers include Redis or
 S3, the part of a lookup that needs them runs on a small thread pool; the scheduler waits
-for it up to INLINE_WAIT_S (a LAN round trip: the request is then admitted in the step that
-asked) and otherwise `num_matched` answers None ("ask again next step", which vLLM
-supports) until it is done. The wait is skipped while such jobs have recently taken longer
-than the bound (S3), and one step waits INLINE_BUDGET_S at most however many requests
-arrive; the in-memory index and local disk are answered inline. The same job then asks for
+for it up to `lookup_wait_ms` (5 ms: a LAN round trip; the request is then admitted in the
+step that asked) and otherwise `num_matched` answers None ("ask again next step", which
+vLLM supports) until it is done. The wait is skipped while such jobs have recently taken
+longer than the bound (S3), and one step waits twice the bound at most however many
+requests arrive; the in-memory index and local disk are answered inline. The same job then asks for
 the tail objects that could follow the chunks it found (tails.py), all candidates in one
 batch (one pipeline on Redis), so an engine finds the tails another engine of the pool wrote.
 """
@@ -67,13 +67,12 @@ LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
 # A job on the lookup threads (a remote lookup, a handover's visibility check) is waited for
-# this long when it is submitted, before the request is told to ask again next step: a
-# Redis lookup takes a few milliseconds, a step of waiting is tens to hundreds of the
-# request's TTFT. INLINE_BUDGET_S bounds one scheduler step's waiting however many requests
-# arrive in it; while the jobs' recent durations (JOB_EWMA) exceed INLINE_WAIT_S (S3, a
-# backend in trouble) nobody waits, and every answer comes off the step loop.
-INLINE_WAIT_S = 0.005
-INLINE_BUDGET_S = 0.010
+# up to `lookup_wait_ms` when it is submitted, before the request is told to ask again next
+# step: a Redis lookup takes a few milliseconds, a step of waiting is tens to hundreds of the
+# request's TTFT. One scheduler step waits INLINE_BUDGET_WAITS such bounds at most however
+# many requests arrive in it; while the jobs' recent durations (JOB_EWMA) exceed the bound
+# (S3, a backend in trouble) nobody waits, and every answer comes off the step loop.
+INLINE_BUDGET_WAITS = 2
 JOB_EWMA = 0.25  # weight of the latest job in the running mean of job durations
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
@@ -211,7 +210,9 @@ class SchedulerSide:
         remote = any(tier_class(t.type).remote for t in cfg.tiers)
         self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
                              if remote and lower_store is not None else None)
-        self._inline_left = INLINE_BUDGET_S  # this step's wait for lookup jobs (INLINE_WAIT_S)
+        self.inline_wait_s = cfg.lookup_wait_ms / 1000  # per lookup job (see _answered)
+        self.inline_budget_s = INLINE_BUDGET_WAITS * self.inline_wait_s  # per step
+        self._inline_left = self.inline_budget_s  # what is left of this step's budget
         self._job_s = 0.0  # running mean of the lookup jobs' durations (JOB_EWMA)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
@@ -499,7 +500,7 @@ class SchedulerSide:
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        self._inline_left = INLINE_BUDGET_S  # the next step's lookups may wait again
+        self._inline_left = self.inline_budget_s  # the next step's lookups may wait again
         self.handovers_out.clear()  # their outputs are gone: nothing left to amend
         for waiting in self.reqs.values():
             if waiting.load is not None:
@@ -768,12 +769,12 @@ class SchedulerSide:
         return self._lookup_pool.submit(timed)
 
     def _answered(self, fut: Future) -> bool:
-        """Whether a lookup job just submitted is done, waiting for it up to INLINE_WAIT_S
-        within what is left of this step's INLINE_BUDGET_S, unless recent jobs took longer
+        """Whether a lookup job just submitted is done, waiting for it up to inline_wait_s
+        within what is left of this step's inline_budget_s, unless recent jobs took longer
         than that (then waiting would only delay the step)."""
-        if not fut.done() and self._inline_left > 0 and self._job_s <= INLINE_WAIT_S:
+        if not fut.done() and self._inline_left > 0 and self._job_s <= self.inline_wait_s:
             t0 = time.perf_counter()
-            wait([fut], timeout=min(INLINE_WAIT_S, self._inline_left))
+            wait([fut], timeout=min(self.inline_wait_s, self._inline_left))
             self._inline_left -= time.perf_counter() - t0
         return fut.done()
 

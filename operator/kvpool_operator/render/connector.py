@@ -185,6 +185,8 @@ def connector_config(pool: Pool) -> ConnectorConfig | None:
         fields |= {"staging_bytes": _per_rank(pool, STAGING_BYTES),
                    "require_cache_salt": pool.spec.security.require_cache_salt,
                    "save_decode_tokens": pool.spec.save_decode}
+        if pool.spec.lookup_wait_ms is not None:
+            fields["lookup_wait_ms"] = pool.spec.lookup_wait_ms
         warm = pool.spec.warm_start
         if warm is not None:
             fields["warm_start"] = WarmStartConfig(

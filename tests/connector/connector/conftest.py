@@ -3,9 +3,10 @@ disk tier it opens itself."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.scheduler import SchedulerSide
 from kvpool_connector.store import open_store
@@ -15,10 +16,23 @@ from tests.connector.connector.helpers import BPC, BS, PREFIX
 
 @pytest.fixture(autouse=True)
 def no_inline_wait(monkeypatch):
-    """Lookup jobs are never waited for here (INLINE_WAIT_S 0): whether a loopback Redis
-    round trip beats a 5 ms bound depends on the machine's load, and a test must take one
-    path. The tests of the wait raise the bound themselves."""
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.0)
+    """Lookup jobs are never waited for here (every SchedulerSide's inline_wait_s is 0,
+    whatever `lookup_wait_ms` says): whether a loopback Redis round trip beats a 5 ms bound
+    depends on the machine's load, and a test must take one path. The tests of the wait set
+    the bound on their side themselves."""
+    init = SchedulerSide.__init__
+
+    @functools.wraps(init)  # __wrapped__: the real one, for the test of the config key
+    def without_wait(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.inline_wait_s = 0.0
+
+    monkeypatch.setattr(SchedulerSide, "__init__", without_wait)
+
+
+def wait_inline(side: SchedulerSide, wait_s: float, budget_s: float) -> None:
+    """Give `side` these bounds from its next step on, as `lookup_wait_ms` would."""
+    side.inline_wait_s, side.inline_budget_s = wait_s, budget_s
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.handover import (
     Handover,
     HandoverError,
@@ -20,6 +19,7 @@ from kvpool_connector.connector.handover import (
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.tails import tail_key
+from tests.connector.connector.conftest import wait_inline
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -316,8 +316,7 @@ def test_a_handover_already_visible_in_redis_loads_without_a_step_of_waiting(rem
     """The visibility check runs on the lookup threads; when it answers within the
     scheduler's inline bound (raised here, so that a busy machine cannot miss it), the
     first ask is the hit: the decode engine loads in the step it admits the request."""
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
-    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    wait_inline(remote_side, 30.0, 30.0)
     remote_side.build_meta(scheduler_output({}))
     req = make_request("x", 1000, seed=5)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from kvpool_connector.connector import scheduler as scheduler_mod
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
+from tests.connector.connector.conftest import wait_inline
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -180,11 +180,10 @@ def test_a_remote_lookup_running_past_the_bound_answers_at_a_later_step(remote_s
 
 
 def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(remote_side, monkeypatch):
-    """A lookup job that is done within INLINE_WAIT_S is answered in the call that asked
+    """A lookup job that is done within the inline bound is answered in the call that asked
     (no "ask again next step"). The bound is raised here so that a busy test machine cannot
     make the loopback round trip miss it: what is checked is the waiting, not its speed."""
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
-    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    wait_inline(remote_side, 30.0, 30.0)
     remote_side.build_meta(scheduler_output({}))  # a new step: the raised budget
     req = make_request("r1", 1000, seed=12)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
@@ -195,12 +194,30 @@ def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(remote_side
     assert "kvpool_lookups_deferred" not in remote_side.stats.data
 
 
+def test_lookup_wait_ms_sets_the_bound_and_the_step_budget(redis_tier, namespace, monkeypatch):
+    """The config key is the bound (default 5 ms, a LAN round trip); a step waits twice
+    that at most; 0 turns the wait off."""
+    from tests.connector.connector.conftest import scheduler_side
+
+    # the directory's autouse fixture zeroes every side's bound: the real constructor here
+    monkeypatch.setattr(SchedulerSide, "__init__", SchedulerSide.__init__.__wrapped__)
+    for keys, bound in (({}, 0.005), ({"lookup_wait_ms": 12}, 0.012),
+                        ({"lookup_wait_ms": 0}, 0.0)):
+        s = scheduler_side(namespace, redis_tier, **keys)
+        try:
+            assert (s.inline_wait_s, s.inline_budget_s) == pytest.approx((bound, 2 * bound))
+            s.build_meta(scheduler_output({}))
+            assert s._inline_left == pytest.approx(2 * bound)
+        finally:
+            s.close()
+            s.lower.close()
+
+
 def test_the_wait_for_lookup_jobs_is_bounded_per_step(remote_side, monkeypatch):
-    """Lookups held on a slow tier: each request waits INLINE_WAIT_S, all of one step's
-    together at most INLINE_BUDGET_S; then they answer None without waiting, until the next
+    """Lookups held on a slow tier: each request waits the bound, all of one step's
+    together at most the step's budget; then they answer None without waiting, until the next
     step (build_meta) renews the budget."""
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.03)
-    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 0.05)
+    wait_inline(remote_side, 0.03, 0.05)
     remote_side.build_meta(scheduler_output({}))
     gate = threading.Event()
     lower = remote_side.lower
@@ -227,10 +244,9 @@ def test_the_wait_for_lookup_jobs_is_bounded_per_step(remote_side, monkeypatch):
 
 def test_nobody_waits_while_lookup_jobs_run_longer_than_the_bound(remote_side, monkeypatch):
     """A slow tier (S3; here Redis behind a 60 ms delay): once the jobs' running mean of
-    durations passes INLINE_WAIT_S, a new lookup is not waited for at all (it would only
+    durations passes the bound, a new lookup is not waited for at all (it would only
     delay the step); when the tier is fast again, the wait comes back."""
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 0.02)
-    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    wait_inline(remote_side, 0.02, 30.0)
     lower = remote_side.lower
     real = lower.contains_prefix
     delay = {"s": 0.06}
@@ -265,8 +281,7 @@ def test_nobody_waits_while_lookup_jobs_run_longer_than_the_bound(remote_side, m
 
 def test_a_lookup_job_that_fails_within_the_bound_is_a_miss_counted_once(remote_side,
                                                                           monkeypatch):
-    monkeypatch.setattr(scheduler_mod, "INLINE_WAIT_S", 30.0)
-    monkeypatch.setattr(scheduler_mod, "INLINE_BUDGET_S", 30.0)
+    wait_inline(remote_side, 30.0, 30.0)
     remote_side.build_meta(scheduler_output({}))
 
     def broken(keys):
