@@ -11,7 +11,7 @@ import pytest
 from kvpool_connector.connector.keys import chunk_keys
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.scheduler import SchedulerSide
-from tests.connector.connector.conftest import wait_inline
+from tests.connector.connector.conftest import scheduler_side, wait_inline
 from tests.connector.connector.helpers import (
     BPC,
     BS,
@@ -197,8 +197,6 @@ def test_a_remote_lookup_that_answers_within_the_bound_costs_no_step(remote_side
 def test_lookup_wait_ms_sets_the_bound_and_the_step_budget(redis_tier, namespace, monkeypatch):
     """The config key is the bound (default 5 ms, a LAN round trip); a step waits twice
     that at most; 0 turns the wait off."""
-    from tests.connector.connector.conftest import scheduler_side
-
     # the directory's autouse fixture zeroes every side's bound: the real constructor here
     monkeypatch.setattr(SchedulerSide, "__init__", SchedulerSide.__init__.__wrapped__)
     for keys, bound in (({}, 0.005), ({"lookup_wait_ms": 12}, 0.012),
