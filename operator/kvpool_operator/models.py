@@ -1057,7 +1057,7 @@ class KVCachePoolSpec(_Model):
         "repeats those tokens, so their KV is never hit.",
     )
     lookup_wait_ms: float | None = Field(
-        None, ge=0, le=60000,
+        None, ge=0, le=1000,
         description="tiered: how long an engine's scheduler waits, inside its step, for a lookup in the shared "
         "tiers (Redis, S3) before the request is told to ask again next step, which costs it a step; one step "
         "waits twice this at most, and nobody waits while recent lookups took longer (unset: the connector's "

@@ -86,7 +86,7 @@ class ConnectorConfig(StoreConfig):
                                   "engine behind llm-d's shared-storage protocol, which sends "
                                   "no kv_transfer_params")
 
-    lookup_wait_ms: float = Field(5.0, ge=0, le=60000, description="how long the scheduler "
+    lookup_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long the scheduler "
                                   "waits, inside its step, for a lookup that asks Redis or S3 "
                                   "(a handover's visibility check too) before it answers vLLM "
                                   "\"ask again next step\", which costs the request a step; "

@@ -44,6 +44,7 @@ def test_inline_keys_override_the_file(tmp_path):
     ({"config_file": "/nonexistent/pool.yaml"}, "kv_connector_extra_config.config_file"),
     ({"tiers": TIERS, "lookup_wait_ms": -1}, "kv_connector_extra_config.lookup_wait_ms"),
     ({"tiers": TIERS, "lookup_wait_ms": "5ms"}, "kv_connector_extra_config.lookup_wait_ms"),
+    ({"tiers": TIERS, "lookup_wait_ms": 5000}, "kv_connector_extra_config.lookup_wait_ms"),
 ])
 def test_invalid_config_names_the_field(extra, field):
     with pytest.raises(ConnectorConfigError) as exc:
