@@ -197,7 +197,7 @@ class RedisTierConfig(TierConfigBase):
     @model_validator(mode="after")
     def _checked_url(self) -> Self:
         no_credentials(self.url, "url", REDIS_QUERY_KEYS)
-        if self.cluster and not re.match(r"^rediss?://[^/?#]+(/0?)?$", self.url):
+        if self.cluster and not re.fullmatch(r"^rediss?://[^/?#]+(/0?)?$", self.url):
             raise ValueError("url: a cluster is reached over redis:// or rediss:// host:port, "
                              "database 0 (Redis Cluster has no other)")
         return self

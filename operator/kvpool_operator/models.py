@@ -82,7 +82,7 @@ WHOLE_BYTES_PATTERN = _whole_bytes_pattern()
 
 
 def _positive_size(value: str) -> str:
-    if not re.match(SIZE_PATTERN, value):
+    if not re.fullmatch(SIZE_PATTERN, value):
         raise ValueError(f"{value!r} {SIZE_MESSAGE}")
     try:
         nbytes = parse_size(value)
@@ -132,7 +132,7 @@ def _backend_url(pattern: str, message: str, query_keys: frozenset[str]) -> Any:
         problem = url_problem(value, query_keys)
         if problem == CREDENTIALS_IN_URL:
             raise ValueError(_CREDENTIALS_MESSAGE)
-        if problem is not None or not re.match(pattern, value):
+        if problem is not None or not re.fullmatch(pattern, value):
             raise ValueError(f"{problem}: {message}" if problem else message)
         return value
 
@@ -500,7 +500,7 @@ class ExternalRedis(_Model):
     def _ca_needs_tls(self) -> ExternalRedis:
         if self.ca_secret_ref is not None and not self.url.startswith("rediss://"):
             raise ValueError("caSecretRef needs a rediss:// url")
-        if self.cluster and not re.match(CLUSTER_URL_PATTERN, self.url):
+        if self.cluster and not re.fullmatch(CLUSTER_URL_PATTERN, self.url):
             raise ValueError(_CLUSTER_URL_MESSAGE)
         return self
 
