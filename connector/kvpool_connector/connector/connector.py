@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..amx import ask_for_amx_tiles
 from ..config import StoreConfig
 from ..store import open_store
 from ..store.tiers import tier_class
@@ -161,6 +162,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
+        ask_for_amx_tiles(layout.device.type)  # before a first step that is a full hit (amx.py)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
         store = open_store(_unexported(self.cfg.as_store_config()), layout=full_fingerprint)
         # tail objects go first when the cpu or disk tier needs room (tails.py)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..amx import ask_for_amx_tiles
 from .contract import GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class HostCopyWorker(OffloadingWorker):
     def __init__(self, kv_caches: CanonicalKVCaches, host_views: list[torch.Tensor],
                  blocks_per_chunk: int, on_shutdown=None) -> None:
         assert len(host_views) == len(kv_caches.tensors)
+        if kv_caches.tensors:  # before a first step that is a full hit (amx.py)
+            ask_for_amx_tiles(kv_caches.tensors[0].tensor.device.type)
         self.blocks_per_chunk = blocks_per_chunk
         self.group_refs = kv_caches.group_data_refs
         self._paged: list[np.ndarray] = []  # (num_blocks, page) int8
