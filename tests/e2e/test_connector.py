@@ -10,7 +10,7 @@ Three connector engines share one pool (namespace, disk directory, Redis, bucket
             is pre-warmed from the pool's hot set before it serves.
 After every test the KV audit proves that each block loaded into a paged cache equals the
 block that was saved (see conftest.py); outputs are compared with a connector-less recompute
-by logprob closeness, and hits of the same prompts with each other exactly (same schedule).
+by logprob closeness, and hits of the same prompts from every tier with each other.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 import pytest
 
 from kvpool_dev.testbed.engine import metric_total
+from kvpool_dev.testbed.oracle import check_logprobs_close
 
 from .conftest import (
     PROMPTS,
@@ -45,7 +46,7 @@ CPU = {"type": "cpu", "size": "512Mi"}
 BLOCK = 128  # vLLM's block size on the CPU platform
 NUM_BLOCKS = 256  # the writer's paged KV: 32k tokens, so 64 x 2.2k-token requests take turns
 AB = ["a4k", "b4k"]
-HITS: dict[str, list[list[int]]] = {}  # tokens of a4k+b4k hits, by engine/tier: all equal
+HITS: dict[str, list[dict]] = {}  # outputs of a4k+b4k hits, by engine/tier: all close
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +114,7 @@ def _expect_full_hits(outs, names, label):
 
 
 def _record_hits(label, outs):
-    HITS[label] = [o["token_ids"] for o in outs]
+    HITS[label] = outs
 
 
 def test_cold_run_is_close_to_recompute_and_fills_every_tier(writer, pool, baseline, audit):
@@ -177,6 +178,7 @@ def test_fresh_engine_hits_from_disk_layerwise_and_recomputes_corrupt_objects(
     with _engine(tiny_model, pool, audit, [pool["disk"]], extra={"layerwise": True}) as eng:
         outs = eng.generate([PROMPTS[n] for n in AB])
         _expect_full_hits(outs, AB, "disk/layerwise")
+        assert_close_to_baseline(outs, AB, baseline, "disk/layerwise")
         _record_hits("disk/layerwise", outs)
 
         corrupted = {}
@@ -199,12 +201,17 @@ def test_fresh_engine_hits_from_disk_layerwise_and_recomputes_corrupt_objects(
         _record_hits("disk/after-corruption", outs)
 
 
-def test_hits_from_every_tier_and_layerwise_are_token_identical():
-    """Same prompts, same schedule (prefix loaded, last block computed), same KV bytes (the
-    audit): tier and load mode cannot change a single token."""
+def test_hits_from_every_tier_and_layerwise_agree():
+    """Same prompts and the same KV bytes (the audit checks every loaded block bit for bit):
+    tier and load mode cannot change the outputs beyond near ties. Not token for token: the
+    two hits may be computed in one step or in two (an async load from Redis or disk can
+    finish a step apart from the other under load), and a bfloat16 matmul's rounding depends
+    on the rows beside it on AMX CPUs (CI on an Intel Xeon with amx_bf16: the greedy tokens
+    of this random-weight model parted at a near tie while the audit found every loaded
+    block equal to the saved one)."""
     assert set(HITS) == {"cpu", "warm", "redis", "disk/layerwise", "disk/after-corruption"}
-    first = HITS["cpu"]
-    assert all(tokens == first for tokens in HITS.values()), HITS
+    for label, outs in HITS.items():
+        check_logprobs_close(outs, HITS["cpu"], names=AB, label=f"{label} vs cpu")
 
 
 def test_64_concurrent_requests_with_preemption_sharing_a_system_prompt(writer, baseline, audit):
