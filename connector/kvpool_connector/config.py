@@ -149,8 +149,10 @@ class CpuTierConfig(TierConfigBase):
     type: Literal["cpu"] = "cpu"
     size: PositiveSize = Field(parse_size("4Gi"), description="arena bytes (hard bound)")
     eviction: Literal["lru", "arc"] = "lru"
-    slot_size: PositiveSize | None = Field(None, description="bytes per slot; default: the size "
-                                           "of the first stored object rounded up to 4 KiB")
+    slot_size: PositiveSize | None = Field(None, description="bytes per slot; default: one "
+                                           "chunk in the KV connector (a chunk is then one "
+                                           "contiguous slot, read in place), else the size of "
+                                           "the first stored object rounded up to 4 KiB")
     pin_memory: bool | None = Field(None, description="pinned (page-locked) arena; default: "
                                                       "when CUDA is available")
 

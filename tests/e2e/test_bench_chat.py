@@ -70,6 +70,9 @@ vllm:request_prefill_time_seconds_sum{engine="0",model_name="local"} 0.12
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="local"} 2.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="local"} 2.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="local"} 0.24
+# TYPE kvpool_step_seconds counter
+kvpool_step_seconds_total{engine="0",model_name="local",phase="load"} 0.008
+kvpool_step_seconds_total{engine="0",model_name="local",phase="save"} 0.003
 """
 
 
@@ -79,7 +82,8 @@ def test_ttft_stages_come_from_vllms_histograms():
     now = counters(STAGE_METRICS)
     assert now["time:ttft_count"] == 2 and now["time:prefill_sum"] == pytest.approx(0.12)
     st = chat_bench.stages(delta(now, {}))
-    assert st == pytest.approx({"queue": 20, "prefill": 60, "api": 40, "vllm": 120})
+    assert st == pytest.approx({"queue": 20, "prefill": 60, "api": 40, "vllm": 120,
+                                "kv_load": 4, "kv_save": 1.5})  # kvpool's, per request
     assert chat_bench.stages(delta(now, now)) is None  # no request in the delta
 
 
@@ -89,13 +93,17 @@ def test_the_stage_table_splits_each_arms_ttft_and_compares_the_engine_parts():
                 "later_stages_ms": {"queue": queue, "prefill": prefill,
                                     "api": vllm - queue - prefill, "vllm": vllm}}
 
+    tails_kv = arm(0.113, 0, 56, 76)
+    tails_kv["later_stages_ms"].update(kv_load=8.25, kv_save=1.5)
     lines = chat_bench.render_stages({"chunks": arm(0.184, 33, 91, 141),
-                                      "tails": arm(0.113, 0, 56, 76),
+                                      "tails": tails_kv,
                                       "plain": {"later_ttft_mean_s": 1.0,
                                                 "later_stages_ms": None}})
     text = "\n".join(lines)
     assert "chunks         184 =  43 +  141 ( 17 +  33 +   91)" in text
-    assert "tails          113 =  37 +   76 ( 20 +   0 +   56)" in text
+    assert ("tails          113 =  37 +   76 ( 20 +   0 +   56); kvpool in the steps: "
+            "load 8.2 + save 1.5") in text
+    assert "chunks         184 =  43 +  141 ( 17 +  33 +   91)\n" in text + "\n"  # none there
     assert "plain" not in text  # an arm without the histograms is left out
     assert "engine (queue + prefill) 2.21x, vLLM's TTFT 1.86x, client 1.63x" in text
     assert chat_bench.render_stages({"plain": {"later_ttft_mean_s": None}}) == []
@@ -282,3 +290,28 @@ def test_tokens_by_source_per_turn_from_the_counters_read_after_each_round():
     report = {"settings": json.loads(json.dumps(chat_bench.Settings.quick().__dict__)),
               "runs": {"tails": r}, "goals": []}
     assert "tails        turn 2: device 512, prompt/cpu 512" in chat_bench.render(report)
+
+
+def test_the_roomy_arms_hold_every_conversation_and_bound_the_goal():
+    """roomy / tails-roomy: plain vLLM and the tails arm with an engine cache that holds every
+    conversation at the model's length, so no turn needs a tier; chunks / tails-roomy is
+    reported as the most the goal's ratio can be on the host, never as a goal met or missed."""
+    s = chat_bench.Settings()
+    per_request = s.max_model_len // s.block_size + 1
+    assert chat_bench.engine_blocks("tails", s) == s.kv_cache_tokens // s.block_size
+    assert chat_bench.engine_blocks("roomy", s) == s.conversations * per_request
+    assert chat_bench.engine_blocks("tails-roomy", s) == s.conversations * per_request
+    assert chat_bench.arm_config("roomy", s) is None
+    roomy = chat_bench.arm_config("tails-roomy", s)["kv_connector_extra_config"]
+    tails = chat_bench.arm_config("tails", s)["kv_connector_extra_config"]
+    assert {k: v for k, v in roomy.items() if k != "namespace"} == \
+        {k: v for k, v in tails.items() if k != "namespace"}
+    tails_run = chat_bench.summarize("tails", [_turn(1, 1100, 1024, 60, 0.1)], {})
+    chunks = chat_bench.summarize("chunks", [_turn(1, 1100, 768, 60, 0.3)], {})
+    floor = chat_bench.summarize("tails-roomy", [_turn(1, 1100, 1024, 60, 0.08)], {})
+    goals = chat_bench.goals({"chunks": chunks, "tails": tails_run, "tails-roomy": floor})
+    bound = goals[-1]
+    assert bound["met"] is None and bound["goal"].startswith("bound:")
+    assert bound["value"] == "3.75x; the tails arm's TTFT p50 is 1.25x the floor's"
+    assert not chat_bench.goals({"chunks": chunks, "tails": tails_run})[-1]["goal"].startswith(
+        "bound")

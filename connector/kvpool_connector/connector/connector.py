@@ -68,6 +68,19 @@ def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
     return cfg.model_copy(update={"metrics": False}) if cfg is not None else None
 
 
+def _chunk_slots(cfg: StoreConfig | None, chunk_bytes: int) -> StoreConfig | None:
+    """The cpu tier's slots sized for one chunk (unless the config sets them): a chunk is
+    then one contiguous slot, which a load scatters from in place (worker.py), and a tail
+    object fits one slot too. Left to the tier, the first object stored decided, and when
+    that was a tail (a short first prompt) every chunk spanned two slots, wasting up to
+    half the arena and every in-place read."""
+    if cfg is None:
+        return None
+    tiers = [t.model_copy(update={"slot_size": -(-chunk_bytes // 4096) * 4096})
+             if t.type == "cpu" and getattr(t, "slot_size", 0) is None else t for t in cfg.tiers]
+    return cfg.model_copy(update={"tiers": tiers})
+
+
 def _manifest_store_config(cfg) -> StoreConfig | None:
     """The tiers that hold the warm start manifest (warm.py): the remote ones (Redis, S3)
     where there are any, else the shared disk. A disk in front of Redis or S3 is a pod's or a
@@ -164,7 +177,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
         ask_for_amx_tiles(layout.device.type)  # before a first step that is a full hit (amx.py)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
-        store = open_store(_unexported(self.cfg.as_store_config()), layout=full_fingerprint)
+        store = open_store(_chunk_slots(_unexported(self.cfg.as_store_config()),
+                                        layout.chunk_nbytes(self.blocks_per_chunk)),
+                           layout=full_fingerprint)
         # tail objects go first when the cpu or disk tier needs room (tails.py)
         store.set_evict_first(functools.partial(is_tail_key, prefix_len=len(self.prefix)))
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,

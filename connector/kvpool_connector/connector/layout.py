@@ -133,10 +133,16 @@ class KVLayout:
             yield layer_kv, typed.view(layer_kv.gathered_shape(n))
             off += nbytes
 
-    def _np_segments(self, buf: torch.Tensor, n: int):
+    @property
+    def host_flat(self) -> bool:
+        """Every layer is a host cache of whole-block rows: numpy copies (gather, scatter,
+        scatter_bytes) apply."""
+        return all(v.flat_np is not None for v in self.layers)
+
+    def _np_segments(self, buf: torch.Tensor | np.ndarray, n: int):
         """Per-layer numpy views `[n, words]` of a flat uint8 host buffer (layers with a
         flat_np view only)."""
-        raw = buf.numpy()
+        raw = buf if isinstance(buf, np.ndarray) else buf.numpy()
         off = 0
         for layer_kv in self.layers:
             nbytes = layer_kv.block_bytes * n
@@ -152,7 +158,7 @@ class KVLayout:
         intra-op thread pool the forward pass keeps busy, ~2x slower per chunk on 2 shared
         cores, ~7x for the per-block copies of scatter."""
         n = len(block_ids)
-        if out.device.type == "cpu" and all(v.flat_np is not None for v in self.layers):
+        if out.device.type == "cpu" and self.host_flat:
             ids = block_ids.numpy()
             first = int(ids[0]) if n else 0
             adjacent = n > 0 and bool((ids == np.arange(first, first + n)).all())
@@ -178,15 +184,8 @@ class KVLayout:
                 block_ids: list[int], layer: int | None = None) -> None:
         """Copy blocks `rows` (positions within the payload) of a payload holding
         `n_in_src` blocks into the paged caches at `block_ids`; one layer or all."""
-        if src.device.type == "cpu" and all(v.flat_np is not None for v in self.layers):
-            if not rows:
-                return
-            dst_ids = np.asarray(block_ids, dtype=np.int64)
-            src_rows = (None if list(rows) == list(range(n_in_src))
-                        else np.asarray(rows, dtype=np.int64))
-            for i, (layer_kv, words) in enumerate(self._np_segments(src, n_in_src)):
-                if layer is None or i == layer:  # one numpy copy per layer (see gather)
-                    layer_kv.flat_np[dst_ids] = words if src_rows is None else words[src_rows]
+        if src.device.type == "cpu" and self.host_flat:
+            self._scatter_np(src, n_in_src, rows, block_ids, layer)
             return
         for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
             if layer is not None and i != layer:
@@ -199,6 +198,25 @@ class KVLayout:
                 for j, b in zip(rows, block_ids, strict=True):
                     layer_kv.tensor.select(layer_kv.block_dim, b).copy_(
                         segment.select(layer_kv.block_dim, j), non_blocking=True)
+
+
+    def scatter_bytes(self, raw: np.ndarray, n_in_src: int, rows: list[int],
+                      block_ids: list[int]) -> None:
+        """scatter, all layers, from a flat uint8 numpy array of a payload in host memory
+        (a store's own bytes, read in place: no buffer in between); host_flat layouts only."""
+        assert self.host_flat, "scatter_bytes needs a host cache of whole-block rows"
+        self._scatter_np(raw, n_in_src, rows, block_ids, None)
+
+    def _scatter_np(self, src: torch.Tensor | np.ndarray, n_in_src: int, rows: list[int],
+                    block_ids: list[int], layer: int | None) -> None:
+        if not rows:
+            return
+        dst_ids = np.asarray(block_ids, dtype=np.int64)
+        src_rows = (None if list(rows) == list(range(n_in_src))
+                    else np.asarray(rows, dtype=np.int64))
+        for i, (layer_kv, words) in enumerate(self._np_segments(src, n_in_src)):
+            if layer is None or i == layer:  # one numpy copy per layer (see gather)
+                layer_kv.flat_np[dst_ids] = words if src_rows is None else words[src_rows]
 
 
 def spec_fingerprint(kv_cache_config, model: str) -> str:

@@ -53,6 +53,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                             "that submitted them, before its forward (no loader thread)",
                             ()),
     "kvpool_load_error_chunks": ("Chunks that failed to load (recomputed)", ()),
+    "kvpool_step_seconds": ("Worker time inside the engine's steps, the connector's share of "
+                            "every request's TTFT and inter-token latency: load (reading and "
+                            "scattering chunks before the forward, waiting for sync and "
+                            "layerwise loads) and save (gathering chunks after it; a store of "
+                            "this process's memory only also stores them there)", ("phase",)),
     "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", ()),
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", ()),
     "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", ()),

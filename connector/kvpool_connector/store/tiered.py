@@ -33,6 +33,18 @@ from .tiers import tier_class
 
 log = logging.getLogger("kvpool.store")
 
+
+def _callers_own(op: str, fn: Callable[[int, memoryview], bool], i: int,
+                 view: memoryview) -> bool:
+    """The caller's callback of read_in_place/write_in_place: its error is the caller's,
+    not the tier's, so it must not reach the runner (which would mark the tier unhealthy):
+    logged, and that object is not taken."""
+    try:
+        return bool(fn(i, view))
+    except Exception:
+        log.warning("%s: the caller's callback failed on key %d", op, i, exc_info=True)
+        return False
+
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
 EVENT_NAMES_MAX = 1 << 17      # object name -> key of what this store wrote, for events
 
@@ -135,7 +147,7 @@ class TieredStore:
         cur = self.keyring.current
         records = [self._record(k, layout_id, to_view(p), cur)
                    for k, p in zip(keys, payloads, strict=True)]
-        self._remember_names(keys, records)
+        self._remember_names(keys, [r.name for r in records])
         return records
 
     def put_many_through(self, keys: Sequence[bytes], payloads: Sequence[Any],
@@ -174,6 +186,35 @@ class TieredStore:
             else:
                 runner.enqueue(records)
         return landed
+
+    def write_in_place(self, keys: Sequence[bytes], sizes: Sequence[int],
+                       fill: Callable[[int, memoryview], bool],
+                       layout: bytes | str | None = None) -> list[bool] | None:
+        """put_many for a caller that would copy into a buffer only for put_many to copy it
+        again (the connector's gather out of the paged cache): a store that is only this
+        process's memory (memory_only) lends each object's slot, `sizes[i]` bytes, to
+        `fill(i, view)` under the tier's lock, and holds the object once `fill` returns
+        True; per key whether it does. None: not such a store, or an object larger than a
+        slot (or the slots not sized yet): use put_many."""
+        keys = self._check_keys(keys)
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if self._closed or not self.memory_only():
+            return None
+        first = self.runners[0]
+        limit = first.tier.in_place_limit()
+        if not keys or any(n > limit or n <= 0 for n in sizes):
+            return None
+        cur = self.keyring.current
+        names = [cur.object_name(k) for k in keys]
+        self._remember_names(keys, names)
+        landed = first.call("put", first.tier.write_in_place, names, list(sizes),
+                            self._layout(layout), [self._is_evict_first(k) for k in keys],
+                            functools.partial(_callers_own, "write_in_place", fill))
+        if landed is None:  # the tier failed (counted): nothing landed
+            first.stats.inc("drops", len(keys))
+            return [False] * len(keys)
+        return [bool(x) for x in landed]
 
     def put(self, key: bytes, payload: Any, layout: bytes | str | None = None) -> bool:
         return self.put_many([key], [payload], layout)[0]
@@ -249,11 +290,11 @@ class TieredStore:
         key's name, which is all they are probed with): sealing it again under the current
         key would make a forgery made with a leaked previous key outlive the rotation."""
         for tier_index, i, rec in hits:
-            self._remember_names([keys[i]], [rec])
+            self._remember_names([keys[i]], [rec.name])
             rec.evict_first = self._is_evict_first(keys[i])
             if tier_index == len(self.runners):  # found under the previous key
                 rec = self._record(keys[i], layout_id, rec.payload, self.keyring.current)
-                self._remember_names([keys[i]], [rec])
+                self._remember_names([keys[i]], [rec.name])
                 targets = [j for j, r in enumerate(self.runners) if not r.tier.shared]
             else:
                 targets = list(range(tier_index))
@@ -310,6 +351,28 @@ class TieredStore:
             return [None] * len(keys)
         return [None if r is None else len(r.payload)
                 for r in self._probe(keys, self._layout(layout), views, served_by)]
+
+    def read_in_place(self, keys: Sequence[bytes], use: Callable[[int, memoryview], bool],
+                      layout: bytes | str | None = None) -> list[bool]:
+        """Lend each key the first tier holds in this process's memory (the cpu tier) to
+        `use(i, view)`: the stored bytes, read-only, valid during the call only (the tier
+        holds its lock: nothing evicts or overwrites them meanwhile); per key whether `use`
+        took it (it returns False for bytes it cannot use). No copy out and nothing to
+        verify: the tier is the process's own memory, which reads never MAC. Keys not taken
+        (elsewhere, spanning slots, refused): read them with get_many_into. Counted as that
+        tier's hits."""
+        keys = self._check_keys(keys)
+        first = self.runners[0] if self.runners else None
+        if not keys or self._closed or first is None or first.tier.shared:
+            return [False] * len(keys)
+        res = first.call("get", first.tier.read_in_place, self.object_names(keys),
+                         self._layout(layout), functools.partial(_callers_own, "read_in_place",
+                                                                 use))
+        if res is None:  # the tier failed (counted): the caller reads the usual way
+            return [False] * len(keys)
+        taken = [bool(x) for x in res]
+        first.stats.inc("hits", sum(taken))
+        return taken
 
     def get_into(self, key: bytes, out: Any, layout: bytes | str | None = None) -> int | None:
         return self.get_many_into([key], [out], layout)[0]
@@ -434,14 +497,14 @@ class TieredStore:
             if r.tier.local:
                 r.tier.events = deque(maxlen=EVENTS_MAX)
 
-    def _remember_names(self, keys: list[bytes], records: list[Record]) -> None:
+    def _remember_names(self, keys: list[bytes], object_names: list[bytes]) -> None:
         names = self._event_keys
         if names is None:
             return
         with self._event_lock:
-            for k, rec in zip(keys, records, strict=True):
-                names[rec.name] = k
-                names.move_to_end(rec.name)
+            for k, name in zip(keys, object_names, strict=True):
+                names[name] = k
+                names.move_to_end(name)
             while len(names) > EVENT_NAMES_MAX:
                 names.popitem(last=False)
 

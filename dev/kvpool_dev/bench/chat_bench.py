@@ -19,7 +19,11 @@ no re-tokenization changes an id. Arms, one server each, one after another:
            (`offload_prompt_only: false`)
 and on request (--arms) chunks-sync: full prompt chunks with hits loaded within the step,
 which separates what tails and decode KV add from what sync local loads add; native-chunk:
-native with the 256-token host blocks and prompt-only offloading earlier runs used.
+native with the 256-token host blocks and prompt-only offloading earlier runs used; roomy and
+tails-roomy: plain vLLM and the tails arm with an engine KV cache that holds every
+conversation, so nothing leaves the engine and no connector loads (beyond tails-roomy's
+partial last block): their TTFT is the floor any cache tier reaches on this host with the
+same tokens computed, and chunks/tails-roomy the most the goal's ratio can be here.
 Per turn index: prompt tokens computed (prompt - cached, from the usage of each response),
 TTFT p50 (first streamed token), and where each request's prompt came from: vLLM's hit
 sources and kvpool's tokens by object kind and tier (the servers' counters, read after each
@@ -61,7 +65,8 @@ from kvpool_dev.bench import completions, kv_configs
 ARMS = ("plain", "chunks", "tails", "native")
 # on request only: full chunks with today's loads (sync within the step), which isolates what
 # tails and decode KV add from what sync local loads add
-EXTRA_ARMS = ("chunks-sync", "native-chunk")
+EXTRA_ARMS = ("chunks-sync", "native-chunk", "roomy", "tails-roomy")
+ROOMY = "-roomy"  # an arm whose engine cache holds every conversation: the floor of the others
 # vLLM's --block-size of every arm: a prefix hit ends at a block boundary, so the block is
 # what a tail cannot save. 32, as `kvpool bench serve` runs, nearer CUDA's default of 16 than
 # the CPU platform's 128 (`--block-size 128`: the same run with the CPU default)
@@ -124,7 +129,10 @@ def stages(d: dict[str, float]) -> dict[str, float] | None:
     TTFT, from the API server's rendering to its first token: the hops between the API
     server and the engine, and the wait for the step in flight when the request arrived,
     which the engine finishes before it queues a new request: as long as the arm's steps
-    are), `vllm` (that whole TTFT) (pure); None when the delta counts no request."""
+    are), `vllm` (that whole TTFT), and `kv_load`, `kv_save`: the connector's own time
+    inside the engine's steps (kvpool_step_seconds) per request, a part of the others (the
+    load of a sync hit is in its prefill, every save in some request's step) (pure); None when
+    the delta counts no request."""
     def mean_ms(stage: str) -> float | None:
         n = d.get(f"time:{stage}_count", 0.0)
         return d.get(f"time:{stage}_sum", 0.0) / n * 1000 if n > 0 else None
@@ -132,8 +140,10 @@ def stages(d: dict[str, float]) -> dict[str, float] | None:
     queue, prefill, vllm = mean_ms("queue"), mean_ms("prefill"), mean_ms("ttft")
     if queue is None or prefill is None or vllm is None:
         return None
+    n = d["time:ttft_count"]
     return {"queue": queue, "prefill": prefill, "api": max(0.0, vllm - queue - prefill),
-            "vllm": vllm}
+            "vllm": vllm, "kv_load": d.get("step:load", 0.0) / n * 1000,
+            "kv_save": d.get("step:save", 0.0) / n * 1000}
 
 
 def summarize(arm: str, turns: list[dict], sources: dict[str, float],
@@ -278,9 +288,11 @@ def render_stages(runs: dict[str, dict[str, Any]]) -> list[str]:
            "and the step in flight + queue + prefill)"]
     for n, r in rows.items():
         st, client = r["later_stages_ms"], r["later_ttft_mean_s"] * 1000
+        kv = (f"; kvpool in the steps: load {st['kv_load']:.1f} + save {st['kv_save']:.1f}"
+              if st.get("kv_load") or st.get("kv_save") else "")
         out.append(f"  {n:<12} {client:>5.0f} = {max(0.0, client - st['vllm']):>3.0f} + "
                    f"{st['vllm']:>4.0f} ({st['api']:>3.0f} + {st['queue']:>3.0f} + "
-                   f"{st['prefill']:>4.0f})")
+                   f"{st['prefill']:>4.0f}){kv}")
     if "chunks" in rows and "tails" in rows:
         c, t = rows["chunks"], rows["tails"]
         ct, tt = c["later_stages_ms"], t["later_stages_ms"]
@@ -375,6 +387,14 @@ def goals(runs: dict[str, dict[str, Any]], block_size: int = BLOCK_TOKENS
                     "value": f"{t['later_ttft_p50_s'] * 1000:.0f} vs "
                              f"{n['later_ttft_p50_s'] * 1000:.0f} ms",
                     "met": t["later_ttft_p50_s"] <= n["later_ttft_p50_s"]})
+    floor = runs.get("tails-roomy")
+    if c is not None and floor is not None and floor["later_ttft_p50_s"]:
+        x = c["later_ttft_p50_s"] / floor["later_ttft_p50_s"]
+        out.append({"goal": "bound: chunks / tails-roomy TTFT p50 (every conversation in the "
+                            "engine: the most any cache tier gives here)",
+                    "value": f"{x:.2f}x; the tails arm's TTFT p50 is "
+                             f"{t['later_ttft_p50_s'] / floor['later_ttft_p50_s']:.2f}x the floor's",
+                    "met": None})
     return out
 
 
@@ -385,12 +405,22 @@ def _log(msg: str) -> None:
     print(f"[bench chat {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def engine_blocks(arm: str, s: Settings) -> int:
+    """vLLM blocks of the arm's engine cache (pure): the settings' cache (at least one
+    request's worth), or for a roomy arm every conversation at the model's length."""
+    per_request = -(-s.max_model_len // s.block_size) + 1
+    if arm == "roomy" or arm.endswith(ROOMY):
+        return s.conversations * per_request
+    return max(s.kv_cache_tokens // s.block_size, per_request)
+
+
 def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
     from kvpool_connector.config import parse_size
 
+    arm = arm.removesuffix(ROOMY)
     ns = f"chat-{arm}-{uuid.uuid4().hex[:8]}"
     tier = [kv_configs.cpu_tier(s.cpu_tier)]
-    if arm == "plain":
+    if arm in ("plain", "roomy"):
         return None
     if arm == "chunks":
         return kv_configs.kvpool_config(tier, ns, s.chunk_tokens, save_decode_tokens=False,
@@ -532,7 +562,7 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
     from kvpool_dev.bench.fleet_bench import delta
     from kvpool_dev.testbed.engine import VllmServer
 
-    blocks = max(s.kv_cache_tokens // s.block_size, -(-s.max_model_len // s.block_size) + 1)
+    blocks = engine_blocks(arm, s)
     server = VllmServer(model, kv_transfer_config=arm_config(arm, s),
                         max_model_len=s.max_model_len,
                         env={**kv_configs.pool_key_env(), "VLLM_CPU_KVCACHE_SPACE": "1"},

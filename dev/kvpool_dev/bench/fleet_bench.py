@@ -87,7 +87,8 @@ TTFT_STAGES = {"vllm:request_queue_time_seconds": "queue",
 def counters(text: str) -> dict[str, float]:
     """The counters this bench compares, from a server's Prometheus text (summed over
     engine labels): prompt tokens, cached tokens by vLLM's source, kvpool tier hits, prompt
-    tokens kvpool served by object kind and tier, the TTFT stages' sums and counts."""
+    tokens kvpool served by object kind and tier, the TTFT stages' sums and counts, the
+    connector's time inside the engine's steps by phase."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -105,6 +106,8 @@ def counters(text: str) -> dict[str, float]:
                 add(f"served:{s.labels.get('kind', '')}/{s.labels.get('tier', '')}", s.value)
             elif s.name in ("kvpool_tier_hit_chunks_total", "kvpool_tier_miss_chunks_total"):
                 add(f"{s.name.split('_')[2]}:{s.labels.get('tier', '')}", s.value)
+            elif s.name == "kvpool_step_seconds_total":  # step:load, step:save
+                add(f"step:{s.labels.get('phase', '')}", s.value)
             elif s.name == "vllm_router_processed_requests_total":
                 add(f"routed:{s.labels.get('worker', '')}", s.value)
             elif s.name == "vllm_router_prefix_routing_decisions_total":

@@ -134,3 +134,26 @@ def test_xxhash_prefix_hashes_are_refused_in_a_pool_with_a_shared_tier(tiers, re
                 KVPoolConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
             continue
         KVPoolConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config).shutdown()
+
+
+def test_the_workers_cpu_tier_gets_one_chunk_per_slot():
+    """Unless the config sets slot_size, the worker's cpu tier is cut into slots of one
+    chunk (rounded to 4 KiB): a chunk is one contiguous slot a load scatters from in place,
+    whatever object happens to be stored first (a short tail made every chunk span two)."""
+    from kvpool_connector.connector.connector import _chunk_slots
+    from kvpool_connector.store import open_store
+
+    cfg = load_connector_config({"tiers": TIERS})
+    sized = _chunk_slots(cfg.as_store_config(), 2 * 1024 * 1024 + 1)
+    assert sized.tiers[0].slot_size == 2 * 1024 * 1024 + 4096
+    assert sized.tiers[1] == cfg.as_store_config().tiers[1]
+    mine = load_connector_config({"tiers": [{"type": "cpu", "size": "64Mi", "slot_size": "1Mi"}]})
+    assert _chunk_slots(mine.as_store_config(), 1 << 21).tiers[0].slot_size == 1 << 20
+    assert _chunk_slots(None, 1 << 21) is None
+    cpu_only = load_connector_config({"tiers": TIERS[:1]})
+    store = open_store(_chunk_slots(cpu_only.as_store_config(), 1 << 21), layout=b"l")
+    store.put_many([b"t" * 16], [b"\0" * 5000])  # a short object first
+    assert store.put_many([b"c" * 16], [b"\1" * (1 << 21)]) == [True]
+    assert store.runners[0].tier.slot_size == 1 << 21
+    assert store.stats()["tiers"]["cpu"]["used_bytes"] == 2 << 21  # one slot each
+    store.close()

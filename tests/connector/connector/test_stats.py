@@ -258,3 +258,12 @@ def test_vllm_logging_path_accepts_the_payload(two_workers):
     logging.log(lambda fmt, s: lines.append(fmt % s))
     assert len(lines) == 1 and "kvpool_saved_chunks=4" in lines[0]
     assert f"kvpool_store_events[{a.namespace}/cpu/hits]=4" in lines[0]
+
+
+def test_step_seconds_carry_the_phase_label():
+    reg, prom = _registry_prom()
+    prom.observe({"kvpool_step_seconds": {"load": 0.25, "save": 0.5}}, engine_idx=0)
+    prom.observe({"kvpool_step_seconds": {"load": 0.25}}, engine_idx=0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("kvpool_step_seconds_total", {**labels, "phase": "load"}) == 0.5
+    assert reg.get_sample_value("kvpool_step_seconds_total", {**labels, "phase": "save"}) == 0.5

@@ -35,6 +35,10 @@ class GatedStore:
         assert self.gate.wait(30), "the test never opened the gate"
         return self.store.get_many_into(keys, bufs, **kw)
 
+    def read_in_place(self, keys, use, **kw):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.store.read_in_place(keys, use, **kw)
+
     def in_memory(self, keys):
         return False  # a slow tier: its loads run on the loader thread
 
@@ -94,6 +98,10 @@ class ThreadRecordingStore:
     def get_many_into(self, keys, bufs, **kw):
         self.readers.append(threading.current_thread())
         return self.store.get_many_into(keys, bufs, **kw)
+
+    def read_in_place(self, keys, use, **kw):
+        self.readers.append(threading.current_thread())
+        return self.store.read_in_place(keys, use, **kw)
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -161,20 +169,29 @@ class PutRecordingStore(ThreadRecordingStore):
         super().__init__(store)
         self.writers = []
 
+        self.in_place = []  # per write_in_place call: whether it took the job
+
     def put_many(self, keys, payloads):
         self.writers.append(threading.current_thread())
         return self.store.put_many(keys, payloads)
 
+    def write_in_place(self, keys, sizes, fill, **kw):
+        self.writers.append(threading.current_thread())
+        landed = self.store.write_in_place(keys, sizes, fill, **kw)
+        self.in_place.append(landed is not None)
+        return landed
+
 
 def test_a_memory_only_store_takes_a_save_within_the_step():
     """A store that is only the worker's memory takes the chunk in wait_for_save, on the
-    step's thread: no saver-thread GIL handoffs while the forward's threads spin. The
-    chunk is reported stored and loads back exactly."""
+    step's thread: no saver-thread GIL handoffs while the forward's threads spin; gathered
+    straight into the cpu tier's slot (write_in_place: no staging copy). The chunk is
+    reported stored and loads back exactly."""
     side, store, caches = worker_with_one_stored_chunk(PutRecordingStore)
     store.writers.clear()
     save = SaveJob("req3", [b"s" * 16], [[2, 3]])
     side.submit_saves(KVPoolMetadata(saves=[save]))
-    assert store.writers == [threading.current_thread()]
+    assert store.writers == [threading.current_thread()] and store.in_place == [True]
     meta = side.worker_meta()
     assert meta.stored_keys == [b"s" * 16] and meta.copied_saves == {"req3": 1}
     load = LoadJob("req4", [ChunkLoad(b"s" * 16, rows=[0, 1], block_ids=[6, 7])],
@@ -290,3 +307,89 @@ def test_a_partial_block_loads_whole_and_counts_only_its_tokens():
         assert torch.equal(cache[7], cache[3])
     assert side.take_stats().data["kvpool_hit_tokens"] == {"decode_tail/cpu": 5}
     side.shutdown()
+
+
+class SlowReadStore:
+    """A real store whose reads take at least READ_S (a tier of this process's memory that
+    is slow to copy out)."""
+    READ_S = 0.03
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def get_many_into(self, keys, bufs, **kw):
+        time.sleep(self.READ_S)
+        return self.store.get_many_into(keys, bufs, **kw)
+
+    def read_in_place(self, keys, use, **kw):
+        time.sleep(self.READ_S)
+        return self.store.read_in_place(keys, use, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_the_steps_time_in_loads_and_saves_is_counted_by_phase():
+    """kvpool_step_seconds{phase}: what the connector adds to the engine's step, the load
+    before the forward (its read included) and the save after it; a step with neither adds
+    no series."""
+    side, _, _ = worker_with_one_stored_chunk(SlowReadStore)  # an inline load of one chunk
+    side.finish_sync_loads()
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("req", [b"s" * 16], [[3, 4]])]))
+    step = side.take_stats().data["kvpool_step_seconds"]
+    assert set(step) == {"load", "save"}
+    assert SlowReadStore.READ_S <= step["load"] < 10 and 0 < step["save"] < 10
+    side.finish_sync_loads()  # nothing loading: nothing counted
+    side.wait_layer("layer.0")
+    stats = side.take_stats()
+    assert stats is None or "kvpool_step_seconds" not in stats.data
+
+
+class ReadRecordingStore:
+    """A real store that records which keys each read path served."""
+
+    def __init__(self, store) -> None:
+        self.store, self.into, self.in_place = store, [], []
+
+    def get_many_into(self, keys, bufs, **kw):
+        self.into += list(keys)
+        return self.store.get_many_into(keys, bufs, **kw)
+
+    def read_in_place(self, keys, use, **kw):
+        taken = self.store.read_in_place(keys, use, **kw)
+        self.in_place += [k for k, ok in zip(keys, taken, strict=True) if ok]
+        return taken
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_cpu_tier_hit_is_scattered_straight_from_the_tier(tmp_path):
+    """One copy per chunk for what the cpu tier holds (read in place into the blocks);
+    a chunk only in a lower tier is read into a load buffer as before; both land exactly,
+    and a hit counts once for the tier that served it."""
+    caches = {f"layer.{i}": torch.randn(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    layout = KVLayout(caches, list(caches), NUM_BLOCKS, "TEST")
+    store = ReadRecordingStore(open_store(
+        {"namespace": "in-place", "security": SECURITY,
+         "tiers": [{"type": "cpu", "size": "16Mi"},
+                   {"type": "disk", "path": str(tmp_path), "size": "16Mi"}]}, layout=b"l"))
+    keys = [b"a" * 16, b"b" * 16]
+    for key, ids in zip(keys, ([0, 1], [2, 3]), strict=True):
+        payload = torch.empty(layout.chunk_nbytes(BPC), dtype=torch.uint8)
+        layout.gather(torch.tensor(ids), payload)
+        store.put_many([key], [payload.numpy()])
+    assert store.flush(5)
+    store.store.runners[0].tier.delete_many(store.object_names([keys[1]]))  # b: disk only
+    side = WorkerSide(store, blocks_per_chunk=BPC, layerwise=False, block_size=16)
+    side.register(layout)
+    load = LoadJob("r", [ChunkLoad(keys[0], rows=[0, 1], block_ids=[4, 5]),
+                         ChunkLoad(keys[1], rows=[0, 1], block_ids=[6, 7])], is_async=False)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    side.finish_sync_loads()
+    assert side.take_load_errors() == set()
+    assert store.in_place == [keys[0]] and store.into == [keys[1]]
+    for cache in caches.values():
+        assert torch.equal(cache[4:8], cache[0:4])
+    hits = side.take_stats().data["kvpool_hit_objects"]
+    assert hits == {"prompt/cpu": 1, "prompt/disk": 1}

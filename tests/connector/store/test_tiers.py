@@ -540,3 +540,105 @@ def test_disk_lookups_of_indexed_objects_need_no_call_into_the_tier(tmp_path, na
     assert s.contains_prefix(keys) == 4 and calls == []
     assert s.contains_prefix(keys + [os.urandom(32)]) == 4 and calls == [5]
     s.close()
+
+
+def test_read_in_place_lends_the_cpu_tiers_bytes_and_nothing_else(tier_cfgs, namespace):
+    """read_in_place: the cpu tier's own bytes, read-only, to a callback; an object only in a
+    lower tier, of another layout, spanning slots or refused by the callback is not taken
+    (the caller reads it with get_many_into); the callback's error is not the tier's."""
+    s = build(namespace, {"type": "cpu", "size": "1Mi", "slot_size": "64Ki"}, tier_cfgs["disk"],
+              promote=False)
+    small, big, lower, absent, other = rand_keys(5)
+    data = {small: random.randbytes(5000), big: random.randbytes(100_000),
+            lower: random.randbytes(5000)}
+    s.put_many([small, big, lower], [data[small], data[big], data[lower]])
+    s.put_many([other], [b"x" * 10], layout=b"other-layout")
+    assert s.flush(5)
+    s.runners[0].tier.delete_many(s.object_names([lower]))  # lower: in the disk tier only
+    seen = {}
+
+    def use(i, view):
+        assert view.readonly
+        seen[i] = bytes(view)
+        return True
+
+    keys = [small, big, lower, absent, other]
+    assert s.read_in_place(keys, use) == [True, False, False, False, False]
+    assert seen == {0: data[small]}
+    assert s.stats()["tiers"]["cpu"]["hits"] == 1
+    assert s.read_in_place([small], lambda i, v: False) == [False]  # refused: not taken
+
+    def broken(i, view):
+        raise RuntimeError("the reader's bug")
+
+    assert s.read_in_place([small], broken) == [False]
+    assert s.read_in_place([small], use) == [True]  # the tier is still healthy
+    assert [bytes(v) for v in s.get_many([big, lower])] == [data[big], data[lower]]  # the rest
+    s.close()
+
+
+def test_nothing_overwrites_a_slot_while_it_is_lent(namespace):
+    """A put that must evict the lent object waits until the callback returns: the bytes
+    it reads are the object's, whole."""
+    import threading
+
+    s = build(namespace, {"type": "cpu", "size": "64Ki", "slot_size": "64Ki"}, metrics=False)
+    first, second = rand_keys(2)
+    s.put_many([first], [b"a" * 60_000])
+    lent, put_done, copies = threading.Event(), threading.Event(), []
+
+    def use(i, view):
+        lent.set()
+        assert not put_done.wait(0.3)  # the put is held off for as long as we read
+        copies.append(bytes(view))
+        return True
+
+    t = threading.Thread(target=lambda: (s.put_many([second], [b"b" * 60_000]), put_done.set()))
+    reader = threading.Thread(target=s.read_in_place, args=([first], use))
+    reader.start()
+    assert lent.wait(5)
+    t.start()
+    reader.join(5)
+    t.join(5)
+    assert copies == [b"a" * 60_000] and put_done.is_set()
+    assert s.get_many([first, second]) == [None, b"b" * 60_000]  # evicted only afterwards
+    s.close()
+
+
+def test_write_in_place_fills_a_slot_of_a_memory_only_store(tier_cfgs, namespace):
+    """write_in_place: the slot is the caller's to fill, then the object is stored (and
+    reads back); an object larger than a slot, a store with lower tiers to write behind or
+    slots not sized yet -> None (put_many's job); a fill that refuses or raises stores
+    nothing and frees its slot; the evict-first predicate still holds."""
+    s = build(namespace, {"type": "cpu", "size": "256Ki", "slot_size": "64Ki"}, metrics=False)
+    a, b, c, t = rand_keys(4)
+    data = random.randbytes(60_000)
+
+    def fill(i, view):
+        assert not view.readonly and len(view) == 60_000
+        view[:] = data
+        return True
+
+    assert s.write_in_place([a], [60_000], fill) == [True]
+    assert bytes(s.get_many([a])[0]) == data
+    assert s.write_in_place([b], [70_000], fill) is None  # larger than a slot
+    assert s.write_in_place([b], [60_000], lambda i, v: False) == [False]
+
+    def broken(i, view):
+        raise RuntimeError("the writer's bug")
+
+    assert s.write_in_place([b], [60_000], broken) == [False]
+    assert s.get_many([b]) == [None]
+    assert s.stats()["tiers"]["cpu"]["used_bytes"] == 64 << 10  # a's slot only
+    s.set_evict_first(lambda k: k == t)
+    assert s.write_in_place([t, b, c], [60_000] * 3, fill) == [True] * 3
+    assert s.put_many(rand_keys(1), [data]) == [True]  # the arena is full: t goes first
+    assert s.get_many([t]) == [None] and None not in s.get_many([a, b, c])
+    s.close()
+    lower = build(namespace, {"type": "cpu", "size": "256Ki", "slot_size": "64Ki"},
+                  tier_cfgs["disk"])
+    assert lower.write_in_place([a], [10], fill) is None  # lower tiers: put_many writes them
+    lower.close()
+    unsized = build(namespace, {"type": "cpu", "size": "256Ki"}, metrics=False)
+    assert unsized.write_in_place([a], [10], fill) is None
+    unsized.close()

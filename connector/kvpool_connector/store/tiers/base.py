@@ -14,7 +14,7 @@ import abc
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from ..format import Record, Status, open_blob
@@ -99,6 +99,27 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def delete_many(self, names: list[bytes]) -> None:
         """Remove these objects where present."""
+
+    def read_in_place(self, names: list[bytes], layout: bytes,
+                      use: Callable[[int, memoryview], bool]) -> list[bool]:
+        """Hand objects of `layout` to `use(i, view)` without copying them out: `view` is
+        the stored bytes, read-only and valid during the call only; per name whether
+        `use` took it. Only a tier of this process's memory can; the rest take none, and
+        the caller reads those names the usual way."""
+        return [False] * len(names)
+
+    def in_place_limit(self) -> int:
+        """The largest object write_in_place takes (0: none)."""
+        return 0
+
+    def write_in_place(self, names: list[bytes], sizes: list[int], layout: bytes,
+                       evict_first: list[bool], fill: Callable[[int, memoryview], bool]
+                       ) -> list[bool]:
+        """Store objects whose bytes `fill(i, view)` writes straight into the tier's memory
+        (view: `sizes[i]` writable bytes, valid during the call only); per name whether it
+        holds the object now (a `fill` returning False stores nothing). Only a tier of this
+        process's memory can (in_place_limit > 0)."""
+        return [False] * len(names)
 
     def contains_known(self, names: list[bytes]) -> list[bool] | None:
         """Presence of every name from memory alone (no I/O, so no deadline needed), or None

@@ -9,16 +9,20 @@ are kept in plaintext (the arena lives in the engine's own process).
 
 Reads copy once: `get_many` returns `bytes`, `get_many_into` fills the caller's buffers.
 Returning views into the arena would let a concurrent eviction overwrite bytes the caller
-holds.
+holds; `read_in_place` lends one to a callback instead, under the lock, for a caller that
+copies the bytes elsewhere anyway (the connector's scatter into the paged cache: one copy
+where a read and a scatter made two).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..eviction import Policy, make_policy
@@ -108,7 +112,28 @@ class CpuTier(Tier):
         return [self._put(rec) for rec in records]
 
     def _put(self, rec: Record) -> bool:
-        n = len(rec.payload)
+        return self._store(rec.name, len(rec.payload), rec.layout, rec.evict_first,
+                           rec.payload, None)
+
+    def in_place_limit(self) -> int:
+        return self.slot_size  # one slot, contiguous (0 until the slots are sized)
+
+    def write_in_place(self, names: list[bytes], sizes: list[int], layout: bytes,
+                       evict_first: list[bool], fill: Callable[[int, memoryview], bool]
+                       ) -> list[bool]:
+        """Each object filled straight into its one slot under the lock (Tier.write_in_place):
+        no staging buffer for put_many to copy from."""
+        out = []
+        for i, (name, n, first) in enumerate(zip(names, sizes, evict_first, strict=True)):
+            ok = 0 < n <= self.slot_size and self._store(
+                name, n, layout, first, None, functools.partial(fill, i))
+            out.append(bool(ok))
+        return out
+
+    def _store(self, name: bytes, n: int, layout: bytes, evict_first: bool,
+               src: memoryview | None, fill: Callable[[memoryview], bool] | None) -> bool:
+        """Make room for n bytes (evicting), then copy `src` in, or let `fill` write the
+        one slot (its False frees the slot again: nothing stored)."""
         with self._lock:
             if not self.slot_size:
                 self._init_slots(-(-max(n, 1) // _ROUND) * _ROUND)
@@ -117,24 +142,35 @@ class CpuTier(Tier):
             if units > self.nslots:
                 self.stats.inc("rejected")
                 return False
-            if rec.name in self._index:
-                self._release(rec.name, evicted=False)
-            self._policy.admit(rec.name)
+            if name in self._index:
+                self._release(name, evicted=False)
+            self._policy.admit(name)
             while len(self._free) < units:
                 victim = next(iter(self._first), None) or self._policy.victim()
                 assert victim is not None  # fewer free slots than all: something is stored
                 self._release(victim, evicted=True)
                 self.stats.inc("evictions")
             slots = tuple(self._free.pop() for _ in range(units))
-            arena, src = self._arena, rec.payload
-            for i, s in enumerate(slots):
-                chunk = src[i * slot:(i + 1) * slot]
-                arena[s * slot:s * slot + len(chunk)] = chunk
-            self._index[rec.name] = _Entry(slots, n, rec.layout)
-            self._policy.insert(rec.name, units)
-            if rec.evict_first:
-                self._first[rec.name] = None
-            self.note(True, (rec.name,))
+            arena = self._arena
+            if fill is not None:  # units == 1: write_in_place checks the size
+                ok = False
+                try:
+                    ok = bool(fill(arena[slots[0] * slot:slots[0] * slot + n]))
+                finally:
+                    if not ok:  # also when fill raised: the slot is free again
+                        self._free.extend(slots)
+                if not ok:
+                    return False
+            else:
+                assert src is not None
+                for i, s in enumerate(slots):
+                    chunk = src[i * slot:(i + 1) * slot]
+                    arena[s * slot:s * slot + len(chunk)] = chunk
+            self._index[name] = _Entry(slots, n, layout)
+            self._policy.insert(name, units)
+            if evict_first:
+                self._first[name] = None
+            self.note(True, (name,))
         self.stats.inc("bytes_in", n)
         return True
 
@@ -157,6 +193,26 @@ class CpuTier(Tier):
         for i, s in enumerate(e.slots):
             m = min(slot, e.length - i * slot)
             out[i * slot:i * slot + m] = arena[s * slot:s * slot + m]
+
+    def read_in_place(self, names: list[bytes], layout: bytes,
+                      use: Callable[[int, memoryview], bool]) -> list[bool]:
+        """Objects held in one slot, lent to `use` under the lock: no eviction or put can
+        reuse the slot while it copies (see Tier.read_in_place). An object spanning slots is
+        not contiguous: left to get_many_into."""
+        taken: list[bool] = []
+        nbytes = 0
+        for i, name in enumerate(names):
+            with self._lock:
+                e = self._lookup(name, layout)
+                if e is None or len(e.slots) != 1:
+                    taken.append(False)
+                    continue
+                s = e.slots[0] * self.slot_size
+                ok = bool(use(i, self._arena[s:s + e.length].toreadonly()))
+            taken.append(ok)
+            nbytes += e.length if ok else 0
+        self.stats.inc("bytes_out", nbytes)
+        return taken
 
     def get_many(self, names: list[bytes], layout: bytes, key: PoolKey) -> list[Record | None]:
         out: list[Record | None] = []
