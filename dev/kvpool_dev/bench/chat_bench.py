@@ -487,9 +487,10 @@ def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
     mapped onto ids with text, decoded to the user's text). After each later turn, the
     token-exact prompt (previous prompt ids from the server + generated ids + the template
     tail's ids) goes to the completions API as a 1-token probe: what that path computes. The
-    probe's cached tokens are capped at the history's whole blocks: without the chat request
-    just before it, no cache could hold the new turn's ids. All under one cache salt, apart
-    from the arm's own conversations."""
+    probe's cached tokens are capped at the history less its last id (whose KV no forward
+    computed; tails and partial blocks hold the rest, as the tails arm shows): without the
+    chat request just before it, no cache could hold the new turn's ids. All under one cache
+    salt, apart from the arm's own conversations."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -516,7 +517,7 @@ def run_chat(base_url: str, s: Settings, work: list[dict[str, Any]], model: Path
         if k:
             history = len(st["prompt_ids"]) + len(st["ids"])
             probe = _turn(base_url, exact, 1, cache_salt=salt)
-            cached = min(probe["cached_tokens"], history // s.block_size * s.block_size)
+            cached = min(probe["cached_tokens"], history - 1)
             row.update(exact_prompt=probe["prompt_tokens"], exact_cached=cached,
                        computed_exact=probe["prompt_tokens"] - cached)
             row.update(drift(out["prompt_ids"], exact, history), new_tokens=len(exact) - history,
