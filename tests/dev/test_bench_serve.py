@@ -187,3 +187,45 @@ def test_a_bad_path_is_one_line_before_any_server_starts(module, args, option, c
     assert main(["--quick", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"kvpool bench {module.split('_')[0]}: {option}:") and "\n" not in err, err
+
+
+def test_a_twin_is_its_arms_copy_and_measures_the_runs_noise():
+    """An A/A pair (native and native-twin, identical servers) gives how far apart the run
+    put two servers that cannot differ; the bench says whether kvpool sits within it."""
+    w = sb.Workload()
+    assert sb.transfer_config("native-twin", w, "ns") == sb.transfer_config("native", w, "ns")
+    assert sb.transfer_config("kvpool-twin", w, "ns") == sb.transfer_config("kvpool", w, "ns")
+    runs = [_run(1, "kvpool", 105, 200, 1.9), _run(1, "native", 100, 200, 2.0),
+            _run(1, "native-twin", 108, 190, 2.0),
+            _run(2, "native-twin", 100, 200, 2.0), _run(2, "native", 100, 200, 2.0),
+            _run(2, "kvpool", 100, 200, 2.0)]
+    arms = ["kvpool", "native", "native-twin"]
+    s = sb.summarize(runs, arms)["prefix_repetition"]
+    assert s["passes"][0]["twin_vs_base"]["native-twin"]["mean_ttft_ms"] == 100 / 108
+    assert s["passes"][1]["twin_vs_base"]["native-twin"]["mean_ttft_ms"] == 1.0
+    assert s["aa_spread"] == pytest.approx(0.08)  # the twin's 108 ms against 100
+    assert s["kvpool_at_or_ahead_of_native"] is False  # 105 vs 100 in pass 1
+    assert s["kvpool_within_aa_spread_of_native"] is True  # 5% behind, the twins 8% apart
+    runs[0]["figures"]["request_throughput"] = 1.8  # 10% behind on req/s: beyond the twins
+    s = sb.summarize(runs, arms)["prefix_repetition"]
+    assert s["kvpool_within_aa_spread_of_native"] is False
+    text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
+                      "workload": vars(w) | {}, "summary": {"prefix_repetition": s}})
+    assert "(native-twin/native: identical servers)" in text
+    assert ("identical servers (the twins) up to 8.0% apart on those figures; kvpool within "
+            "that of native in every pass: no") in text
+    # without a twin: no spread, no such line
+    plain = sb.summarize([r for r in runs if r["arm"] != "native-twin"], ["kvpool", "native"])
+    assert plain["prefix_repetition"]["aa_spread"] is None
+    assert plain["prefix_repetition"]["kvpool_within_aa_spread_of_native"] is None
+
+
+@pytest.mark.parametrize("arms,message", [
+    (["native-twin"], "--arms: native-twin is compared with native: add it"),
+    (["native", "native"], "--arms: native given twice"),
+    (["native", "bogus-twin"], "--arms: unknown arm 'bogus-twin'"),
+    ([], "--arms: name at least one arm"),
+])
+def test_arms_that_cannot_run_are_named(arms, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+        sb.check_arms(arms, sb.Workload())

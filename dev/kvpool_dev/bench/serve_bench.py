@@ -7,6 +7,9 @@ Arms (same model, dtype, engine environment, block size, engine KV cache and hos
   kvpool   KVPoolConnector with one cpu tier of --host-bytes
   native   vLLM's OffloadingConnector with kvpool's spec (HostCopyWorker), cpu_bytes_to_use
            --host-bytes
+  ARM-twin on request: a second server identical to ARM (native-twin, kvpool-twin), an A/A
+           pair: how far two identical servers land apart in the run on the goal's figures
+           is the noise every other ratio of that run sits in
 Every server runs with `--block-size 32 --max-num-seqs 4 --num-gpu-blocks-override N`, N
 such that about --fit-prefixes prompts fit in the engine's own cache: with more distinct
 prefixes than that, a returning prefix has been evicted there and only an offloading arm
@@ -49,6 +52,9 @@ ARMS = ("plain", "kvpool", "native")
 # on request (--arms): kvpool saving prompt chunks only (no tail objects, partial blocks or
 # decode KV), what native offloading saves here: what those finish saves cost this workload
 EXTRA_ARMS = ("kvpool-prompt",)
+# any arm + TWIN (say native-twin): a second server identical to that arm, an A/A pair: how
+# far two identical servers land apart in this run is the noise any other ratio sits in
+TWIN = "-twin"
 DATASETS = ("prefix_repetition", "random")
 BLOCK_SIZE = 32
 MAX_NUM_SEQS = 4
@@ -98,9 +104,15 @@ def pass_orders(arms: list[str], passes: int) -> list[list[str]]:
     return [list(arms) if p % 2 == 0 else list(reversed(arms)) for p in range(passes)]
 
 
+def base_arm(arm: str) -> str:
+    """The arm a twin copies (native-twin: native); any other arm itself (pure)."""
+    return arm[:-len(TWIN)] if arm.endswith(TWIN) and arm != TWIN else arm
+
+
 def transfer_config(arm: str, w: Workload, namespace: str) -> dict[str, Any] | None:
     """The arm's --kv-transfer-config: the same host memory and chunk size for both
-    offloading arms (pure)."""
+    offloading arms (pure). A twin gets its base arm's."""
+    name, arm = arm, base_arm(arm)
     if arm in ("kvpool", "kvpool-prompt"):
         only_prompt = ({"tail_objects": False, "save_decode_tokens": False}
                        if arm == "kvpool-prompt" else {})
@@ -110,8 +122,22 @@ def transfer_config(arm: str, w: Workload, namespace: str) -> dict[str, Any] | N
         return kv_configs.native_config(w.host_bytes, chunk_tokens=w.chunk_tokens)
     if arm == "plain":
         return None
-    raise ValueError(f"--arms: unknown arm {arm!r}; choose from "
-                     f"{', '.join(ARMS + EXTRA_ARMS)}")
+    raise ValueError(f"--arms: unknown arm {name!r}; choose from "
+                     f"{', '.join(ARMS + EXTRA_ARMS)}, each also as ARM{TWIN}")
+
+
+def check_arms(arms: list[str], w: Workload) -> None:
+    """ValueError naming --arms for an unknown arm, one given twice, or a twin without the
+    arm it copies (pure)."""
+    if not arms:
+        raise ValueError("--arms: name at least one arm")
+    for a in arms:
+        transfer_config(a, w, "check")
+        if arms.count(a) > 1:
+            raise ValueError(f"--arms: {a} given twice (for a second identical server: "
+                             f"{a}{TWIN})")
+        if base_arm(a) != a and base_arm(a) not in arms:
+            raise ValueError(f"--arms: {a} is compared with {base_arm(a)}: add it")
 
 
 def server_args(w: Workload) -> list[str]:
@@ -220,15 +246,32 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
             rows.append({"pass": p, "arms": by,
                          "kvpool_vs_native": _ratios(by.get("kvpool"), by.get("native")),
                          "kvpool_vs_plain": _ratios(by.get("kvpool"), by.get("plain")),
-                         "native_vs_plain": _ratios(by.get("native"), by.get("plain"))})
+                         "native_vs_plain": _ratios(by.get("native"), by.get("plain")),
+                         "twin_vs_base": {a: r for a in by if a != base_arm(a)
+                                          if (r := _ratios(by[a], by.get(base_arm(a))))}})
         means = {a: {m: _mean([row["arms"][a][m] for row in rows if a in row["arms"]])
                      for m in METRICS} for a in arms}
         verdicts = [row["kvpool_vs_native"] for row in rows if row["kvpool_vs_native"]]
+        spread = aa_spread(row["twin_vs_base"] for row in rows)
         out[dataset] = {"passes": rows, "mean": means,
                         "kvpool_at_or_ahead_of_native": (
                             all(r.get(m, 0.0) >= 1.0 for r in verdicts for m in GOAL_METRICS)
-                            if verdicts else None)}
+                            if verdicts else None),
+                        "aa_spread": spread,
+                        "kvpool_within_aa_spread_of_native": (
+                            all(r.get(m, 0.0) * (1 + spread) >= 1.0 for r in verdicts
+                                for m in GOAL_METRICS)
+                            if verdicts and spread is not None else None)}
     return out
+
+
+def aa_spread(per_pass) -> float | None:
+    """How far apart identical servers landed on the goal's figures: the largest
+    max(r, 1/r) - 1 over every twin's ratio to its base arm in every pass (0.08: 8%);
+    None without a twin (pure)."""
+    gaps = [max(r[m], 1 / r[m]) - 1 for twins in per_pass for r in twins.values()
+            for m in GOAL_METRICS if r.get(m)]
+    return max(gaps) if gaps else None
 
 
 def _mean(values: list) -> float | None:
@@ -262,20 +305,24 @@ def render(report: dict[str, Any]) -> str:
         extra = (f" ({w['num_prefixes']} prefixes)" if dataset == "prefix_repetition"
                  else " (one shared prefix)")
         out.append(f"{dataset}{extra}:")
-        head = (f"  {'pass':<5}{'arm':<8}{'mean TTFT':>11}{'median':>10}{'p99 TTFT':>10}"
+        aw = max([8] + [len(a) + 1 for row in s["passes"] for a in row["arms"]])
+        head = (f"  {'pass':<5}{'arm':<{aw}}{'mean TTFT':>11}{'median':>10}{'p99 TTFT':>10}"
                 f"{'req/s':>8}{'hit tok (engine+conn)':>23}   kvpool/native (x better: mean, median, p99, req/s)")
         out.append(head)
         for row in s["passes"]:
             for arm, f in row["arms"].items():
                 ratio = ""
-                if arm == "kvpool" and row["kvpool_vs_native"]:
-                    r = row["kvpool_vs_native"]
+                r = (row["kvpool_vs_native"] if arm == "kvpool"
+                     else row.get("twin_vs_base", {}).get(arm))
+                if r:
                     ratio = "   " + ", ".join(f"{r.get(m, float('nan')):.3f}" for m in METRICS)
-                out.append(f"  {row['pass']:<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
+                    if arm != "kvpool":
+                        ratio += f" ({arm}/{base_arm(arm)}: identical servers)"
+                out.append(f"  {row['pass']:<5}{arm:<{aw}}{_ms(f['mean_ttft_ms']):>11}"
                            f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
                            f"{_num(f['request_throughput']):>8}{_hits(f):>23}{ratio}")
         for arm, f in s["mean"].items():
-            out.append(f"  {'mean':<5}{arm:<8}{_ms(f['mean_ttft_ms']):>11}"
+            out.append(f"  {'mean':<5}{arm:<{aw}}{_ms(f['mean_ttft_ms']):>11}"
                        f"{_ms(f['median_ttft_ms']):>10}{_ms(f['p99_ttft_ms']):>10}"
                        f"{_num(f['request_throughput']):>8}")
         split = [(row["pass"], arm, f) for row in s["passes"] for arm, f in row["arms"].items()
@@ -284,7 +331,7 @@ def render(report: dict[str, Any]) -> str:
             out.append("  TTFT split: each prefix's first request (computed by every arm) / the "
                        "returning ones (served from a cache), mean and median")
             for p, arm, f in split:
-                out.append(f"  {p:<5}{arm:<8}first {f['first_requests']}: "
+                out.append(f"  {p:<5}{arm:<{aw}}first {f['first_requests']}: "
                            f"{_ms(f['first_mean_ttft_ms'])}, {_ms(f['first_median_ttft_ms'])}; "
                            f"returning {f['repeat_requests']}: {_ms(f['repeat_mean_ttft_ms'])}, "
                            f"{_ms(f['repeat_median_ttft_ms'])}")
@@ -292,6 +339,11 @@ def render(report: dict[str, Any]) -> str:
         out.append("  kvpool at or ahead of native on mean TTFT, p99 TTFT and req/s in every "
                    "pass: "
                    + {True: "yes", False: "no", None: "n/a"}[verdict])
+        if s.get("aa_spread") is not None:
+            within = {True: "yes", False: "no", None: "n/a"}[
+                s["kvpool_within_aa_spread_of_native"]]
+            out.append(f"  identical servers (the twins) up to {s['aa_spread']:.1%} apart on "
+                       f"those figures; kvpool within that of native in every pass: {within}")
         out.append("")
     for arm, err in report.get("errors", {}).items():
         out.append(f"arm {arm} FAILED: {err.strip().splitlines()[-1] if err.strip() else ''}")
@@ -422,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny model, 12 prompts of 4 prefixes x 512 tokens, one pass of "
                          "prefix_repetition (a smoke run)")
     ap.add_argument("--arms", default=",".join(ARMS),
-                    help=f"comma list from {','.join(ARMS + EXTRA_ARMS)}")
+                    help=f"comma list from {','.join(ARMS + EXTRA_ARMS)}; ARM{TWIN} (say "
+                         f"native{TWIN}) adds a second server identical to ARM: how far two "
+                         "identical servers land apart in the run, the noise of every ratio")
     ap.add_argument("--datasets", default=None, help=f"comma list from {','.join(DATASETS)} "
                     "(default: both; --quick: prefix_repetition)")
     ap.add_argument("--passes", type=int, default=None, help="passes, alternating the arms' "
@@ -460,8 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                 else ["prefix_repetition"] if args.quick else list(DATASETS))
     passes = args.passes or (1 if args.quick else 2)
     try:
-        for a in arms:
-            transfer_config(a, w, "check")
+        check_arms(arms, w)
         for d in datasets:
             client_args(d, w, "", "", 0, Path("."), "")
         dtype = engine_dtype(args.dtype)
