@@ -50,6 +50,10 @@ def test_client_args_are_vllms_own_flags():
     assert flags["--prefix-repetition-num-prefixes"] == "8"
     assert flags["--max-concurrency"] == "2" and flags["--seed"] == "7"
     assert "--ignore-eos" in args and flags.get("--ready-check-timeout-sec") == "0"
+    assert "--request-rate" not in args  # the issue's closed loop
+    poisson = sb.client_args("random", sb.Workload(request_rate=4.5), "http://h:1", "/m", 7,
+                             Path("/r"), "f.json")
+    assert poisson[poisson.index("--request-rate") + 1] == "4.5"
     rnd = sb.client_args("random", w, "http://h:1", "/m", 7, Path("/r"), "f.json")
     assert rnd[rnd.index("--random-prefix-len") + 1] == "1024"
     # vLLM's parser takes them all
@@ -60,6 +64,7 @@ def test_client_args_are_vllms_own_flags():
     add_cli_args(parser)
     parsed = parser.parse_args(rnd)
     assert parsed.random_prefix_len == 1024 and parsed.max_concurrency == 2
+    assert parser.parse_args(poisson).request_rate == 4.5
 
 
 def _run(p, arm, mean, p99, rps, dataset="prefix_repetition"):
@@ -149,6 +154,25 @@ def test_ttfts_split_into_each_prefixs_first_request_and_the_returning_ones():
     assert "first_requests" not in sb.pick({"ttfts": [1.0, 0.5]})
 
 
+def test_returning_requests_sent_during_a_first_requests_prefill_are_counted():
+    """A returning request sent while a prefix's first request waits for its first token
+    shares that prefill's step, whatever cache holds its prefix: the split counts them."""
+    # prefix 0's first request is sent at 0.0 and waits 1.0 s; prefix 1's returning request
+    # is sent at 0.5 (exposed), prefix 0's at 1.5 (after it); prefix 1's first at -1.0
+    ttfts, groups, starts = [0.2, 1.0, 0.6, 0.05], [1, 0, 1, 0], [-1.0, 0.0, 0.5, 1.5]
+    got = sb.split_ttfts(ttfts, groups, starts)
+    assert got["exposed_requests"] == 1 and got["exposed_mean_ttft_ms"] == 600
+    assert "exposed_requests" not in sb.split_ttfts(ttfts, groups)  # no send times
+    figures = sb.pick({"ttfts": ttfts, "start_times": starts, "completed": 4}, groups)
+    assert figures["exposed_requests"] == 1
+    runs = [_run(1, "kvpool", 100, 200, 2.0), _run(1, "native", 100, 200, 2.0)]
+    runs[0]["figures"].update(figures)
+    s = sb.summarize(runs, ["kvpool", "native"])
+    text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
+                      "workload": vars(sb.Workload()) | {}, "summary": s})
+    assert "returning 2: 325 ms, 325 ms; of them sent during a first request's prefill 1: 600 ms" in text
+
+
 def test_prefix_groups_follow_the_requests_vllms_client_sends(tiny_model):
     """The groups come from vLLM's own sampling, in the client's order: rebuilt with the client's
     arguments through vLLM's get_samples, the requests' prefixes group alike."""
@@ -229,3 +253,20 @@ def test_a_twin_is_its_arms_copy_and_measures_the_runs_noise():
 def test_arms_that_cannot_run_are_named(arms, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
         sb.check_arms(arms, sb.Workload())
+
+
+def test_with_poisson_arrivals_req_s_is_not_judged():
+    """Under --request-rate every arm's req/s is the arrival rate: the verdict judges mean
+    and p99 TTFT, and says so."""
+    runs = [_run(p, arm, 100 if arm == "kvpool" else 110, 200, 3.999 if arm == "kvpool" else 4.0)
+            for p in (1, 2) for arm in ("kvpool", "native")]
+    closed = sb.summarize(runs, ["kvpool", "native"], sb.judged_metrics(sb.Workload()))
+    assert closed["prefix_repetition"]["kvpool_at_or_ahead_of_native"] is False
+    w = sb.Workload(request_rate=4.0)
+    s = sb.summarize(runs, ["kvpool", "native"], sb.judged_metrics(w))
+    assert s["prefix_repetition"]["kvpool_at_or_ahead_of_native"] is True
+    text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
+                      "workload": vars(w) | {}, "summary": s})
+    assert "concurrency 2 (Poisson arrivals at 4 req/s)" in text
+    assert ("kvpool at or ahead of native on mean TTFT and p99 TTFT (req/s is the arrival "
+            "rate) in every pass: yes") in text

@@ -64,6 +64,8 @@ LOWER_IS_BETTER = {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"}
 # the figures issue 27's goal judges kvpool against native on (the median is shown, not
 # judged: with 40 prompts it is one request's TTFT, and the goal does not name it)
 GOAL_METRICS = ("mean_ttft_ms", "p99_ttft_ms", "request_throughput")
+# with Poisson arrivals (--request-rate) req/s is the arrival rate, the same for every arm
+OPEN_LOOP_GOAL_METRICS = ("mean_ttft_ms", "p99_ttft_ms")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class Workload:
     fit_prefixes: int = 3        # prompts that fit the engine's own KV cache
     host_bytes: int = 2 << 30    # each offloading arm's host memory
     chunk_tokens: int = 256      # kvpool chunk = native host block
+    # None: a closed loop (each of `concurrency` clients sends when its last request ends,
+    # the issue's workload); requests/s: Poisson arrivals at that rate, still at most
+    # `concurrency` in flight, so no two arms' requests fall into step with each other's
+    request_rate: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -152,6 +158,7 @@ def client_args(dataset: str, w: Workload, base_url: str, model: str, seed: int,
             "--model", model, "--served-model-name", "local", "--tokenizer", model,
             "--dataset-name", dataset, "--num-prompts", str(w.num_prompts),
             "--max-concurrency", str(w.concurrency), "--seed", str(seed), "--ignore-eos",
+            *(["--request-rate", str(w.request_rate)] if w.request_rate else []),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             # the ready check sends the first prompt untimed: it would warm that prefix
             "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--disable-tqdm",
@@ -208,14 +215,18 @@ def pick(result: dict[str, Any], groups: list[int] | None = None) -> dict[str, A
     out["failed"] = result.get("failed", 0)
     out["duration_s"] = result.get("duration")
     if groups is not None and result.get("ttfts"):
-        out.update(split_ttfts(result["ttfts"], groups))
+        out.update(split_ttfts(result["ttfts"], groups, result.get("start_times")))
     return out
 
 
-def split_ttfts(ttfts: list[float], groups: list[int]) -> dict[str, Any]:
+def split_ttfts(ttfts: list[float], groups: list[int],
+                starts: list[float] | None = None) -> dict[str, Any]:
     """TTFT (ms) of each prefix's first request (computed by every arm) and of the returning
     ones (served from a cache), mean and median (pure). `ttfts` in request order, seconds;
-    nothing when the two lists do not line up."""
+    nothing when the two lists do not line up. With the requests' send times (`starts`,
+    seconds): the returning requests sent while a first request waited for its first token
+    (`exposed`), which share that prefill's step whatever cache serves them, and their mean
+    TTFT: how often the client's timing, not the cache, set a returning request's TTFT."""
     from kvpool_dev.demo import percentile
 
     if len(ttfts) != len(groups):
@@ -229,13 +240,35 @@ def split_ttfts(ttfts: list[float], groups: list[int]) -> dict[str, Any]:
     for name, xs in (("first", first), ("repeat", repeat)):
         out[f"{name}_mean_ttft_ms"] = sum(xs) / len(xs) if xs else None
         out[f"{name}_median_ttft_ms"] = percentile(xs, 50) if xs else None
+    if starts is not None and len(starts) == len(ttfts):
+        seen.clear()
+        pending: list[tuple[float, float]] = []  # first requests' (sent, first token)
+        exposed = []
+        for t, g, s0 in sorted(zip(ttfts, groups, starts, strict=True), key=lambda x: x[2]):
+            if g in seen:
+                if any(a <= s0 < b for a, b in pending):
+                    exposed.append(t * 1000)
+            else:
+                pending.append((s0, s0 + t))
+            seen.add(g)
+        out["exposed_requests"] = len(exposed)
+        out["exposed_mean_ttft_ms"] = sum(exposed) / len(exposed) if exposed else None
     return out
 
 
-def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+def judged_metrics(w: Workload | dict[str, Any]) -> tuple[str, ...]:
+    """The figures the verdict judges: the goal's, less req/s under Poisson arrivals (pure)."""
+    rate = w.get("request_rate") if isinstance(w, dict) else w.request_rate
+    return OPEN_LOOP_GOAL_METRICS if rate else GOAL_METRICS
+
+
+def summarize(runs: list[dict[str, Any]], arms: list[str],
+              judged: tuple[str, ...] = GOAL_METRICS) -> dict[str, Any]:
     """Per dataset and pass: each arm's figures and its ratio to plain and to native; per
     dataset the arms' means over passes and whether kvpool is at or ahead of native on the
-    goal's figures (GOAL_METRICS) in every pass (pure). A ratio > 1 is better for kvpool on every figure."""
+    goal's figures (`judged`: GOAL_METRICS, judged_metrics) in every pass (pure). A ratio
+    > 1 is better for kvpool on every figure; with twins, the A/A spread (aa_spread) and
+    whether kvpool is within it of native."""
     out: dict[str, Any] = {}
     for dataset in dict.fromkeys(r["dataset"] for r in runs):
         passes = sorted({r["pass"] for r in runs if r["dataset"] == dataset})
@@ -252,25 +285,25 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
         means = {a: {m: _mean([row["arms"][a][m] for row in rows if a in row["arms"]])
                      for m in METRICS} for a in arms}
         verdicts = [row["kvpool_vs_native"] for row in rows if row["kvpool_vs_native"]]
-        spread = aa_spread(row["twin_vs_base"] for row in rows)
+        spread = aa_spread((row["twin_vs_base"] for row in rows), judged)
         out[dataset] = {"passes": rows, "mean": means,
                         "kvpool_at_or_ahead_of_native": (
-                            all(r.get(m, 0.0) >= 1.0 for r in verdicts for m in GOAL_METRICS)
+                            all(r.get(m, 0.0) >= 1.0 for r in verdicts for m in judged)
                             if verdicts else None),
                         "aa_spread": spread,
                         "kvpool_within_aa_spread_of_native": (
                             all(r.get(m, 0.0) * (1 + spread) >= 1.0 for r in verdicts
-                                for m in GOAL_METRICS)
+                                for m in judged)
                             if verdicts and spread is not None else None)}
     return out
 
 
-def aa_spread(per_pass) -> float | None:
+def aa_spread(per_pass, judged: tuple[str, ...] = GOAL_METRICS) -> float | None:
     """How far apart identical servers landed on the goal's figures: the largest
     max(r, 1/r) - 1 over every twin's ratio to its base arm in every pass (0.08: 8%);
     None without a twin (pure)."""
     gaps = [max(r[m], 1 / r[m]) - 1 for twins in per_pass for r in twins.values()
-            for m in GOAL_METRICS if r.get(m)]
+            for m in judged if r.get(m)]
     return max(gaps) if gaps else None
 
 
@@ -298,7 +331,10 @@ def render(report: dict[str, Any]) -> str:
     out = [f"kvpool bench serve: {report['cpu']}, dtype {report['dtype']}, model "
            f"{report['model']}; {w['num_prompts']} prompts, prefixes of {w['prefix_len']} "
            f"tokens + {w['suffix_len']}, {w['output_len']} output tokens, concurrency "
-           f"{w['concurrency']}; --block-size {BLOCK_SIZE} --max-num-seqs {MAX_NUM_SEQS} "
+           f"{w['concurrency']}"
+           + (f" (Poisson arrivals at {w['request_rate']:g} req/s)" if w.get("request_rate")
+              else " (closed loop)")
+           + f"; --block-size {BLOCK_SIZE} --max-num-seqs {MAX_NUM_SEQS} "
            f"--num-gpu-blocks-override {report['gpu_blocks']}; host memory "
            f"{w['host_bytes'] / 2**30:.2f} GiB per offloading arm", ""]
     for dataset, s in report["summary"].items():
@@ -331,13 +367,18 @@ def render(report: dict[str, Any]) -> str:
             out.append("  TTFT split: each prefix's first request (computed by every arm) / the "
                        "returning ones (served from a cache), mean and median")
             for p, arm, f in split:
+                exposed = ("" if f.get("exposed_requests") is None else
+                           f"; of them sent during a first request's prefill "
+                           f"{f['exposed_requests']}: {_ms(f['exposed_mean_ttft_ms'])}")
                 out.append(f"  {p:<5}{arm:<{aw}}first {f['first_requests']}: "
                            f"{_ms(f['first_mean_ttft_ms'])}, {_ms(f['first_median_ttft_ms'])}; "
                            f"returning {f['repeat_requests']}: {_ms(f['repeat_mean_ttft_ms'])}, "
-                           f"{_ms(f['repeat_median_ttft_ms'])}")
+                           f"{_ms(f['repeat_median_ttft_ms'])}{exposed}")
         verdict = s["kvpool_at_or_ahead_of_native"]
-        out.append("  kvpool at or ahead of native on mean TTFT, p99 TTFT and req/s in every "
-                   "pass: "
+        figures = ("mean TTFT and p99 TTFT (req/s is the arrival rate)"
+                   if judged_metrics(w) == OPEN_LOOP_GOAL_METRICS
+                   else "mean TTFT, p99 TTFT and req/s")
+        out.append(f"  kvpool at or ahead of native on {figures} in every pass: "
                    + {True: "yes", False: "no", None: "n/a"}[verdict])
         if s.get("aa_spread") is not None:
             within = {True: "yes", False: "no", None: "n/a"}[
@@ -485,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-len", type=int, default=None)
     ap.add_argument("--num-prefixes", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals at "
+                    "this many requests/s (vLLM's client), at most --concurrency in flight "
+                    "(default: a closed loop of --concurrency clients)")
     ap.add_argument("--host-bytes", type=int, default=None, help="host memory of each "
                     "offloading arm (default 2 GiB; --quick 256 MiB)")
     ap.add_argument("--model", default=None, help="model path (default: the generated bench "
@@ -504,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     w = QUICK if args.quick else Workload()
     try:
         w = with_positive(w, args, ("num_prompts", "prefix_len", "num_prefixes", "concurrency",
-                                    "host_bytes"))
+                                    "host_bytes", "request_rate"))
         check_paths(args)
     except ValueError as exc:
         print(f"kvpool bench serve: {exc}", file=sys.stderr)
@@ -587,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
               "datasets": datasets, "passes": passes, "workload": asdict(w),
               "gpu_blocks": gpu_blocks(w), "server_args": server_args(w),
               "max_model_len": max_model_len(w), "runs": runs,
-              "summary": summarize(runs, arms), "errors": errors,
+              "summary": summarize(runs, arms, judged_metrics(w)), "errors": errors,
               "wall_s": time.monotonic() - t0}
     return emit(report, args, render)
 
