@@ -227,17 +227,24 @@ def test_a_twin_is_its_arms_copy_and_measures_the_runs_noise():
     s = sb.summarize(runs, arms)["prefix_repetition"]
     assert s["passes"][0]["twin_vs_base"]["native-twin"]["mean_ttft_ms"] == 100 / 108
     assert s["passes"][1]["twin_vs_base"]["native-twin"]["mean_ttft_ms"] == 1.0
-    assert s["aa_spread"] == pytest.approx(0.08)  # the twin's 108 ms against 100
+    # each figure its own spread: the twin's 108 ms against 100, 200 against 190 ms, req/s 0
+    assert s["aa_spread"] == pytest.approx({"mean_ttft_ms": 0.08, "p99_ttft_ms": 200 / 190 - 1,
+                                            "request_throughput": 0.0})
     assert s["kvpool_at_or_ahead_of_native"] is False  # 105 vs 100 in pass 1
-    assert s["kvpool_within_aa_spread_of_native"] is True  # 5% behind, the twins 8% apart
-    runs[0]["figures"]["request_throughput"] = 1.8  # 10% behind on req/s: beyond the twins
+    # 5% behind on the mean (twins 8% apart) but 5% behind on req/s, where the twins agreed
+    assert s["kvpool_within_aa_spread_of_native"] is False
+    runs[0]["figures"]["request_throughput"] = 2.0
+    assert sb.summarize(runs, arms)["prefix_repetition"][
+        "kvpool_within_aa_spread_of_native"] is True
+    runs[0]["figures"]["p99_ttft_ms"] = 150  # far ahead on p99 does not buy the mean
+    runs[0]["figures"]["mean_ttft_ms"] = 110  # 10% behind: beyond the twins' 8% on the mean
     s = sb.summarize(runs, arms)["prefix_repetition"]
     assert s["kvpool_within_aa_spread_of_native"] is False
     text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
                       "workload": vars(w) | {}, "summary": {"prefix_repetition": s}})
     assert "(native-twin/native: identical servers)" in text
-    assert ("identical servers (the twins) up to 8.0% apart on those figures; kvpool within "
-            "that of native in every pass: no") in text
+    assert ("identical servers (the twins) apart by up to: mean TTFT 8.0%, p99 TTFT 5.3%, "
+            "req/s 0.0%; kvpool within that of native on each in every pass: no") in text
     # without a twin: no spread, no such line
     plain = sb.summarize([r for r in runs if r["arm"] != "native-twin"], ["kvpool", "native"])
     assert plain["prefix_repetition"]["aa_spread"] is None
@@ -267,6 +274,37 @@ def test_with_poisson_arrivals_req_s_is_not_judged():
     assert s["prefix_repetition"]["kvpool_at_or_ahead_of_native"] is True
     text = sb.render({"cpu": "CPU", "dtype": "float32", "model": "m", "gpu_blocks": 102,
                       "workload": vars(w) | {}, "summary": s})
-    assert "concurrency 2 (Poisson arrivals at 4 req/s)" in text
+    assert "concurrency 2 (Poisson arrivals at 4 req/s; every TTFT from the request's arrival" in text
     assert ("kvpool at or ahead of native on mean TTFT and p99 TTFT (req/s is the arrival "
             "rate) in every pass: yes") in text
+
+
+def test_with_poisson_arrivals_a_ttft_counts_from_the_arrival():
+    """vLLM's client starts a request's clock when a concurrency slot frees, not at its
+    arrival: under --request-rate the figures add the client's queue, so an arm that falls
+    behind the arrivals shows it."""
+    result = {"mean_ttft_ms": 100.0, "median_ttft_ms": 100.0, "p99_ttft_ms": 100.0,
+              "request_throughput": 4.0, "completed": 4, "ttfts": [0.1, 0.1, 0.1, 0.1],
+              "queue_times": [0.0, 0.0, 0.2, 0.6], "start_times": [0.0, 0.3, 0.6, 1.4]}
+    closed = sb.pick(result, [0, 0, 1, 1])
+    assert closed["mean_ttft_ms"] == 100.0 and "ttft_from_arrival" not in closed
+    got = sb.pick(result, [0, 0, 1, 1], from_arrival=True)
+    assert got["ttft_from_arrival"] is True
+    assert got["mean_ttft_ms"] == pytest.approx(300.0)  # 100, 100, 300, 700
+    assert got["median_ttft_ms"] == pytest.approx(200.0)
+    assert got["p99_ttft_ms"] == pytest.approx(688.0)  # numpy's, as vLLM's client
+    assert got["mean_client_queue_ms"] == pytest.approx(200.0)
+    assert got["repeat_mean_ttft_ms"] == pytest.approx(400.0)  # the split from arrival too
+    # exposure is about the send: the returning requests 1 and 3 were sent (0.3, 1.4 s)
+    # after the first requests' first tokens (0.1 and 0.7 s from their sends), however long
+    # request 3 had queued before
+    assert got["exposed_requests"] == 0
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "inf", "nan"])
+def test_a_request_rate_that_is_no_rate_is_one_line(repo_root, rate):
+    proc = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "serve",
+                           "--request-rate", rate], cwd=repo_root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "kvpool bench serve: --request-rate must be a positive number"

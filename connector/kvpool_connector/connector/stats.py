@@ -57,7 +57,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                             "every request's TTFT and inter-token latency: load (reading and "
                             "scattering chunks before the forward, waiting for sync and "
                             "layerwise loads) and save (gathering chunks after it; a store of "
-                            "this process's memory only also stores them there)", ("phase",)),
+                            "this process's memory only also stores them there; tensor-parallel "
+                            "rank 0, whose copies the other ranks make side by side)",
+                            ("phase",)),
     "kvpool_saved_chunks": ("Chunks copied out of the paged KV cache into the store", ()),
     "kvpool_saved_bytes": ("Bytes copied out of the paged KV cache into the store", ()),
     "kvpool_save_dropped_chunks": ("Chunks not saved (save queue full or store failure)", ()),

@@ -188,7 +188,12 @@ class WorkerSide:
     @contextlib.contextmanager
     def _in_step(self, phase: str):
         """Count the time the engine's step spends here (`kvpool_step_seconds{phase}`): the
-        connector's share of every request's TTFT and inter-token latency."""
+        connector's share of every request's TTFT and inter-token latency. Tensor-parallel
+        rank 0 only: the ranks copy side by side, and a sum over them would read as twice
+        the engine's time."""
+        if not self.count_tokens:
+            yield
+            return
         t0 = time.perf_counter()
         try:
             yield

@@ -34,15 +34,22 @@ from .tiers import tier_class
 log = logging.getLogger("kvpool.store")
 
 
+_callback_failures: dict[str, int] = {}
+
+
 def _callers_own(op: str, fn: Callable[[int, memoryview], bool], i: int,
                  view: memoryview) -> bool:
     """The caller's callback of read_in_place/write_in_place: its error is the caller's,
     not the tier's, so it must not reach the runner (which would mark the tier unhealthy):
-    logged, and that object is not taken."""
+    logged (the 1st, 2nd, 4th, 8th... failure of each op: a bug that fails every chunk of
+    every step must not flood the log), and that object is not taken."""
     try:
         return bool(fn(i, view))
     except Exception:
-        log.warning("%s: the caller's callback failed on key %d", op, i, exc_info=True)
+        n = _callback_failures[op] = _callback_failures.get(op, 0) + 1
+        if n & (n - 1) == 0:
+            log.warning("%s: the caller's callback failed on key %d (%d failures so far)",
+                        op, i, n, exc_info=True)
         return False
 
 EVENTS_MAX = 1 << 16           # tier events kept between two take_events calls
@@ -360,7 +367,7 @@ class TieredStore:
         took it (it returns False for bytes it cannot use). No copy out and nothing to
         verify: the tier is the process's own memory, which reads never MAC. Keys not taken
         (elsewhere, spanning slots, refused): read them with get_many_into. Counted as that
-        tier's hits."""
+        tier's hits. `use` must not call into this store: the tier's lock is held."""
         keys = self._check_keys(keys)
         first = self.runners[0] if self.runners else None
         if not keys or self._closed or first is None or first.tier.shared:

@@ -343,6 +343,11 @@ def test_the_steps_time_in_loads_and_saves_is_counted_by_phase():
     side.wait_layer("layer.0")
     stats = side.take_stats()
     assert stats is None or "kvpool_step_seconds" not in stats.data
+    # another tensor-parallel rank times nothing: its copies run beside rank 0's
+    side.count_tokens = False
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("req2", [b"t" * 16], [[3, 4]])]))
+    stats = side.take_stats()
+    assert stats is None or "kvpool_step_seconds" not in stats.data
 
 
 class ReadRecordingStore:

@@ -585,15 +585,22 @@ def test_nothing_overwrites_a_slot_while_it_is_lent(namespace):
     s = build(namespace, {"type": "cpu", "size": "64Ki", "slot_size": "64Ki"}, metrics=False)
     first, second = rand_keys(2)
     s.put_many([first], [b"a" * 60_000])
-    lent, put_done, copies = threading.Event(), threading.Event(), []
+    lent, put_started, put_done = threading.Event(), threading.Event(), threading.Event()
+    copies = []
 
     def use(i, view):
         lent.set()
-        assert not put_done.wait(0.3)  # the put is held off for as long as we read
+        assert put_started.wait(5)  # the put is under way (not merely not started yet)
+        assert not put_done.wait(0.3)  # and held off for as long as we read
         copies.append(bytes(view))
         return True
 
-    t = threading.Thread(target=lambda: (s.put_many([second], [b"b" * 60_000]), put_done.set()))
+    def put():
+        put_started.set()
+        s.put_many([second], [b"b" * 60_000])
+        put_done.set()
+
+    t = threading.Thread(target=put)
     reader = threading.Thread(target=s.read_in_place, args=([first], use))
     reader.start()
     assert lent.wait(5)
@@ -630,6 +637,10 @@ def test_write_in_place_fills_a_slot_of_a_memory_only_store(tier_cfgs, namespace
     assert s.write_in_place([b], [60_000], broken) == [False]
     assert s.get_many([b]) == [None]
     assert s.stats()["tiers"]["cpu"]["used_bytes"] == 64 << 10  # a's slot only
+    # a name already held (a content address) is kept: fill is not called, so a fill that
+    # would fail cannot lose it
+    assert s.write_in_place([a], [60_000], broken) == [True]
+    assert bytes(s.get_many([a])[0]) == data
     s.set_evict_first(lambda k: k == t)
     assert s.write_in_place([t, b, c], [60_000] * 3, fill) == [True] * 3
     assert s.put_many(rand_keys(1), [data]) == [True]  # the arena is full: t goes first

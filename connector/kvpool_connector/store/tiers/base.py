@@ -105,7 +105,8 @@ class Tier(abc.ABC):
         """Hand objects of `layout` to `use(i, view)` without copying them out: `view` is
         the stored bytes, read-only and valid during the call only; per name whether
         `use` took it. Only a tier of this process's memory can; the rest take none, and
-        the caller reads those names the usual way."""
+        the caller reads those names the usual way. `use` runs under the tier's lock: it
+        must not call into the store (the lock is not reentrant) and should only copy."""
         return [False] * len(names)
 
     def in_place_limit(self) -> int:
@@ -117,8 +118,11 @@ class Tier(abc.ABC):
                        ) -> list[bool]:
         """Store objects whose bytes `fill(i, view)` writes straight into the tier's memory
         (view: `sizes[i]` writable bytes, valid during the call only); per name whether it
-        holds the object now (a `fill` returning False stores nothing). Only a tier of this
-        process's memory can (in_place_limit > 0)."""
+        holds the object now (a `fill` returning False stores nothing; room made for it by
+        eviction stays made). An object already held under the name, in this layout and
+        size, is kept and `fill` not called: names are content addresses. Only a tier of
+        this process's memory can (in_place_limit > 0). `fill` runs under the tier's lock:
+        it must not call into the store."""
         return [False] * len(names)
 
     def contains_known(self, names: list[bytes]) -> list[bool] | None:

@@ -142,7 +142,13 @@ class CpuTier(Tier):
             if units > self.nslots:
                 self.stats.inc("rejected")
                 return False
-            if name in self._index:
+            held = self._index.get(name)
+            if fill is not None and held and held.layout == layout and held.length == n:
+                # the same content address: kept, not filled again, so a failing fill can
+                # never lose an object that was already here (Tier.write_in_place)
+                self._policy.touch(name)
+                return True
+            if held is not None:
                 self._release(name, evicted=False)
             self._policy.admit(name)
             while len(self._free) < units:
