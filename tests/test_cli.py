@@ -36,7 +36,7 @@ def test_a_command_group_lists_its_commands(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: kvpool bench <command> [args]")
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["store", "e2e", "fleet", "serve", "dtype", "chat", "warm", "pd"]
+    assert listed == ["store", "e2e", "fleet", "serve", "dtype", "chat", "warm", "copy", "pd"]
     assert cli.main(["bench"]) == 2  # a group alone is incomplete: its usage, on stderr
     assert capsys.readouterr().err.startswith("usage: kvpool bench <command> [args]")
 

@@ -8,6 +8,7 @@
   kvpool bench dtype [...]     prefill tokens/s in bfloat16 vs float32 (why engines pick a dtype)
   kvpool bench chat [...]      multi-turn chat, token-exact history: computed tokens and TTFT per turn
   kvpool bench warm [...]      a new engine with warm start vs without vs a plain cold replica
+  kvpool bench copy [...]      chunk copies cache <-> host vs a plain copy (CUDA or CPU)
   kvpool bench pd [...]        prefill/decode through the pool vs colocated engines vs NIXL, pinned
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
@@ -39,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "chunks, kvpool tails+decode, native"),
     "bench warm": ("kvpool_dev.bench.warm_bench", "a new engine: warm start / shared tier only / "
                    "plain cold replica"),
+    "bench copy": ("kvpool_dev.bench.copy_bench", "the connector's chunk copies (cache <-> "
+                   "host) vs a plain copy of the bytes; CUDA where there is a GPU"),
     "bench pd": ("kvpool_dev.bench.pd_bench", "prefill/decode through kvpool vs colocated "
                  "engines vs NIXL: TTFT, ITL, handover"),
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),

@@ -187,6 +187,9 @@ class KVLayout:
         if src.device.type == "cpu" and self.host_flat:
             self._scatter_np(src, n_in_src, rows, block_ids, layer)
             return
+        if self.device.type != "cpu":
+            self._scatter_device(src, n_in_src, rows, block_ids, layer)
+            return
         for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
             if layer is not None and i != layer:
                 continue
@@ -206,6 +209,28 @@ class KVLayout:
         (a store's own bytes, read in place: no buffer in between); host_flat layouts only."""
         assert self.host_flat, "scatter_bytes needs a host cache of whole-block rows"
         self._scatter_np(raw, n_in_src, rows, block_ids, None)
+
+    def _scatter_device(self, src: torch.Tensor, n_in_src: int, rows: list[int],
+                        block_ids: list[int], layer: int | None) -> None:
+        """Caches on a device: each layer's segment crosses in one copy (a contiguous run of
+        the payload) and lands with one index_copy_ along the block dimension. Copying block
+        by block instead was one small, strided host->device copy per block and layer (512
+        for a 256-token chunk of a 32-layer model): 1.3 GB/s on an H200 against 52 GB/s for
+        the same bytes in one copy (`kvpool bench copy`). The device holds one layer's
+        segment at a time, not the chunk. Asynchronous on the current stream (the worker's
+        copy stream): the caller keeps `src` alive until that stream is synchronized."""
+        if not rows:
+            return
+        dst = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pick = (None if list(rows) == list(range(n_in_src))
+                else torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
+        for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
+            if layer is not None and i != layer:
+                continue
+            part = segment.to(self.device, non_blocking=True)
+            if pick is not None:
+                part = part.index_select(layer_kv.block_dim, pick)
+            layer_kv.tensor.index_copy_(layer_kv.block_dim, dst, part)
 
     def _scatter_np(self, src: torch.Tensor | np.ndarray, n_in_src: int, rows: list[int],
                     block_ids: list[int], layer: int | None) -> None:
