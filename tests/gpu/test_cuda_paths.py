@@ -102,10 +102,28 @@ def test_gather_then_scatter_on_cuda_moves_exactly_those_blocks(make, dtype):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         rest = torch.tensor([b for b in range(NUM_BLOCKS) if b not in new_ids], device="cuda")
         assert not v2.tensor.index_select(v2.block_dim, rest).view(torch.uint8).any()
+    # a subset of the payload's rows (the rest of the chunk was in vLLM's own cache), and a
+    # short payload (a tail of 3 blocks): only those rows land, where they are sent
+    short = torch.empty(layout.chunk_nbytes(3), dtype=torch.uint8, pin_memory=True)
+    layout.gather(ids[:3], short)
+    for payload, n, rows, to in ((buf, 4, [1, 3], [4, 12]), (short, 3, [2], [13])):
+        dst_layout.scatter(payload, n, rows, to)
+        torch.cuda.synchronize()
+        for name in src:
+            v1, v2 = (lay.layers[lay.layer_index(name)] for lay in (layout, dst_layout))
+            got = v2.tensor.index_select(v2.block_dim, torch.tensor(to, device="cuda"))
+            want = v1.tensor.index_select(v1.block_dim, ids[rows].cuda())
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # an index out of range is this load's IndexError, not a device assert that would
+    # poison the process's CUDA context
+    for rows, to in (([0], [NUM_BLOCKS]), ([4], [1]), ([0, 1], [2, 2])):
+        with pytest.raises(IndexError):
+            dst_layout.scatter(buf, 4, rows, to)
+    torch.cuda.synchronize()  # the context is still good
 
 
 @pytest.fixture
-def pool_key():
+def gpu_pool_key():
     os.environ[KEY_ENV] = secrets.token_urlsafe(32)
     yield
     os.environ.pop(KEY_ENV, None)
@@ -152,7 +170,7 @@ def _loaded(side, req, timeout=30.0):
 
 
 @pytest.mark.parametrize("tiers", ["cpu", "cpu+disk"])
-def test_worker_saves_and_loads_back_bit_for_bit_on_cuda(tiers, tmp_path, pool_key):
+def test_worker_saves_and_loads_back_bit_for_bit_on_cuda(tiers, tmp_path, gpu_pool_key):
     """Saves gathered on the copy stream (the forward's writes waited for) and stored by
     the saver thread; loads back into other blocks: async (loader thread), sync (in the
     step) and, with a disk tier, from disk after the cpu tier lost them."""
@@ -202,23 +220,25 @@ def test_worker_saves_and_loads_back_bit_for_bit_on_cuda(tiers, tmp_path, pool_k
     store.close()
 
 
-def test_layerwise_loads_land_layer_by_layer_on_cuda(pool_key):
-    """wait_layer(name): that layer's blocks are in place when it returns (what the
-    attention of that layer reads next on the compute stream)."""
+def test_layerwise_loads_land_layer_by_layer_on_cuda(gpu_pool_key):
+    """A sync load with layerwise on runs on the loader thread layer by layer while the
+    forward starts; wait_layer(name): that layer's blocks are in place when it returns (what
+    the attention of that layer reads next on the compute stream)."""
     side, store, caches = _worker([{"type": "cpu", "size": "64Mi"}], layerwise=True)
     want = _blocks(caches, slice(0, 2))
     side.submit_saves(KVPoolMetadata(saves=[SaveJob("w", [b"c" * 16], [[0, 1]])]))
     _saved(side, store, [b"c" * 16])
-    load = LoadJob("r", [ChunkLoad(b"c" * 16, rows=[0, 1], block_ids=[6, 7])], is_async=True)
+    load = LoadJob("r", [ChunkLoad(b"c" * 16, rows=[0, 1], block_ids=[6, 7])], is_async=False)
     with torch.cuda.stream(side.copy_stream):  # the copies queued behind a busy stream:
         torch.cuda._sleep(SLOW)                # wait_layer must order the reads after them
     side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side._sync_loads and side._sync_loads[0].layer_done  # layer by layer, in flight
     for i, name in enumerate(caches):
         side.wait_layer(name)
         got = caches[name][:, 6:8].clone()  # on the compute stream, as attention reads
         torch.cuda.current_stream().synchronize()
         assert torch.equal(got.view(torch.uint8), want[i].view(torch.uint8)), name
-    _loaded(side, "r")
+    side.finish_sync_loads()
     assert side.take_load_errors() == set()
     side.shutdown()
     store.close()

@@ -32,7 +32,12 @@ class KVConnectorStats:
 
 
 class KVConnectorPromMetrics:
-    pass
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any,
+                 per_engine_labelvalues: Any) -> None:
+        self._kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+        self._gauge_cls, self._counter_cls, self._histogram_cls = (
+            metric_types.get(k) for k in ("gauge", "counter", "histogram"))
+        self._labelnames, self._per_engine_labelvalues = labelnames, per_engine_labelvalues
 
 
 def install() -> bool:

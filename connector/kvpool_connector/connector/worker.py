@@ -594,6 +594,8 @@ class WorkerSide:
         assert layout is not None  # loads follow register()
         layers: Sequence[int | None] = range(len(layout.layers)) if layered is not None else [None]
         ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+        if self.cuda:  # after what the compute stream has queued (a reused block's readers)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(layout.device))
         with ctx:
             for layer in layers:
                 for c, src in good:
@@ -611,7 +613,10 @@ class WorkerSide:
         for c, _ in good:
             back = torch.empty(layout.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
                                pin_memory=self.cuda)
-            layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
+            # on the stream the scatter ran on, then waited for: what the blocks hold now
+            ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+            with ctx:
+                layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
             if self.cuda:
                 self.copy_stream.synchronize()
             audit.loaded(layout, c.key, c.rows, back)
