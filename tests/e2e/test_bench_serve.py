@@ -38,6 +38,8 @@ def test_bench_serve_quick(repo_root, tiny_model, tmp_path):
     assert "kvpool/native" in proc.stdout
     # the twin is a second native server: the run's A/A spread, and the exposure split
     summary = report["summary"]["prefix_repetition"]
-    assert set(row["twin_vs_base"]) == {"native-twin"} and summary["aa_spread"] >= 0
+    assert set(row["twin_vs_base"]) == {"native-twin"}
+    assert set(summary["aa_spread"]) == {"mean_ttft_ms", "p99_ttft_ms", "request_throughput"}
+    assert all(gap >= 0 for gap in summary["aa_spread"].values())
     assert all("exposed_requests" in r["figures"] for r in report["runs"])
     assert "(native-twin/native: identical servers)" in proc.stdout
