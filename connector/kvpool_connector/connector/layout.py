@@ -85,6 +85,13 @@ def _flat_view(t: torch.Tensor, block_dim: int) -> torch.Tensor | None:
     return rows
 
 
+# Host blocks at least this large are gathered one row copy at a time: np.take copies an
+# [n, words] array item by item, 2x slower than a memcpy per row for 32 KiB rows (16 scattered
+# blocks x 32 layers: 1.9 ms against 1.0 ms on epyc-zen5-2core); below ~8 KiB the Python loop
+# costs more than it saves.
+_ROW_COPY_BYTES = 8 << 10
+
+
 class KVLayout:
     """Gather/scatter of whole chunks between the paged caches and flat byte buffers."""
 
@@ -162,11 +169,16 @@ class KVLayout:
             ids = block_ids.numpy()
             first = int(ids[0]) if n else 0
             adjacent = n > 0 and bool((ids == np.arange(first, first + n)).all())
+            rows = ids.tolist()
             for layer_kv, dst in self._np_segments(out, n):
+                src = layer_kv.flat_np
                 if adjacent:
-                    np.copyto(dst, layer_kv.flat_np[first:first + n])
+                    np.copyto(dst, src[first:first + n])
+                elif layer_kv.block_bytes >= _ROW_COPY_BYTES:
+                    for j, b in enumerate(rows):  # one memcpy per block (see _ROW_COPY_BYTES)
+                        dst[j] = src[b]
                 else:
-                    np.take(layer_kv.flat_np, ids, axis=0, out=dst)
+                    np.take(src, ids, axis=0, out=dst)
             return
         idx = block_ids.to(self.device, non_blocking=True)
         for layer_kv, segment in self._segments(out, n):

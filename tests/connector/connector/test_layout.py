@@ -38,7 +38,12 @@ def _kernel_split():       # manager block of 32 tokens split in 2 kernel blocks
     return torch.randn(NUM_BLOCKS * 2, 2, 16, 64)
 
 
-LAYOUTS = [_cpu_attn, _flash_attn_legacy, _hnd_strided, _layer_outer, _mla, _kernel_split]
+def _small_blocks():       # host blocks under layout._ROW_COPY_BYTES: gathered by np.take
+    return torch.randn(NUM_BLOCKS, 1, 4, 16)
+
+
+LAYOUTS = [_cpu_attn, _flash_attn_legacy, _hnd_strided, _layer_outer, _mla, _kernel_split,
+           _small_blocks]
 
 
 def _caches(make, n_layers=3):
