@@ -36,6 +36,40 @@ def caches(device: str, num_blocks: int, layers: int = LAYERS) -> dict[str, torc
         torch.bfloat16) for i in range(layers)}
 
 
+def chunk_bytes(chunk_tokens: int, layers: int) -> int:
+    """Bytes of one chunk of the bench's cache, either layout (pure)."""
+    return layers * 2 * chunk_tokens * HEADS * HEAD * 2  # K and V, bfloat16
+
+
+def check_args(args: argparse.Namespace, device: str, free: int) -> None:
+    """ValueError naming the option for input the run cannot take: a device that is not
+    here, a count that is not positive, a chunk of partial blocks, or caches (8 chunks, plus
+    the host and device copies of one) larger than the `free` bytes of that device (pure)."""
+    if device not in ("cuda", "cpu") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device {device}: not available here")
+    for name in ("chunk_tokens", "layers", "reps"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+    if args.chunk_tokens % BLOCK:
+        raise ValueError(f"--chunk-tokens must be a positive number of whole {BLOCK}-token "
+                         "blocks")
+    need = 10 * chunk_bytes(args.chunk_tokens, args.layers)
+    if need > free:
+        raise ValueError(f"--chunk-tokens/--layers: the run needs {need / 2**30:.1f} GiB, "
+                         f"{device} has {free / 2**30:.1f} GiB free")
+
+
+def free_bytes(device: str) -> int:
+    """Free memory of the device: CUDA's own count, or MemAvailable on the host."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def rate(nbytes: int, seconds: list[float]) -> float:
     """GB/s of the median time (pure)."""
     return nbytes / statistics.median(seconds) / 1e9
@@ -61,15 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cuda", "cpu") or (device == "cuda" and not torch.cuda.is_available()):
-        print(f"kvpool bench copy: --device {device}: not available here", file=sys.stderr)
+    try:
+        check_args(args, device, free_bytes(device) if device in ("cuda", "cpu") else 0)
+    except ValueError as exc:
+        print(f"kvpool bench copy: {exc}", file=sys.stderr)
         return 2
-    for name in ("chunk_tokens", "layers", "reps"):
-        if getattr(args, name) <= 0 or (name == "chunk_tokens" and args.chunk_tokens % BLOCK):
-            print(f"kvpool bench copy: --{name.replace('_', '-')} must be a positive number"
-                  + (f" of whole {BLOCK}-token blocks" if name == "chunk_tokens" else ""),
-                  file=sys.stderr)
-            return 2
     from kvpool_connector.connector.layout import KVLayout
 
     n = args.chunk_tokens // BLOCK
