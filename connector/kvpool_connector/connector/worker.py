@@ -593,10 +593,9 @@ class WorkerSide:
         layout = self.layout
         assert layout is not None  # loads follow register()
         layers: Sequence[int | None] = range(len(layout.layers)) if layered is not None else [None]
-        ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
         if self.cuda:  # after what the compute stream has queued (a reused block's readers)
             self.copy_stream.wait_stream(torch.cuda.current_stream(layout.device))
-        with ctx:
+        with self._on_copy_stream():
             for layer in layers:
                 for c, src in good:
                     layout.scatter(src, c.n_blocks or self.blocks_per_chunk, c.rows,
@@ -606,6 +605,10 @@ class WorkerSide:
                 if layer is not None and layered is not None:  # one implies the other
                     layered.layer_done[layer].set()
 
+    def _on_copy_stream(self):
+        """The worker's own CUDA stream for its copies; nothing to switch on the CPU."""
+        return torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+
     def _audit_loads(self, good: list) -> None:
         """Read the loaded blocks back out of the paged cache for the KV audit."""
         layout, audit = self.layout, self.audit
@@ -614,8 +617,7 @@ class WorkerSide:
             back = torch.empty(layout.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
                                pin_memory=self.cuda)
             # on the stream the scatter ran on, then waited for: what the blocks hold now
-            ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
-            with ctx:
+            with self._on_copy_stream():
                 layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
             if self.cuda:
                 self.copy_stream.synchronize()

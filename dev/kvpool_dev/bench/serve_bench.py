@@ -403,10 +403,9 @@ def render(report: dict[str, Any]) -> str:
                    if judged_metrics(w) == OPEN_LOOP_GOAL_METRICS
                    else "mean TTFT, p99 TTFT and req/s")
         out.append(f"  kvpool at or ahead of native on {figures} in every pass: "
-                   + {True: "yes", False: "no", None: "n/a"}[verdict])
+                   + _YES_NO[verdict])
         if s.get("aa_spread") is not None:
-            within = {True: "yes", False: "no", None: "n/a"}[
-                s["kvpool_within_aa_spread_of_native"]]
+            within = _YES_NO[s["kvpool_within_aa_spread_of_native"]]
             gaps = ", ".join(f"{_FIGURE_NAMES[m]} {g:.1%}" for m, g in s["aa_spread"].items())
             out.append(f"  identical servers (the twins) apart by up to: {gaps}; kvpool within "
                        f"that of native on each in every pass: {within}")
@@ -416,6 +415,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(out).rstrip()
 
 
+_YES_NO = {True: "yes", False: "no", None: "n/a"}
 _FIGURE_NAMES = {"mean_ttft_ms": "mean TTFT", "median_ttft_ms": "median TTFT",
                  "p99_ttft_ms": "p99 TTFT", "request_throughput": "req/s"}
 
