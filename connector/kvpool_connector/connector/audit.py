@@ -4,8 +4,11 @@ load wrote, bit for bit, the KV that was saved.
 
 Off unless `KVPOOL_KV_AUDIT_DIR` names a directory. Each worker process appends JSON lines
 to its own file there:
-    {"e": "save", "key": <hex>, "d": [<digest of block 0>, ...]}    one per saved chunk
-    {"e": "load", "key": <hex>, "rows": [...], "d": [...]}           one per loaded chunk
+    {"e": "save", "key": <hex>, "r": <rank>, "d": [<digest of block 0>, ...]}  a saved chunk
+    {"e": "load", "key": <hex>, "r": <rank>, "rows": [...], "d": [...]}       a loaded chunk
+`key` is the logical chunk key and `r` the worker's rank tag (keys.py: "" for tensor rank 0
+of stage 0, else e.g. "tp1/pp0"): a rank's load must equal what that rank saved, not what
+another rank (other heads, another stage's layers) saved under the same chunk.
 A save line is written when the chunk has been copied out, before it can be served to any
 load (from the save buffer or the store), so no load line ever precedes its save line.
 `check_audit` (used by the tests) compares them. The cost is one hash pass over every saved
@@ -42,15 +45,16 @@ def block_digests(layout: KVLayout, payload: torch.Tensor, n_blocks: int) -> lis
 class KVAudit:
     """Appends save/load digests of one worker process to `<dir>/audit-<pid>.jsonl`."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, rank: str = "") -> None:
         os.makedirs(directory, exist_ok=True)
+        self.rank = rank
         self.path = os.path.join(directory, f"audit-{os.getpid()}.jsonl")
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> KVAudit | None:
+    def from_env(cls, rank: str = "") -> KVAudit | None:
         directory = os.environ.get(AUDIT_ENV)
-        return cls(directory) if directory else None
+        return cls(directory, rank) if directory else None
 
     def _write(self, records: list[dict]) -> None:
         text = "".join(json.dumps(r) + "\n" for r in records)
@@ -62,20 +66,21 @@ class KVAudit:
         """`blocks`: blocks per object, one count for all or one per object (tails)."""
         t = time.time()
         counts = blocks if isinstance(blocks, list) else [blocks] * len(keys)
-        self._write([{"e": "save", "key": k.hex(), "t": t,
+        self._write([{"e": "save", "key": k.hex(), "r": self.rank, "t": t,
                       "d": block_digests(layout, c, n)}
                      for k, c, n in zip(keys, chunks, counts, strict=True)])
 
     def loaded(self, layout: KVLayout, key: bytes, rows: list[int], paged: torch.Tensor) -> None:
         """`paged`: the destination blocks gathered back out of the paged cache after the load."""
-        self._write([{"e": "load", "key": key.hex(), "rows": list(rows), "t": time.time(),
+        self._write([{"e": "load", "key": key.hex(), "r": self.rank, "rows": list(rows),
+                      "t": time.time(),
                       "d": block_digests(layout, paged, len(rows))}])
 
 
 def check_audit(directory: str | Path) -> tuple[int, list[str]]:
     """(blocks loaded, problems): every loaded block must equal a block saved under the same
-    chunk key and position (by any process writing to this directory)."""
-    saves: dict[tuple[str, int], set[str]] = defaultdict(set)
+    chunk key, rank and position (by any process writing to this directory)."""
+    saves: dict[tuple[str, str, int], set[str]] = defaultdict(set)
     loads: list[dict] = []
     for path in sorted(Path(directory).glob("audit-*.jsonl")):
         for line in path.read_text().splitlines():
@@ -84,17 +89,18 @@ def check_audit(directory: str | Path) -> tuple[int, list[str]]:
             rec = json.loads(line)
             if rec["e"] == "save":
                 for j, d in enumerate(rec["d"]):
-                    saves[(rec["key"], j)].add(d)
+                    saves[(rec["key"], rec.get("r", ""), j)].add(d)
             else:
                 loads.append(rec)
     problems, n = [], 0
     for rec in loads:
         for row, d in zip(rec["rows"], rec["d"], strict=True):
             n += 1
-            known = saves.get((rec["key"], row))
+            rank = rec.get("r", "")
+            known = saves.get((rec["key"], rank, row))
+            where = f"chunk {rec['key'][:16]} block {row}" + (f" rank {rank}" if rank else "")
             if not known:
-                problems.append(f"chunk {rec['key'][:16]} block {row}: loaded, never saved")
+                problems.append(f"{where}: loaded, never saved")
             elif d not in known:
-                problems.append(f"chunk {rec['key'][:16]} block {row}: loaded bytes differ from "
-                                f"every save")
+                problems.append(f"{where}: loaded bytes differ from every save")
     return n, problems

@@ -7,7 +7,6 @@ scheduler.py for why it opens only the shared lower tiers) and role WORKER in ea
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -32,9 +31,10 @@ from .config import (
     load_connector_config,
 )
 from .events import kv_events_enabled
-from .keys import KeySpace, model_config_hash
+from .keys import KeySpace, model_config_hash, pipeline_partition
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
+from .ranks import AllRanksLookup, RankedStore
 from .scheduler import SchedulerSide, prewarm_objects
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
 from .tails import is_tail_key
@@ -50,13 +50,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connector")
 
 
-def _tensor_parallel_rank_and_size(vllm_config: VllmConfig,
-                                   role: KVConnectorRole) -> tuple[int, int]:
-    size = vllm_config.parallel_config.tensor_parallel_size
-    if role != KVConnectorRole.WORKER or size == 1:
-        return 0, size  # the scheduler looks up rank 0's keys (all ranks save together)
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-    return get_tensor_model_parallel_rank(), size
+def _worker_ranks(role: KVConnectorRole, parallel_config) -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline stage) of this process: (0, 0) in the scheduler,
+    which plans with the logical keys every rank shares (keys.py)."""
+    if role != KVConnectorRole.WORKER:
+        return 0, 0
+    tp = pp = 0
+    if parallel_config.tensor_parallel_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        tp = get_tensor_model_parallel_rank()
+    if parallel_config.pipeline_parallel_size > 1:
+        from vllm.distributed.parallel_state import get_pp_group
+        pp = get_pp_group().rank_in_group
+    return tp, pp
+
+
+def check_parallel_layout(parallel_config) -> None:
+    """Refuse what the key space does not describe: with context parallelism each rank holds
+    a share of the tokens' KV, which the chunk keys (one per token prefix) cannot name."""
+    for option, attr in (("--decode-context-parallel-size", "decode_context_parallel_size"),
+                         ("--prefill-context-parallel-size", "prefill_context_parallel_size")):
+        if getattr(parallel_config, attr, 1) > 1:
+            raise ConnectorConfigError(
+                f"KVPoolConnector does not support {option} > 1 (each rank would hold a "
+                f"share of every token's KV); start vLLM with {option} 1")
+
+
+def replicated_kv(kv_cache_spec, parallel_config) -> bool:
+    """Whether every tensor rank holds the same KV: MLA's one latent vector per token (not
+    split over heads), unless decode context parallelism splits the tokens."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    specs = getattr(kv_cache_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    spec = next(iter(specs.values())) if isinstance(specs, dict) and specs else kv_cache_spec
+    return (isinstance(spec, MLAAttentionSpec)
+            and getattr(parallel_config, "decode_context_parallel_size", 1) == 1)
 
 
 def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
@@ -125,16 +152,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         check_hash_algo(hash_algo, [t.type for t in self.cfg.tiers if tier_class(t.type).shared])
         self.spec_fingerprint = spec_fingerprint(kv_cache_config, str(model_config.model))
-        rank, size = _tensor_parallel_rank_and_size(vllm_config, role)
-        self.tp_rank = rank
+        parallel = vllm_config.parallel_config
+        check_parallel_layout(parallel)
+        self.tp_rank, self.pp_rank = _worker_ranks(role, parallel)
         self.keyspace = KeySpace(
             namespace=self.cfg.namespace, model=str(model_config.model),
             model_hash=model_config_hash(model_config),
             vllm_version=vllm.__version__,
             dtype=f"{model_config.dtype}/{vllm_config.cache_config.cache_dtype}",
-            layout=self.spec_fingerprint,
-            tp_rank=rank, tp_size=size, hash_algo=hash_algo, chunk_tokens=self.cfg.chunk_tokens)
-        self.prefix = self.keyspace.prefix()
+            layout=self.spec_fingerprint, tp_size=parallel.tensor_parallel_size,
+            hash_algo=hash_algo, chunk_tokens=self.cfg.chunk_tokens,
+            pp_size=parallel.pipeline_parallel_size, pp_layers=pipeline_partition(vllm_config),
+            replicated=replicated_kv(groups[0].kv_cache_spec, parallel))
+        self.prefix = self.keyspace.prefix()  # of the logical keys (keys.py "Ranks")
+        self.rank_tag = self.keyspace.rank_tag(self.tp_rank, self.pp_rank)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.manifest_store = None  # the warm start manifest's tiers (scheduler side)
@@ -144,14 +175,18 @@ class KVPoolConnector(KVConnectorBase_V1):
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
             lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
-            lower = (open_store(lower_cfg, layout=self.spec_fingerprint)
-                     if lower_cfg is not None else None)
+            lower: Any = (open_store(lower_cfg, layout=self.spec_fingerprint)
+                          if lower_cfg is not None else None)
+            tags = self.keyspace.rank_tags()
+            if lower is not None and len(tags) > 1:
+                lower = AllRanksLookup(lower, tags)  # a hit is every rank's part, or a miss
             manifest_cfg = _manifest_store_config(self.cfg) if self.cfg.warm_start.enabled else None
             self.manifest_store = (open_store(manifest_cfg, layout=self.spec_fingerprint)
                                    if manifest_cfg is not None else None)
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
-                                       chunk_bytes, size, lower, self._request_block_ids,
+                                       chunk_bytes, parallel.world_size, lower,
+                                       self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
                                        load=transfer_config.is_kv_consumer,
                                        save=transfer_config.is_kv_producer,
@@ -177,17 +212,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
         ask_for_amx_tiles(layout.device.type)  # before a first step that is a full hit (amx.py)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
-        store = open_store(_chunk_slots(_unexported(self.cfg.as_store_config()),
-                                        layout.chunk_nbytes(self.blocks_per_chunk)),
-                           layout=full_fingerprint)
+        store: Any = open_store(_chunk_slots(_unexported(self.cfg.as_store_config()),
+                                             layout.chunk_nbytes(self.blocks_per_chunk)),
+                                layout=full_fingerprint,
+                                shared_writes=self.keyspace.stores_shared(self.tp_rank))
         # tail objects go first when the cpu or disk tier needs room (tails.py)
         store.set_evict_first(functools.partial(is_tail_key, prefix_len=len(self.prefix)))
+        if self.rank_tag:  # this rank's part of every chunk under its own keys (ranks.py)
+            store = RankedStore(store, self.rank_tag)
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
-                                 audit=KVAudit.from_env(),
+                                 audit=KVAudit.from_env(rank=self.rank_tag.decode()),
                                  staging_bytes=self.cfg.staging_bytes,
                                  events=kv_events_enabled(self._vllm_config),
                                  store_metrics=self.cfg.metrics, block_size=self.block_size,
-                                 count_tokens=self.tp_rank == 0)
+                                 count_tokens=not self.rank_tag)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),
@@ -202,13 +240,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert self.worker is not None
         ws = self.cfg.warm_start
         cpu_bytes = self.cfg.tiers[0].size  # type: ignore[attr-defined]  # cpu first: validated
-        prefix0 = dataclasses.replace(self.keyspace, tp_rank=0).prefix()
         manifest_cfg = _manifest_store_config(self.cfg)
         if manifest_cfg is None:
             return
         manifests = open_store(manifest_cfg, layout=self.spec_fingerprint)
         try:
-            manifest = read_manifest(manifests, manifest_key(prefix0))
+            manifest = read_manifest(manifests, manifest_key(self.prefix))
         finally:
             manifests.close()
         keys = prewarm_keys(manifest, self.prefix, prewarm_objects(ws.max_bytes, cpu_bytes,

@@ -5,12 +5,25 @@ as a chain (sha256 of parent hash, token ids and extra keys such as LoRA, multim
 or the request's cache_salt), so the hash of a chunk's *last* block identifies the whole
 token prefix up to the end of that chunk. The key adds everything that changes the bytes of
 the KV for the same tokens: the model and its configuration (vLLM's model config hash, which
-covers revision and quantization, plus hf_overrides, which that hash leaves out), dtype, KV
-layout fingerprint, tensor-parallel rank and world size, the hash algorithm, the vLLM
-version and kvpool's own format version. A rolling update that changes any of them starts
-a new key space instead of loading KV computed under the old one. No Python `hash()`
-anywhere: keys are equal across processes and hosts. (The store then derives object names
-from these keys with the pool key, so they never appear in a shared tier.)
+covers revision and quantization, plus hf_overrides, which that hash leaves out), dtype and
+KV cache dtype, KV layout fingerprint, the parallel layout (tensor- and pipeline-parallel
+sizes and the pipeline's layer partition), the hash algorithm, the vLLM version and
+kvpool's own format version. A rolling update that changes any of them starts a new key
+space instead of loading KV computed under the old one. No Python `hash()` anywhere: keys
+are equal across processes and hosts. (The store then derives object names from these keys
+with the pool key, so they never appear in a shared tier.)
+
+Ranks. The scheduler plans with the engine's *logical* keys (`KeySpace.prefix()`); each
+worker holds a different part of a chunk's KV (its tensor-parallel heads, its pipeline
+stage's layers) and stores it under its own *rank key* (`rank_key`): the logical key with
+its 16-byte prefix re-derived from the rank's tag. The tag of tensor rank 0 of stage 0 is
+empty (its rank key is the logical key); a layout whose KV is the same on every tensor rank
+(MLA's one latent per token) has one tag per stage, so one copy is stored, not one per rank.
+A hit needs every tag's object (`KeySpace.rank_tags`).
+
+Adapters. vLLM's block hashes name a LoRA adapter by name and path, not by its weights: a
+new version written over the old one's path hashes alike. A request with an adapter gets its
+own prefix (`adapter_prefix`), derived from a digest of the adapter's files (adapters.py).
 """
 
 from __future__ import annotations
@@ -22,7 +35,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-KEY_FORMAT = "kvpool-chunk-v2"  # bump when the key derivation or the payload layout changes
+KEY_FORMAT = "kvpool-chunk-v3"  # bump when the key derivation or the payload layout changes
+PREFIX_LEN = 16  # bytes of the key space prefix at the front of every key
 
 
 def model_config_hash(model_config) -> str:
@@ -40,28 +54,75 @@ def model_config_hash(model_config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def pipeline_partition(vllm_config) -> str:
+    """The pipeline's layer partition ("0-14,14-28"; "" without pipeline parallelism): two
+    engines that split the layers differently store different layers under one stage."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return ""
+    from vllm.distributed.utils import get_pp_indices
+    n = vllm_config.model_config.get_total_num_hidden_layers()
+    return ",".join("{}-{}".format(*get_pp_indices(n, r, pp)) for r in range(pp))
+
+
 @dataclass(frozen=True)
 class KeySpace:
-    """What, besides the tokens, makes two chunks interchangeable."""
+    """What, besides the tokens, makes two engines' chunks interchangeable. The same in the
+    scheduler and in every worker of an engine: nothing here is one rank's or one stage's."""
 
     namespace: str
     model: str
     model_hash: str  # model_config_hash(): revision, quantization, overrides, ...
     vllm_version: str
-    dtype: str
+    dtype: str  # the model's dtype / the KV cache dtype (auto, fp8, ...)
     layout: str  # fingerprint of the paged KV layout (see layout.py)
-    tp_rank: int
     tp_size: int
     hash_algo: str
     chunk_tokens: int
+    pp_size: int = 1
+    pp_layers: str = ""  # the pipeline's layer partition ("0-16,16-32"), "" without one
+    replicated: bool = False  # every tensor rank holds the same KV (MLA): one copy a stage
 
     def prefix(self) -> bytes:
-        """Short stable digest of the key space, first part of every key."""
+        """Short stable digest of the key space: the first part of every logical key."""
         text = "|".join(str(x) for x in (
             KEY_FORMAT, self.namespace, self.model, self.model_hash, self.vllm_version,
-            self.dtype, self.layout, f"tp{self.tp_rank}/{self.tp_size}", self.hash_algo,
-            self.chunk_tokens))
+            self.dtype, self.layout, f"tp{self.tp_size}", f"pp{self.pp_size}:{self.pp_layers}",
+            "replicated" if self.replicated else "sharded", self.hash_algo, self.chunk_tokens))
         return xxhash.xxh3_128_digest(text.encode())
+
+    def rank_tag(self, tp_rank: int, pp_rank: int) -> bytes:
+        """The tag of the worker at (tp_rank, pp_rank): b"" for the one whose rank keys are
+        the logical keys; tensor ranks share their stage's tag when the KV is replicated."""
+        if self.replicated:
+            tp_rank = 0
+        if not 0 <= tp_rank < self.tp_size or not 0 <= pp_rank < self.pp_size:
+            raise ValueError(f"rank tp{tp_rank}/pp{pp_rank} outside tp{self.tp_size}/"
+                             f"pp{self.pp_size}")
+        return b"" if tp_rank == pp_rank == 0 else f"tp{tp_rank}/pp{pp_rank}".encode()
+
+    def rank_tags(self) -> list[bytes]:
+        """Every distinct tag of the engine's workers: the objects one chunk is made of."""
+        tps = range(1 if self.replicated else self.tp_size)
+        return [self.rank_tag(t, p) for p in range(self.pp_size) for t in tps]
+
+    def stores_shared(self, tp_rank: int) -> bool:
+        """Whether this tensor rank writes the tiers other processes read: with replicated
+        KV only rank 0 does (the others keep their copy in their own memory)."""
+        return not self.replicated or tp_rank == 0
+
+
+def rank_key(key: bytes, tag: bytes) -> bytes:
+    """The key a worker with `tag` stores a logical key's part under: its prefix re-derived
+    from the logical prefix (whatever made it: the engine's, an adapter's) and the tag."""
+    if not tag:
+        return key
+    return xxhash.xxh3_128_digest(key[:PREFIX_LEN] + b"|rank|" + tag) + key[PREFIX_LEN:]
+
+
+def adapter_prefix(prefix: bytes, adapter_digest: bytes) -> bytes:
+    """The key space prefix of requests served with one adapter's weights."""
+    return xxhash.xxh3_128_digest(prefix + b"|adapter|" + adapter_digest)
 
 
 def block_hash_bytes(block_hash) -> bytes:

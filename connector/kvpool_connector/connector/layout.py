@@ -16,6 +16,7 @@ the chunk (`index_select` output). All layers of a chunk are one object: one lar
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -118,12 +119,15 @@ class KVLayout:
         self._index = {layer_kv.name: i for i, layer_kv in enumerate(self.layers)}
 
     def fingerprint(self) -> str:
-        """Everything that decides how to interpret a payload's bytes."""
-        parts = [f"backend={self.backend}"]
+        """Everything that decides how to interpret a payload's bytes: the backend, each
+        layer's dtype and block shape, and which layers they are (a digest of their names:
+        two pipeline stages with alike layers hold different ones)."""
+        names = hashlib.sha256("\n".join(v.name for v in self.layers).encode()).hexdigest()
+        parts = [f"backend={self.backend}", f"layers={names[:32]}"]
         for layer_kv in self.layers:
             shape = "x".join(map(str, layer_kv.block_shape))
             parts.append(f"{layer_kv.tensor.dtype}:{layer_kv.block_dim}:{shape}")
-        return "kvlayout-v1;" + ";".join(parts)
+        return "kvlayout-v2;" + ";".join(parts)
 
     def layer_index(self, name: str) -> int | None:
         return self._index.get(name)
@@ -269,17 +273,23 @@ class KVLayout:
 
 
 def spec_fingerprint(kv_cache_config, model: str) -> str:
-    """What both the scheduler and the workers know about the KV layout, before any tensor
-    exists: used inside chunk keys so both sides compute the same keys."""
+    """What the scheduler and every worker know alike about the KV layout, before any tensor
+    exists: used inside chunk keys so all of them compute the same keys. Per group its spec,
+    not its layers: a pipeline stage's workers and the scheduler (which vLLM gives stage
+    0's config) list different layers; which layers a worker holds is in its stored
+    objects' layout (KVLayout.fingerprint) and its rank key (keys.py)."""
     groups = kv_cache_config.kv_cache_groups
     parts = [f"model={model}", f"layout={getattr(kv_cache_config, 'kv_cache_layout', None)}"]
     for g in groups:
         s = g.kv_cache_spec
+        specs = getattr(s, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
+        if isinstance(specs, dict) and specs:
+            s = next(iter(specs.values()))  # what vLLM gives the scheduler in its place
         fields = [type(s).__name__]
         for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
                      "cache_dtype_str", "page_size_bytes"):
             if hasattr(s, attr):
                 with contextlib.suppress(Exception):  # a property that does not apply to this spec
                     fields.append(f"{attr}={getattr(s, attr)}")
-        parts.append(",".join(fields) + f",layers={len(g.layer_names)}")
+        parts.append(",".join(fields))
     return ";".join(parts)

@@ -64,7 +64,7 @@ class KVPoolMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
-    stored_keys: list[bytes] = field(default_factory=list)
+    stored_keys: list[bytes] = field(default_factory=list)  # once per worker that stored
     dropped_keys: list[bytes] = field(default_factory=list)  # saves that never got stored
     copied_saves: dict[str, int] = field(default_factory=dict)  # req_id -> save jobs copied
     failed_loads: dict[str, list[bytes]] = field(default_factory=dict)  # req_id -> chunk keys
@@ -79,7 +79,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         copied = dict(self.copied_saves)
         for r, n in other.copied_saves.items():
             copied[r] = copied.get(r, 0) + n
-        keys = list(dict.fromkeys(self.stored_keys + other.stored_keys))
+        # one entry per worker: a chunk is stored when every worker stored its part of it
+        # (tensor ranks' heads, pipeline stages' layers; scheduler.py _all_parts_stored)
+        keys = self.stored_keys + other.stored_keys
         dropped = list(dict.fromkeys(self.dropped_keys + other.dropped_keys))
         failed = {r: list(k) for r, k in self.failed_loads.items()}
         for r, k in other.failed_loads.items():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
+from .adapters import AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
 from .handover import (
@@ -45,7 +46,7 @@ from .handover import (
     parse_handover,
     wants_handover,
 )
-from .keys import chunk_keys
+from .keys import PREFIX_LEN, adapter_prefix, chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 from .tails import (
@@ -56,7 +57,7 @@ from .tails import (
     tail_candidates,
     tail_key,
 )
-from .warm import PREFIX_LEN, ManifestWriter, manifest_key, prewarm_keys, read_manifest
+from .warm import ManifestWriter, manifest_key, prewarm_keys, read_manifest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -82,6 +83,9 @@ class _RequestRecord:
     """What the scheduler side keeps about one live request."""
 
     request: Any
+    # the key space prefix of its chunks: the engine's, or its LoRA adapter's (keys.py);
+    # b"": none (an adapter kvpool cannot identify): it neither reads nor writes the pool
+    prefix: bytes = b""
     hit_chunks: int = 0             # leading chunks the store had at lookup
     lookup: tuple[int, int, float] | None = None  # (n block hashes, hit chunks, time)
     next_save: int = 0              # first chunk not yet planned for saving
@@ -163,7 +167,9 @@ class KeyIndex:
 
 class SchedulerSide:
     """`block_ids`: a request id -> the ids of its blocks in the first KV cache group (vLLM's
-    KV cache manager knows them), read when a save is planned."""
+    KV cache manager knows them), read when a save is planned. `world_size`: the workers
+    (tensor x pipeline parallel), each of which saves and reports its part of every chunk;
+    `lower_store`: the shared tiers as every rank's objects make them (ranks.py)."""
 
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
@@ -187,6 +193,10 @@ class SchedulerSide:
         # a local tier's config has a size (Tier.local), which TierConfigBase cannot declare
         local_bytes = cfg.tiers[0].size if first_local else 0  # type: ignore[attr-defined]
         self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
+        # a chunk enters the index once every worker reported its part stored: key -> the
+        # reports so far (bounded like the index; one rank's part alone is never a hit)
+        self._stored_parts: OrderedDict[bytes, int] = OrderedDict()
+        self._adapters = AdapterDigests()
         # The index holds what the workers copied out and hand to a local first tier (cpu or
         # disk; a lower tier's own index may lag behind). With a remote first tier the
         # scheduler asks the tier itself, so a failed write is never taken for a hit.
@@ -226,7 +236,8 @@ class SchedulerSide:
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
         # the warm start manifest's own tiers (connector._manifest_store_config), else lower's
-        self.manifests = manifest_store if manifest_store is not None else lower_store
+        self.manifests = (manifest_store if manifest_store is not None
+                          else getattr(lower_store, "store", lower_store))  # one object
         if cfg.warm_start.enabled and lower_store is not None:
             self._warm_start(local_bytes, chunk_bytes)
 
@@ -269,7 +280,8 @@ class SchedulerSide:
     def request_record(self, request: Request) -> _RequestRecord:
         record = self.reqs.get(request.request_id)
         if record is None:
-            record = self.reqs[request.request_id] = _RequestRecord(request)
+            record = self.reqs[request.request_id] = _RequestRecord(request,
+                                                                   self._prefix_of(request))
             self._read_handover(record)
         else:
             record.request = request
@@ -301,14 +313,25 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def _isolated(self, request: Request) -> bool:
-        """require_cache_salt: a request without a tenant salt neither reads nor writes."""
-        return self.cfg.require_cache_salt and not getattr(request, "cache_salt", None)
+    def _prefix_of(self, request: Request) -> bytes:
+        """The key space prefix of a request's chunks: its adapter's content decides, not
+        its name and path (adapters.py); b"" when the adapter has no digest here."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return self.prefix
+        digest = self._adapters.digest(lora)
+        return adapter_prefix(self.prefix, digest) if digest is not None else b""
+
+    def _isolated(self, record: _RequestRecord) -> bool:
+        """A request that neither reads nor writes the pool: require_cache_salt and no
+        tenant salt, or an adapter kvpool cannot identify."""
+        return not record.prefix or (self.cfg.require_cache_salt
+                                     and not getattr(record.request, "cache_salt", None))
 
     def num_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.request_record(request)
         record.local_tokens = num_computed_tokens  # after_alloc counts what neither cache held
-        if not self.load_enabled or self._isolated(request):
+        if not self.load_enabled or self._isolated(record):
             return 0, False
         hashes = request.block_hashes
         now = time.monotonic()
@@ -356,25 +379,25 @@ class SchedulerSide:
                 answer = _RemoteAnswer(0)
             record.remote_tail = answer
             more = answer.more
-            keys = chunk_keys(self.prefix, hashes[:n_hashes], self.blocks_per_chunk)
+            keys = chunk_keys(record.prefix, hashes[:n_hashes], self.blocks_per_chunk)
             hit = local + more
             if more:
                 hit += self.index.prefix_len(keys[hit:])
             record.hit_local_index = local
         else:
-            keys = chunk_keys(self.prefix, hashes, self.blocks_per_chunk)
+            keys = chunk_keys(record.prefix, hashes, self.blocks_per_chunk)
             local = self.index.prefix_len(keys)
             if self._lookup_pool is not None and local < len(keys):
                 rest = keys[local:]
                 tails = parts = None
                 if self._options(record)[1]:  # the tails that could follow what is found
                     tails = functools.partial(
-                        tail_candidates, self.prefix, list(hashes),
+                        tail_candidates, record.prefix, list(hashes),
                         blocks_per_chunk=self.blocks_per_chunk,
                         max_blocks=self._claimable_blocks(record.request))
                     if part_usable(record.request):
                         parts = functools.partial(
-                            part_candidates, self.prefix, list(hashes),
+                            part_candidates, record.prefix, list(hashes),
                             list(record.request.all_token_ids), block_size=self.block_size,
                             max_tokens=record.request.num_tokens - 1)
                 fut = self._submit(self._remote_lookup, rest, local, tails, parts)
@@ -446,7 +469,8 @@ class SchedulerSide:
             record.admitted_cached = record.local_tokens + max(num_external_tokens, 0)
         if computed > 0:
             self.stats.inc("kvpool_prompt_tokens_computed", computed)
-        if self.hotset is not None and not self._isolated(request):
+        # the hot set is the engine's own key space: an adapter's chunks are not counted
+        if self.hotset is not None and not self._isolated(record) and record.prefix == self.prefix:
             self._count_reused(record, num_external_tokens)
         if num_external_tokens <= 0:
             return
@@ -454,7 +478,7 @@ class SchedulerSide:
         hit_tokens = self._hit_tokens(record)
         first_block = (hit_tokens - num_external_tokens) // self.block_size
         last_block = hit_tokens // self.block_size  # exclusive
-        keys = chunk_keys(self.prefix, request.block_hashes, self.blocks_per_chunk,
+        keys = chunk_keys(record.prefix, request.block_hashes, self.blocks_per_chunk,
                           limit=record.hit_chunks)
         chunks: list[ChunkLoad] = []
         for c, key in enumerate(keys):
@@ -489,7 +513,7 @@ class SchedulerSide:
         reused = min(record.local_tokens + max(num_external_tokens, 0),
                      request.num_prompt_tokens) // self.chunk_tokens
         if reused > 0:
-            keys = chunk_keys(self.prefix, request.block_hashes, self.blocks_per_chunk,
+            keys = chunk_keys(record.prefix, request.block_hashes, self.blocks_per_chunk,
                               limit=reused)
             self.hotset.add([k[PREFIX_LEN:] for k in keys])
         writes = self.hotset.writes
@@ -525,7 +549,7 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
-        if not self.save_enabled or self._isolated(record.request):
+        if not self.save_enabled or self._isolated(record):
             return None
         req = record.request
         done_tokens = req.num_computed_tokens + n_sched
@@ -538,7 +562,7 @@ class SchedulerSide:
         durable = record.handover_out
         if record.next_save < record.hit_chunks and not durable:
             record.next_save = record.hit_chunks
-        keys = chunk_keys(self.prefix, req.block_hashes, self.blocks_per_chunk,
+        keys = chunk_keys(record.prefix, req.block_hashes, self.blocks_per_chunk,
                           start=record.next_save,
                           limit=n_chunks)
         first = record.next_save
@@ -572,18 +596,19 @@ class SchedulerSide:
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
-        for k in worker_meta.stored_keys:
+        stored = self._all_parts_stored(worker_meta.stored_keys, worker_meta.dropped_keys)
+        for k in stored:
             if self.track_stored:
                 self.index.add(k)
             self.inflight.discard(k)
-        if worker_meta.stored_keys and self.lower is not None:
-            self.lower.forget_absent(worker_meta.stored_keys)  # no stale "missing" for a new chunk
+        if stored and self.lower is not None:
+            self.lower.forget_absent(stored)  # no stale "missing" for a new chunk
         for k in worker_meta.dropped_keys:
             self.inflight.discard(k)
         for req_id, keys in worker_meta.failed_loads.items():
             self._load_failed(req_id, keys)
         if self.events is not None:
-            self.events.on_worker_meta(worker_meta.stored_keys, worker_meta.dropped_keys,
+            self.events.on_worker_meta(stored, worker_meta.dropped_keys,
                                        worker_meta.tier_events)
         self._durable_reports(worker_meta)
         for req_id, n in worker_meta.copied_saves.items():
@@ -595,6 +620,29 @@ class SchedulerSide:
                 if self.delayed[req_id] <= 0:
                     del self.delayed[req_id]
 
+    def _all_parts_stored(self, reports: list[bytes], dropped: list[bytes]) -> list[bytes]:
+        """The chunks whose every worker has now reported its part stored (`reports`: one
+        entry per worker and chunk, metadata.py); a part dropped by any worker forgets the
+        chunk's count, which then never completes (a miss, saved again by a later request)."""
+        if self.world_size == 1:
+            return list(reports)
+        parts = self._stored_parts
+        done = []
+        for k in reports:
+            n = parts.pop(k, 0) + 1
+            if n >= self.world_size:
+                done.append(k)
+            else:
+                parts[k] = n
+        if dropped:
+            gone = set(dropped)
+            for k in gone:
+                parts.pop(k, None)
+            done = [k for k in done if k not in gone]
+        while len(parts) > self.index.capacity + len(self.inflight):
+            parts.popitem(last=False)
+        return done
+
     def _load_failed(self, req_id: str, keys: list[bytes]) -> None:
         """Chunks that could not be loaded are recomputed: save them again afterwards."""
         for k in keys:
@@ -602,7 +650,7 @@ class SchedulerSide:
         record = self.reqs.get(req_id)
         if record is None:
             return
-        all_keys = chunk_keys(self.prefix, record.request.block_hashes, self.blocks_per_chunk,
+        all_keys = chunk_keys(record.prefix, record.request.block_hashes, self.blocks_per_chunk,
                               limit=record.hit_chunks)
         bad = set(keys)
         tail_bad = record.tail_key is not None and record.tail_key in bad
@@ -645,7 +693,7 @@ class SchedulerSide:
         returned here before vLLM sends them."""
         req = record.request
         status = getattr(getattr(req, "status", None), "name", "")
-        if (not record.handover_out or self.lower is None or self._isolated(req)
+        if (not record.handover_out or self.lower is None or self._isolated(record)
                 or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
             return None
         tokens = req.num_prompt_tokens - 1
@@ -653,7 +701,7 @@ class SchedulerSide:
             tokens -= tokens % self.block_size
         if not self._options(record)[1]:  # no tails: full chunks only
             tokens -= tokens % self.chunk_tokens
-        objs = handover_objects(self.prefix, req.block_hashes, req.all_token_ids, tokens,
+        objs = handover_objects(record.prefix, req.block_hashes, req.all_token_ids, tokens,
                                 self.block_size, self.blocks_per_chunk)
         if objs is None:
             return None
@@ -707,7 +755,7 @@ class SchedulerSide:
         assert h is not None
         request = record.request
         if record.handover_keys is None:
-            objs = (handover_objects(self.prefix, request.block_hashes, request.all_token_ids,
+            objs = (handover_objects(record.prefix, request.block_hashes, request.all_token_ids,
                                      h.tokens, self.block_size, self.blocks_per_chunk,
                                      part_ok=part_usable(request))
                     if self.lower is not None and self._claimable(h.tokens, request) else None)
@@ -864,7 +912,7 @@ class SchedulerSide:
             return
         # (also when the request has more full chunks than were found: the previous turn
         # may have ended inside chunk `hit`, without the answer's KV)
-        cands = tail_candidates(self.prefix, request.block_hashes, hit, self.blocks_per_chunk,
+        cands = tail_candidates(record.prefix, request.block_hashes, hit, self.blocks_per_chunk,
                                 self._claimable_blocks(request))
         record.tail_blocks, record.tail_key, record.tail_local = self._longest_present(cands,
                                                                                    remote)
@@ -878,7 +926,7 @@ class SchedulerSide:
         if not part_usable(request):
             return
         remote = answer.part_key if answer is not None and answer.part_at == n_blocks else None
-        cands = part_candidates(self.prefix, request.block_hashes, request.all_token_ids,
+        cands = part_candidates(record.prefix, request.block_hashes, request.all_token_ids,
                                 n_blocks, self.block_size, request.num_tokens - 1)
         record.part_tokens, record.part_key, record.part_local = self._longest_present(cands,
                                                                                    remote)
@@ -927,7 +975,7 @@ class SchedulerSide:
         if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
                 or not part_usable(req) or not self._parts_saved):
             return None
-        key = part_key(self.prefix, req.block_hashes[b - 1],
+        key = part_key(record.prefix, req.block_hashes[b - 1],
                        req.all_token_ids[b * self.block_size:n_tokens])
         if (key in self.index or key in self.inflight or key == record.part_key) and not durable:
             return None
@@ -951,7 +999,7 @@ class SchedulerSide:
         count = n_blocks - start
         if count <= 0:
             return None
-        key = tail_key(self.prefix, req.block_hashes, start, count)
+        key = tail_key(record.prefix, req.block_hashes, start, count)
         if (key in self.index or key in self.inflight or key == record.tail_key) and not durable:
             return None
         self.inflight.add(key)
@@ -967,7 +1015,7 @@ class SchedulerSide:
                        ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
     def _tails_saved(self, record: _RequestRecord) -> bool:
-        return (self.save_enabled and not self._isolated(record.request)
+        return (self.save_enabled and not self._isolated(record)
                 and self._options(record)[1])
 
     def _plan_prompt_tail(self, record: _RequestRecord, n_sched: int) -> list[SaveJob]:

@@ -33,7 +33,6 @@ log = logging.getLogger("kvpool.connector")
 
 MANIFEST_MARK = b"\x00hotset"
 MANIFEST_LAYOUT = b"kvpool hot set manifest v1"  # its own layout: every process reads it
-PREFIX_LEN = 16  # the key space prefix of every chunk key (keys.py)
 PREWARM_BATCH = 8  # objects per store read during pre-warm, each read with its own bound
 CLOSE_WRITE_S = 5.0  # bound on the last manifest write at shutdown
 

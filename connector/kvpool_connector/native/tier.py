@@ -100,15 +100,19 @@ def engine_identity(vllm_config: VllmConfig | None) -> dict[str, Any]:
     """What of the engine's VllmConfig changes the KV of the same tokens, as the tiered
     connector's keys have it (connector/keys.py): vLLM's model config hash with hf_overrides
     (model, revision, quantization, dtype, ...), the prefix-hash algorithm and the vLLM
-    version. Without the engine's config (a tier built outside vLLM's connector) the first
-    two are None: a key space of its own."""
-    from ..connector.keys import model_config_hash
+    version, and the pipeline's layer partition with pipeline parallelism (vLLM's
+    `FileMapper`, parallel-agnostic here, leaves it out). Without the engine's config (a
+    tier built outside vLLM's connector) the first two are None: a key space of its own."""
+    from ..connector.keys import model_config_hash, pipeline_partition
 
     if vllm_config is None:
         return {"model_config_hash": None, "hash_algo": None, "vllm_version": vllm.__version__}
-    return {"model_config_hash": model_config_hash(vllm_config.model_config),
-            "hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
-            "vllm_version": vllm.__version__}
+    identity = {"model_config_hash": model_config_hash(vllm_config.model_config),
+                "hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
+                "vllm_version": vllm.__version__}
+    if partition := pipeline_partition(vllm_config):  # only then: other identities stand
+        identity["pipeline"] = partition
+    return identity
 
 
 def layout_identity(offloading_spec: OffloadingSpec, chunk_bytes: int,

@@ -56,10 +56,13 @@ from .sealing import PoolKeyError
 from .tiered import TieredStore
 
 
-def open_store(config: Any, layout: bytes | str | None = None) -> TieredStore:
-    """A store for a config (dict, YAML/JSON path or StoreConfig) and a default layout."""
+def open_store(config: Any, layout: bytes | str | None = None,
+               shared_writes: bool = True) -> TieredStore:
+    """A store for a config (dict, YAML/JSON path or StoreConfig) and a default layout;
+    `shared_writes=False`: a replica, which reads every tier but writes (and promotes into)
+    its unshared ones only, another process writing the same objects to the shared ones."""
     cfg = config if isinstance(config, StoreConfig) else load_store_config(config)
-    return TieredStore(cfg, layout=layout)
+    return TieredStore(cfg, layout=layout, shared_writes=shared_writes)
 
 
 __all__ = ["PoolKeyError", "StoreConfig", "TieredStore", "layout_digest", "load_store_config",

@@ -65,8 +65,13 @@ def _zero_all(buffers: list[memoryview]) -> None:
 class TieredStore:
     """See the package docstring for the API; build it with `open_store`."""
 
-    def __init__(self, cfg: StoreConfig, layout: bytes | str | None = None) -> None:
+    def __init__(self, cfg: StoreConfig, layout: bytes | str | None = None,
+                 shared_writes: bool = True) -> None:
         self.cfg = cfg
+        # False: another process writes what this one would put in the shared tiers (a
+        # replica: the tensor ranks of an MLA model hold the same KV); this store reads them
+        # all but writes and promotes into its unshared tiers only
+        self.shared_writes = shared_writes
         self.namespace = cfg.namespace
         self.layout = layout_digest(layout)
         shared = any(tier_class(t.type).shared for t in cfg.tiers)
@@ -169,6 +174,8 @@ class TieredStore:
             return [False] * len(keys), [False] * len(keys)
         durable: list[list[bool]] = []
         landed = self._write(records, durable)
+        if not self.shared_writes:  # the process that writes the shared tiers answers that
+            return landed, [True] * len(keys)
         ok = [all(col) for col in zip(*durable, strict=True)] if durable else []
         return landed, ok or [False] * len(keys)
 
@@ -177,6 +184,14 @@ class TieredStore:
         """Write the first tier now, queue the lower ones; with `through` (a list), write the
         shared tiers now too and append each one's per-record answer to it."""
         first, lower = self.runners[0], self.runners[1:]
+        if not self.shared_writes:
+            lower = [r for r in lower if not r.tier.shared]
+            if first.tier.shared:  # the first tier's copy is the other process's to write
+                if lower:
+                    cpu_pool.run_each(Record.freeze, records, sum(r.size for r in records))
+                for runner in lower:
+                    runner.enqueue(records)
+                return [False] * len(records)
         nbytes = sum(r.size for r in records)
         # one owned sealed copy, shared by every lower tier; also when a write given up on
         # at the deadline could go on reading the caller's buffers after this returns
@@ -305,6 +320,8 @@ class TieredStore:
                 targets = [j for j, r in enumerate(self.runners) if not r.tier.shared]
             else:
                 targets = list(range(tier_index))
+            if not self.shared_writes:
+                targets = [j for j in targets if not self.runners[j].tier.shared]
             if not self.cfg.promote or not targets:
                 continue
             if self.keyring.encrypt and not rec.encrypt and any(

@@ -19,7 +19,7 @@ from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
 from kvpool_connector.connector.tails import part_key
 
 BS, BPC = 128, 2  # vLLM block size on CPU, blocks per 256-token chunk
-PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 0, 1, "sha256", 256).prefix()
+PREFIX = KeySpace("t", "m", "h", "v", "bf16", "fp", 1, "sha256", 256).prefix()
 
 
 def make_request(rid: str, n: int, seed: int = 0, cache_salt: str | None = None,

@@ -7,13 +7,20 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
-from kvpool_connector.connector.keys import KeySpace, chunk_keys
+from kvpool_connector.connector.keys import (
+    PREFIX_LEN,
+    KeySpace,
+    adapter_prefix,
+    chunk_keys,
+    rank_key,
+)
 
 SPACE = KeySpace(namespace="pool", model="/models/m", model_hash="h1", vllm_version="0.32.0",
-                 dtype="torch.bfloat16/auto", layout="spec-fp", tp_rank=0, tp_size=1,
+                 dtype="torch.bfloat16/auto", layout="spec-fp", tp_size=1,
                  hash_algo="sha256", chunk_tokens=256)
 
 
@@ -49,19 +56,20 @@ def test_a_changed_token_changes_its_chunk_and_every_later_one():
 def test_key_space_separates_models_layouts_dtypes_and_ranks():
     variants = [dataclasses.replace(SPACE, **{f: v}) for f, v in [
         ("model", "/models/other"), ("layout", "other-fp"), ("dtype", "torch.float16/auto"),
-        ("tp_rank", 1), ("tp_size", 2), ("namespace", "other"), ("hash_algo", "xxhash"),
-        ("chunk_tokens", 512), ("model_hash", "h2"), ("vllm_version", "0.33.0")]]
+        ("tp_size", 2), ("namespace", "other"), ("hash_algo", "xxhash"),
+        ("chunk_tokens", 512), ("model_hash", "h2"), ("vllm_version", "0.33.0"),
+        ("pp_size", 2), ("pp_layers", "0-1,1-2"), ("replicated", True)]]
     prefixes = {v.prefix() for v in variants} | {SPACE.prefix()}
     assert len(prefixes) == len(variants) + 1
 
 
 def test_keys_are_equal_across_processes_with_different_hash_seeds():
     code = ("from kvpool_connector.connector.keys import KeySpace;"
-            "print(KeySpace('pool','/m','h','v','bf16','fp',0,1,'sha256',256).prefix().hex())")
+            "print(KeySpace('pool','/m','h','v','bf16','fp',1,'sha256',256).prefix().hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()
             for seed in ("0", "12345")}
-    assert outs == {KeySpace('pool', '/m', 'h', 'v', 'bf16', 'fp', 0, 1, 'sha256', 256)
+    assert outs == {KeySpace('pool', '/m', 'h', 'v', 'bf16', 'fp', 1, 'sha256', 256)
                     .prefix().hex()}
 
 
@@ -78,3 +86,32 @@ def test_revision_quantization_or_overrides_give_a_new_key_space(tiny_model):
     changed = {model_config_hash(ModelConfig(model=path, **kw)) for kw in (
         {"revision": "v2"}, {"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 5000.0}})}
     assert len(changed) == 3 and base not in changed
+
+
+def test_every_rank_and_stage_has_its_own_keys_and_rank_0_the_logical_ones():
+    """Two pipeline stages (other layers) or two tensor ranks (other heads) never store
+    under one key; tensor rank 0 of stage 0 stores under the logical key itself."""
+    space = dataclasses.replace(SPACE, tp_size=2, pp_size=2, pp_layers="0-14,14-28")
+    tags = space.rank_tags()
+    assert tags[0] == b"" and len(set(tags)) == 4
+    key = chunk_keys(space.prefix(), _block_hashes(list(range(512))), 2)[0]
+    owned = [rank_key(key, t) for t in tags]
+    assert owned[0] == key and len(set(owned)) == 4
+    assert all(k[PREFIX_LEN:] == key[PREFIX_LEN:] for k in owned)  # same block hash suffix
+    with pytest.raises(ValueError, match="tp2/pp0 outside tp2/pp2"):
+        space.rank_tag(2, 0)
+
+
+def test_replicated_kv_is_one_object_per_stage_written_by_tensor_rank_0():
+    mla = dataclasses.replace(SPACE, tp_size=4, pp_size=2, pp_layers="0-1,1-2", replicated=True)
+    assert mla.rank_tags() == [b"", b"tp0/pp1"]
+    assert {mla.rank_tag(t, 1) for t in range(4)} == {b"tp0/pp1"}
+    assert [mla.stores_shared(t) for t in range(4)] == [True, False, False, False]
+    assert all(dataclasses.replace(mla, replicated=False).stores_shared(t) for t in range(4))
+
+
+def test_an_adapter_has_its_own_key_space_per_content():
+    p = SPACE.prefix()
+    a1, a2 = adapter_prefix(p, b"v1" * 16), adapter_prefix(p, b"v2" * 16)
+    assert len({p, a1, a2}) == 3 and len(a1) == PREFIX_LEN
+    assert adapter_prefix(p, b"v1" * 16) == a1

@@ -13,12 +13,11 @@ import redis
 import torch
 
 from kvpool_connector.connector.config import ConnectorConfigError, load_connector_config
-from kvpool_connector.connector.keys import chunk_keys
+from kvpool_connector.connector.keys import PREFIX_LEN, chunk_keys
 from kvpool_connector.connector.layout import KVLayout
 from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob
 from kvpool_connector.connector.warm import (
     MANIFEST_LAYOUT,
-    PREFIX_LEN,
     ManifestWriter,
     Prewarmer,
     manifest_key,

@@ -1,0 +1,173 @@
+"""Every rank's part of a chunk under its own key; a hit only when every part is there; a
+LoRA adapter's key space from its files' content (keys.py "Ranks" and "Adapters")."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from kvpool_connector.connector.adapters import AdapterDigests
+from kvpool_connector.connector.config import load_connector_config
+from kvpool_connector.connector.keys import KeySpace, chunk_keys, rank_key
+from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
+from kvpool_connector.connector.ranks import AllRanksLookup, RankedStore
+from kvpool_connector.connector.scheduler import SchedulerSide
+from kvpool_connector.store import open_store
+from tests.conftest import SECURITY
+from tests.connector.connector.helpers import BPC, BS, PREFIX, make_request
+
+SPACE = KeySpace("t", "m", "h", "v", "bf16", "fp", 2, "sha256", 256, pp_size=2,
+                 pp_layers="0-1,1-2")
+TAGS = SPACE.rank_tags()
+
+
+def _disk(tmp_path, **kw):
+    return open_store({"namespace": "t", "security": SECURITY,
+                       "tiers": [{"type": "disk", "path": str(tmp_path), "size": "16Mi"}]},
+                      layout="fp", **kw)
+
+
+def test_each_rank_stores_its_part_under_its_key_and_reads_back_its_own(tmp_path):
+    store = _disk(tmp_path)
+    keys = chunk_keys(SPACE.prefix(), [bytes([i]) * 32 for i in range(4)], BPC)
+    ranks = [RankedStore(store, t) if t else store for t in TAGS]
+    for i, r in enumerate(ranks):
+        assert r.put_many_through(keys, [bytes([i]) * 64] * 2)[1] == [True, True]
+    for i, r in enumerate(ranks):  # every rank gets its own bytes back, never another's
+        assert [bytes(p) for p in r.get_many(keys)] == [bytes([i]) * 64] * 2
+    store.close()
+
+
+def test_a_chunk_missing_one_ranks_part_is_a_miss_for_the_request(tmp_path):
+    store = _disk(tmp_path)
+    keys = chunk_keys(SPACE.prefix(), [bytes([i]) * 32 for i in range(6)], BPC)
+    for t in TAGS:
+        (RankedStore(store, t) if t else store).put_many_through(keys, [b"x" * 64] * 3)
+    store.delete_many([rank_key(keys[1], TAGS[3])])  # the last rank lost chunk 1
+    lookup = AllRanksLookup(store, TAGS)
+    assert lookup.contains_prefix(keys) == 1
+    # (a disk tier's answer ends at its first miss: asked apart, chunk 2 is whole)
+    assert lookup.contains_many(keys[:2]) == [True, False]
+    assert lookup.contains_many(keys[2:]) == [True]
+    assert lookup.first_present([keys[1], keys[2]]) == 1  # rank 0 has keys[1]: not enough
+    assert lookup.first_present([keys[1]]) is None
+    store.close()
+
+
+def test_a_replica_reads_the_shared_tier_but_never_writes_it(tmp_path):
+    """MLA: tensor rank 1 holds the same latent KV as rank 0, which alone writes it."""
+    shared = {"type": "disk", "path": str(tmp_path / "shared"), "size": "16Mi"}
+    cfg = {"namespace": "t", "security": SECURITY,
+           "tiers": [{"type": "cpu", "size": "16Mi"}, shared]}
+    writer, replica = open_store(cfg, layout="fp"), open_store(cfg, layout="fp",
+                                                              shared_writes=False)
+    keys = [PREFIX + bytes([i]) * 32 for i in range(2)]
+    assert replica.put_many_through(keys, [b"r" * 64] * 2) == ([True, True], [True, True])
+    replica.flush(timeout=5)
+    assert not any(writer.contains_many(keys))  # rank 1's copy stayed in its own memory
+    assert [bytes(p) for p in replica.get_many(keys)] == [b"r" * 64] * 2  # its cpu tier
+    writer.put_many_through(keys, [b"w" * 64] * 2)
+    fresh = open_store(cfg, layout="fp", shared_writes=False)
+    assert [bytes(p) for p in fresh.get_many(keys)] == [b"w" * 64] * 2  # read from disk
+    for s in (writer, replica, fresh):
+        s.close()
+    only_shared = open_store({"namespace": "t", "security": SECURITY, "tiers": [shared]},
+                             layout="fp", shared_writes=False)
+    other = [PREFIX + b"\x09" * 32]
+    assert only_shared.put_many_through(other, [b"z" * 64])[1] == [True]
+    only_shared.flush(timeout=5)
+    assert only_shared.contains_many(other) == [False]
+    only_shared.close()
+
+
+def _side(tmp_path, world_size: int) -> SchedulerSide:
+    cfg = load_connector_config({"namespace": "t", "security": SECURITY,
+                                 "tiers": [{"type": "cpu", "size": "64Mi"},
+                                           {"type": "disk", "path": str(tmp_path),
+                                            "size": "64Mi"}]})
+    lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
+    return SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=world_size,
+                         lower_store=lower, block_ids=lambda rid: [], is_async=True)
+
+
+def test_a_chunk_is_a_hit_once_every_worker_reported_its_part(tmp_path):
+    side = _side(tmp_path, world_size=4)
+    req = make_request("r", 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=keys[:2] * 3))  # 3 of 4 workers
+    assert side.num_matched(req, 0) == (0, False)
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=[keys[1], keys[0]]))  # the 4th
+    side.reqs.clear()
+    assert side.num_matched(make_request("r2", 1000), 0) == (512, False)
+    # one worker dropped its part of chunk 2: never a hit, whatever the others report
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=[keys[2]], dropped_keys=[keys[2]]))
+    side.on_worker_meta(KVPoolWorkerMetadata(stored_keys=[keys[2]] * 3))
+    side.reqs.clear()
+    assert side.num_matched(make_request("r3", 1000), 0) == (512, False)
+    side.close()
+    side.lower.close()
+
+
+def _adapter(path, weights: bytes):
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return SimpleNamespace(lora_name="sql", lora_path=str(path), lora_int_id=1)
+
+
+def test_an_adapter_rewritten_at_its_path_gets_a_new_key_space(tmp_path):
+    digests = AdapterDigests()
+    v1 = digests.digest(_adapter(tmp_path / "a", b"1" * 4096))
+    assert v1 is not None and digests.digest(_adapter(tmp_path / "a", b"1" * 4096)) == v1
+    st = os.stat(tmp_path / "a" / "adapter_model.safetensors")
+    v2 = digests.digest(_adapter(tmp_path / "a", b"2" * 4096))  # same name, path and size
+    assert v2 is not None and v2 != v1
+    os.utime(tmp_path / "a" / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert AdapterDigests().digest(_adapter(tmp_path / "a", b"2" * 4096)) == v2  # content
+    assert AdapterDigests().digest(_adapter(tmp_path / "b", b"1" * 4096)) == v1  # not path
+
+
+def test_requests_of_an_adapter_use_its_prefix_and_an_unknown_one_stays_out(tmp_path):
+    side = _side(tmp_path / "pool", world_size=1)
+    plain = make_request("p", 1000)
+    with_v1 = make_request("a", 1000)
+    with_v1.lora_request = _adapter(tmp_path / "a", b"1" * 4096)
+    remote = make_request("h", 1000)
+    remote.lora_request = SimpleNamespace(lora_name="hub", lora_path="org/adapter",
+                                          lora_int_id=2)
+    rp, ra, rh = (side.request_record(r) for r in (plain, with_v1, remote))
+    assert rp.prefix == PREFIX and ra.prefix not in (b"", PREFIX) and rh.prefix == b""
+    side.on_worker_meta(KVPoolWorkerMetadata(
+        stored_keys=chunk_keys(PREFIX, plain.block_hashes, BPC)))
+    assert side.num_matched(plain, 0)[0] == 768
+    assert side.num_matched(with_v1, 0) == (0, False)  # the plain prompt's KV is not its
+    assert side.num_matched(remote, 0) == (0, False)
+    side.close()
+    side.lower.close()
+
+
+@pytest.mark.parametrize("attr,option", [("decode_context_parallel_size",
+                                          "--decode-context-parallel-size"),
+                                         ("prefill_context_parallel_size",
+                                          "--prefill-context-parallel-size")])
+def test_context_parallelism_is_refused_naming_the_option(attr, option):
+    from kvpool_connector.connector.config import ConnectorConfigError
+    from kvpool_connector.connector.connector import check_parallel_layout
+
+    check_parallel_layout(SimpleNamespace(decode_context_parallel_size=1,
+                                          prefill_context_parallel_size=1))
+    with pytest.raises(ConnectorConfigError, match=f"{option} > 1") as e:
+        check_parallel_layout(SimpleNamespace(**{"decode_context_parallel_size": 1,
+                                                 "prefill_context_parallel_size": 1,
+                                                 attr: 2}))
+    assert "\n" not in str(e.value)
+
+
+def test_workers_reports_add_up_one_entry_per_worker():
+    """vLLM aggregates the workers' metadata (KVOutputAggregator) before the scheduler
+    sees it: each worker's report of a chunk must survive, or no chunk ever completes."""
+    k = PREFIX + b"\x01" * 32
+    a, b = KVPoolWorkerMetadata(stored_keys=[k]), KVPoolWorkerMetadata(stored_keys=[k])
+    assert a.aggregate(b).stored_keys == [k, k]
