@@ -56,6 +56,12 @@ def kvpool_metrics() -> list[dict]:
     return out
 
 
+def _lora_request(spec: dict):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(spec["name"], int(spec["id"]), spec["path"])
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     import gc
@@ -84,18 +90,22 @@ def main() -> None:
                 _reply({"metrics": metrics_snapshot(llm)})
                 continue
             # a prompt: token ids, or {"prompt_token_ids": [...], "cache_salt": "...",
-            # "kv_transfer_params": {...}} (the last one goes into its SamplingParams)
+            # "kv_transfer_params": {...}, "lora": {"name", "id", "path"}} (the transfer
+            # params go into its SamplingParams, the adapter into its LoRARequest)
             prompts = [dict(p) if isinstance(p, dict) else {"prompt_token_ids": p}
                        for p in req["prompts"]]
-            params = []
+            params, loras = [], []
             for p in prompts:
+                lora = p.pop("lora", None)
+                loras.append(_lora_request(lora) if lora else None)
                 xfer = p.pop("kv_transfer_params", None)
                 params.append(SamplingParams(
                     max_tokens=req.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
                     logprobs=req.get("logprobs") or None,
                     extra_args={"kv_transfer_params": xfer} if xfer else None))
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False,
+                                lora_request=loras if any(loras) else None)
             elapsed = time.perf_counter() - t0
             result = []
             for o in outs:
