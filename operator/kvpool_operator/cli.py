@@ -1,15 +1,16 @@
 """`kvpool-operator`: run the operator, render a pool offline, regenerate the CRD and golden files.
 
   kvpool-operator run [--namespace NS ...] [--all-namespaces] [--liveness URL] [--peering NAME]
-  kvpool-operator render -f pool.yaml [--namespace NS]
+  kvpool-operator render -f pool.yaml [--namespace NS] [--explain]
   kvpool-operator crd --write crds/
   kvpool-operator golden --write tests/operator/golden/ [--examples examples/]
 
 `render` exits 0 when every document renders (warnings on stderr), 1 when one is invalid (its
 error, naming the field, on stderr; nothing on stdout), 2 when it cannot run (usage, a path it
-cannot read, bad KVPOOL_* settings). `golden` is dev tooling: it runs the `kvpool-dev`
-distribution's generator (dev/ in a kvpool checkout, package kvpool_dev), imported by name only
-when the command runs; no image has it.
+cannot read, bad KVPOOL_* settings). `render --explain` prints, instead of the manifests, what each
+engine role's memory request and /dev/shm size are made of (render/memory.py). `golden` is dev
+tooling: it runs the `kvpool-dev` distribution's generator (dev/ in a kvpool checkout, package
+kvpool_dev), imported by name only when the command runs; no image has it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from kvpool_connector.config import MalformedFile, UsageError, load_documents
 from kvpool_operator import crd, validation, yamlio
-from kvpool_operator.render import InvalidPool
+from kvpool_operator.render import InvalidPool, memory
 from kvpool_operator.settings import Settings, misspelled
 
 
@@ -70,11 +71,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def render_documents(path: str, docs: list, namespace: str | None,
-                     settings: Settings) -> tuple[str, list[str]]:
+                     settings: Settings, explain: bool = False) -> tuple[str, list[str]]:
     """All children of every KVCachePool in a file's documents, as one multi-document YAML
-    stream, and the warnings; InvalidPool names the document and the field. Every document
-    goes through validation.check_document, the reconciler's path."""
-    out, warnings = [], []
+    stream (with `explain`: each pool's memory account instead), and the warnings; InvalidPool
+    names the document and the field. Every document goes through validation.check_document,
+    the reconciler's path."""
+    out, warnings, accounts = [], [], []
     for index, doc in enumerate(docs):
         where = path if len(docs) == 1 else f"{path} (document {index + 1})"
         try:
@@ -82,8 +84,9 @@ def render_documents(path: str, docs: list, namespace: str | None,
         except InvalidPool as exc:
             raise InvalidPool(f"{where}: {validation.describe(doc)}: {exc}") from None
         out.extend(checked.manifests)
+        accounts.append(memory.explain(checked.pool))
         warnings += [f"{where}: {validation.describe(doc)}: {w}" for w in checked.warnings]
-    return yamlio.dump_all(out), warnings
+    return ("\n".join(accounts) if explain else yamlio.dump_all(out)), warnings
 
 
 def render_file(path: str, namespace: str | None, settings: Settings) -> str:
@@ -108,7 +111,7 @@ def _render(args: argparse.Namespace) -> int:
     try:
         settings = Settings.from_env()
         docs = load_documents(args.filename, sys.stdin.read() if args.filename == "-" else None)
-        text, warnings = render_documents(args.filename, docs, args.namespace, settings)
+        text, warnings = render_documents(args.filename, docs, args.namespace, settings, args.explain)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return validation.EXIT_USAGE
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None, prog: str = "kvpool-operator") -> int:
     render_cmd = commands.add_parser("render", help="print a pool's child manifests (offline)")
     render_cmd.add_argument("-f", "--filename", required=True, help="KVCachePool YAML ('-' for stdin)")
     render_cmd.add_argument("--namespace", "-n", help="namespace of the children (default: the pool's or 'default')")
+    render_cmd.add_argument("--explain", action="store_true",
+                            help="print what each engine's memory request and /dev/shm are made of, not the manifests")
     render_cmd.set_defaults(fn=_render)
 
     crd_cmd = commands.add_parser("crd", help="print or write the CRD generated from the models")

@@ -303,6 +303,12 @@ class HfCache(_Model):
     )
 
 
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of vLLM's paged KV cache on its CPU platform
+# env is a list of free-form objects, which CEL cannot read: the operator's validation refuses it
+CPU_KV_CACHE_ENV_MESSAGE = (f"env: {CPU_KV_CACHE_ENV} is rendered from model.cpuKvCacheGiB (the memory request "
+                            "counts it): set that field instead")
+
+
 class ModelSpec(_Model):
     name: str = Field(
         min_length=1,
@@ -346,8 +352,15 @@ class ModelSpec(_Model):
     )
     memory_overhead: Size = Field(
         "8Gi",
-        description="Host memory of vLLM's own process. Memory request = limit = CPU tier + the connector's "
-        "write queues and staging (1Gi per tier after the first, 1Gi staging in tiered mode) + shmSize + this.",
+        description="Host memory of vLLM's own process (on CPU nodes, gpus: 0, the model's weights too). "
+        "Memory request = limit = this + the CPU tier (native mode: vLLM's host region, a file in /dev/shm) + "
+        "the connector's write queues and staging (1Gi per tier after the first, 1Gi staging in tiered mode) + "
+        "shmSize + cpuKvCacheGiB on CPU nodes; `kvpool render --explain` itemizes it.",
+    )
+    cpu_kv_cache_gib: int = Field(
+        4, ge=1, le=65536, alias="cpuKvCacheGiB",
+        description=f"gpus: 0 only: GiB of vLLM's paged KV cache, in host memory on CPU nodes ({CPU_KV_CACHE_ENV}; "
+        "counted in the memory request). Unset, vLLM would take 90% of the node's memory.",
     )
 
     model_config = ConfigDict(
@@ -367,6 +380,8 @@ class ModelSpec(_Model):
             raise ValueError("tensorParallelSize must not exceed gpus")
         if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
             raise ValueError(_SECRET_ARGS_MESSAGE)
+        if any(isinstance(e, dict) and e.get("name") == CPU_KV_CACHE_ENV for e in self.env):
+            raise ValueError(CPU_KV_CACHE_ENV_MESSAGE)
         return self
 
 

@@ -1,9 +1,10 @@
 """One validation path for a KVCachePool: what the reconciler, `kvpool render` and `kvpool
 validate` all run, so that a pool one of them accepts none of the others refuses.
 
-`check` = the models (CRD rules), the operator's policy (its settings), every renderer, and the
-warnings (allowed, but worth saying: sizes no node can hold). Pure: a document and settings in,
-a checked pool or InvalidPool naming the field out. The CLIs add only reading files and printing.
+`check` = the models (CRD rules), the operator's policy (its settings), the memory account (a
+user-set limit below what the engine maps: render/memory.py), every renderer, and the warnings
+(allowed, but worth saying: sizes no node can hold). Pure: a document and settings in, a checked
+pool or InvalidPool naming the field out. The CLIs add only reading files and printing.
 
 Exit codes of both commands (docs/operator.md, "Validate and render offline"): 0 every document
 is a valid pool (warnings do not fail), 1 some document is invalid (a YAML syntax error, an empty
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_operator import models, policy
-from kvpool_operator.render import InvalidPool, Pool, load_pool, render_pool
+from kvpool_operator.render import InvalidPool, Pool, load_pool, memory, render_pool
 from kvpool_operator.settings import Settings
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -40,6 +41,7 @@ def check(doc: Any, settings: Settings, namespace: str | None = None) -> Checked
     if not isinstance(doc, dict):
         raise InvalidPool(f"expected a {models.KIND} mapping, got a {type(doc).__name__}")
     pool = load_pool(doc, settings, namespace)
+    memory.check_fits(pool)
     manifests = render_pool(pool)
     sizes = policy.size_warnings(pool.spec, manifests)
     return Checked(pool=pool, manifests=manifests, warnings=policy.model_warnings(pool.spec) + sizes, sizes=sizes)

@@ -15,10 +15,11 @@ def smoke_pool(engine_image: str, model: str, dtype: str) -> dict[str, Any]:
         "spec": {
             "model": {
                 "name": model, "image": engine_image, "gpus": 0, "shmSize": "256Mi", "memoryOverhead": "2Gi",
+                "cpuKvCacheGiB": 1,  # VLLM_CPU_KVCACHE_SPACE
                 # --enforce-eager: the CPU image has no C++ compiler for torch.compile (docs/helm.md)
                 "extraArgs": ["--enforce-eager", "--served-model-name", "tiny", "--max-model-len", "4096",
                               "--dtype", dtype, "--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
-                "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
+                "env": [{"name": "HF_HUB_OFFLINE", "value": "1"},
                         {"name": "VLLM_NO_USAGE_STATS", "value": "1"}],
             },
             "tiers": {"cpu": {"size": "256Mi"}, "disk": {"size": "1Gi", "volume": {"emptyDir": {}}}},

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool_connector.config import parse_size
 from kvpool_dev.golden import examples, golden_text
 from kvpool_operator import models
 from kvpool_operator.render import InvalidPool, load_pool, render, render_pool
@@ -289,6 +290,7 @@ def test_native_extra_config_keys_are_the_ones_vllm_reads():
 def test_common_engine_properties(settings):
     for name in example_ids():
         m = rendered(name, settings)
+        spec = load_example(name)["spec"]
         dep = engines(m)
         c = engine(m)
         # one random seed per pool, shared by its replicas (vLLM's prefix hashes), from its keys Secret
@@ -308,7 +310,8 @@ def test_common_engine_properties(settings):
                                           "fsGroupChangePolicy": "OnRootMismatch",
                                           "seccompProfile": {"type": "RuntimeDefault"}}
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+        shm = 2 << 30 if spec.get("connector") != "native" else (2 << 30) + parse_size(spec["tiers"]["cpu"]["size"])
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": models.format_size(shm)}
         assert {"name": "HOME", "value": "/home/kvpool"} in c["env"]
         assert {"name": "home", "mountPath": "/home/kvpool"} in c["volumeMounts"]
         assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]

@@ -76,6 +76,9 @@ WATCHED_SOURCES = {
     _SCHEDULER + "OffloadingConnectorScheduler.build_connector_meta": "dfbdaa29c12f67ba",
     _SCHEDULER + "OffloadingConnectorScheduler.update_state_after_alloc": "215946d20c1fdfe9",
     _SCHEDULER + "OffloadingConnectorScheduler.update_connector_output": "513b306a73cca6d2",
+    # the region's file (/dev/shm/vllm_offload_<engine>.mmap) and the free-space check before
+    # creating it: what regions.py sweeps and the operator sizes /dev/shm for (render/memory.py)
+    "vllm.v1.kv_offload.cpu.shared_offload_region:SharedOffloadRegion.__init__": "3324203b8e4149d9",
     # caches the manager in self._manager, which KVPoolOffloadingSpec.get_manager replaces
     "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec.get_manager": "426c971e9de7e360",
 }

@@ -9,7 +9,8 @@ events. Two things differ. `get_manager` wraps vLLM's tiering manager in kinds.p
 metrics: `build_metric_definitions`). And `get_worker`: vLLM's `CPUOffloadingSpec.get_worker` raises "CPU
 Offloading is currently only supported on CUDA-alike and XPU GPUs" on the CPU platform, so
 there this spec maps the same shared host region vLLM's worker would and moves blocks with
-`HostCopyWorker` (torch copies). On CUDA and XPU it returns vLLM's own worker.
+`HostCopyWorker` (torch copies). On CUDA and XPU it returns vLLM's own worker. Before either
+side creates its region, host regions a killed engine left in /dev/shm are removed (regions.py).
 
 `kv_connector_extra_config` key of this spec (all others are vLLM's):
   offload_worker: "auto" (default; kvpool's on the CPU platform, vLLM's on CUDA/XPU),
@@ -32,6 +33,7 @@ from .contract import (
 )
 from .host_copy import HostCopyWorker
 from .kinds import KindCountingManager, metric_definitions
+from .regions import remove_stale_regions
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ class KVPoolOffloadingSpec(TieringOffloadingSpec):
 
     def __init__(self, config) -> None:
         require_contract()
+        # before this engine's region is created (get_manager, get_worker): a region left in
+        # /dev/shm by a killed engine would take the space vLLM checks for (regions.py)
+        remove_stale_regions()
         super().__init__(config)
         missing = [a for a in SPEC_ATTRIBUTES if not hasattr(self, a)]
         if missing:

@@ -67,18 +67,10 @@ def store_namespace(pool: Pool) -> str:
 
 
 # Host memory the connector may hold beyond its CPU tier, per pod (split across tensor-parallel
-# ranks like the tiers): each lower tier's write queue, and the save staging of KVPoolConnector.
+# ranks like the tiers): each lower tier's write queue, and the save staging of KVPoolConnector;
+# memory.py counts them in the engine's memory request.
 QUEUE_BYTES = "1Gi"
 STAGING_BYTES = "1Gi"
-
-
-def buffer_bytes(pool: Pool) -> int:
-    """Bytes of write queues and staging a pod's stores may hold: part of its memory request."""
-    config = connector_config(pool)
-    if config is None:
-        return 0
-    queues = (len(config.tiers) - 1) * parse_size(QUEUE_BYTES)  # every tier after the first
-    return queues + (parse_size(STAGING_BYTES) if pool.spec.connector == "tiered" else 0)
 
 
 def _per_rank(pool: Pool, size: str) -> str:

@@ -13,7 +13,6 @@ import copy
 import json
 from typing import Any
 
-from kvpool_connector.config import parse_size
 from kvpool_operator import models
 from kvpool_operator.render.autoscaling import replicas_field
 from kvpool_operator.render.common import (
@@ -33,11 +32,11 @@ from kvpool_operator.render.common import (
 from kvpool_operator.render.configmap import config_data
 from kvpool_operator.render.connector import (
     backend_ca,
-    buffer_bytes,
     kv_transfer_config,
     secret_envs,
     store_namespace,
 )
+from kvpool_operator.render.memory import account
 from kvpool_operator.render.roles import DECODE, role_labels
 
 # Waits (bounded) for managed backends so engines do not start against a Redis/MinIO that is not up
@@ -61,6 +60,7 @@ for target in sys.argv[2:]:
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 # The vLLM image's HOME (/root) is not the engine user's: caches (Hugging Face, vLLM, Triton) go here.
 HOME = "/home/kvpool"
+CPU_KV_CACHE_ENV = models.CPU_KV_CACHE_ENV
 
 
 def compact_json(value: Any) -> str:
@@ -68,11 +68,8 @@ def compact_json(value: Any) -> str:
 
 
 def memory(pool: Pool) -> str:
-    """The CPU tier (pinned host memory), the connector's write queues and staging (bounded by the
-    store config), /dev/shm (tmpfs pages count as the pod's memory) and vLLM's own process."""
-    spec = pool.spec
-    parts = [spec.model.shm_size, spec.model.memory_overhead, *([spec.tiers.cpu.size] if spec.tiers.cpu else [])]
-    return models.format_size(sum(parse_size(p) for p in parts) + buffer_bytes(pool))
+    """The engine's memory request and limit: everything it maps, counted once (memory.py)."""
+    return models.format_size(account(pool).total)
 
 
 def _resources(pool: Pool) -> dict[str, Any]:
@@ -235,6 +232,14 @@ def engine_args(pool: Pool) -> list[str]:
     ]
 
 
+def cpu_platform_env(pool: Pool) -> list[dict[str, Any]]:
+    """`gpus: 0`: the paged KV cache's size in GiB (memory.py counts it). Unset, vLLM's CPU worker
+    would take --gpu-memory-utilization (0.9) of the NUMA node's memory, far beyond the pod's limit."""
+    if pool.spec.model.gpus:
+        return []
+    return [{"name": CPU_KV_CACHE_ENV, "value": str(pool.spec.model.cpu_kv_cache_gib)}]
+
+
 def engine_env(pool: Pool) -> list[dict[str, Any]]:
     """The hash seed and API key from Secrets, HOME, the pod name (KV event topics), the backends'
     credentials, the model's (HF_HOME, HF_TOKEN), then the user's env."""
@@ -247,6 +252,7 @@ def engine_env(pool: Pool) -> list[dict[str, Any]]:
         *([secret_env("VLLM_API_KEY", api_key.name, api_key.key)] if api_key else []),  # vLLM's --api-key
         *secret_envs(pool),
         *model_env(pool),
+        *cpu_platform_env(pool),
         *pool.spec.model.env,
     ]
 
@@ -261,7 +267,8 @@ def engine_volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "kvpool-config", "configMap": {"name": pool.config_map}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.spec.model.shm_size}},
+        # native mode: vLLM's host region is a file here, so /dev/shm holds it besides shmSize
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": models.format_size(account(pool).shm_bytes)}},
         {"name": "home", "emptyDir": {}},
     ]
     for volume, mount in _model_volumes(pool):
