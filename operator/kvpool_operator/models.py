@@ -359,8 +359,8 @@ class ModelSpec(_Model):
     )
     cpu_kv_cache_gib: int = Field(
         4, ge=1, le=65536, alias="cpuKvCacheGiB",
-        description=f"gpus: 0 only: GiB of vLLM's paged KV cache, in host memory on CPU nodes ({CPU_KV_CACHE_ENV}; "
-        "counted in the memory request). Unset, vLLM would take 90% of the node's memory.",
+        description=f"gpus: 0 only: GiB of vLLM's paged KV cache per tensor-parallel rank, in host memory on CPU "
+        f"nodes ({CPU_KV_CACHE_ENV}; counted in the memory request). Unset, vLLM would take 90% of the node's memory.",
     )
 
     model_config = ConfigDict(

@@ -69,6 +69,8 @@ def test_cpu_nodes_render_and_count_vllms_kv_cache_space(settings):
     pod = deployment(render(doc, settings, "kvpool"), "engine")
     assert {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}[models.CPU_KV_CACHE_ENV] == "6"
     assert memory_of(pod)[0] == before + 2 * 2**30
+    doc["spec"]["model"]["tensorParallelSize"] = 2  # every rank's worker allocates its own
+    assert memory_of(deployment(render(doc, settings, "kvpool"), "engine"))[0] == before + 8 * 2**30
     # a GPU engine's KV cache is device memory: no variable, not counted
     gpu = load_example("tiered-emptydir")
     gpu_pod = deployment(render(gpu, settings, "kvpool"), "engine")

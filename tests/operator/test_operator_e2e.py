@@ -601,10 +601,12 @@ async def test_lifecycle_create_update_prune_invalid_delete(server, op_settings)
     ("spec.tiers.cpu.size", {"tiers": {"cpu": {"size": "1.5"}}}),
     ("spec.model.shmSize", {"model": {"shmSize": "0.3Ki"}}),
     ("spec.tiers.disk.size", {"tiers": {"disk": {"size": "1.0000001k"}}}),
-], ids=["1.5", "0.3Ki", "1.0000001k"])
+    ("spec.model.resources.limits.memory", {"model": {"resources": {"limits": {"memory": "8Gi"}}}}),
+], ids=["1.5", "0.3Ki", "1.0000001k", "limit-below-the-memory-account"])
 async def test_a_size_of_a_fraction_of_a_byte_is_reported_and_nothing_is_deleted(server, op_settings, field, spec):
     """A size that is no whole number of bytes (stored before the CRD refused it, or applied
-    around it) gets ConfigValid=False naming the field, and no child is deleted or rewritten."""
+    around it), or a memory limit below what the engine maps (which CEL cannot read: resources
+    is free-form), gets ConfigValid=False naming the field, and no child is deleted or rewritten."""
     async with running_operator(server, op_settings):
         await send(server, "post", POOLS_URL, load_example("tiered-full"))
         await eventually(lambda: pool_obj(server)["status"].get("observedGeneration") == 1, message="reconciled")

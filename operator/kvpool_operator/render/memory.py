@@ -61,9 +61,10 @@ class Account:
 
 
 def cpu_kv_cache_bytes(pool: Pool) -> int:
-    """vLLM's paged KV cache in host memory: on the CPU platform (`gpus: 0`) only."""
+    """vLLM's paged KV cache in host memory: on the CPU platform (`gpus: 0`) only, where every
+    tensor-parallel rank's worker allocates VLLM_CPU_KVCACHE_SPACE GiB of its own."""
     model = pool.spec.model
-    return model.cpu_kv_cache_gib * GIB if model.gpus == 0 else 0
+    return model.cpu_kv_cache_gib * GIB * model.tensor_parallel_size if model.gpus == 0 else 0
 
 
 def account(pool: Pool, role: str = DECODE) -> Account:
@@ -76,7 +77,8 @@ def account(pool: Pool, role: str = DECODE) -> Account:
     items = [Item(f"vLLM's process (Python, torch{weights})", parse_size(model.memory_overhead),
                   "spec.model.memoryOverhead")]
     if model.gpus == 0:
-        items.append(Item("vLLM's paged KV cache in host memory (VLLM_CPU_KVCACHE_SPACE)",
+        ranks = f" x {model.tensor_parallel_size} ranks" if model.tensor_parallel_size > 1 else ""
+        items.append(Item(f"vLLM's paged KV cache in host memory (VLLM_CPU_KVCACHE_SPACE{ranks})",
                           cpu_kv_cache_bytes(pool), "spec.model.cpuKvCacheGiB"))
     cpu = spec.tiers.cpu
     if cpu is not None and spec.connector == "tiered":
