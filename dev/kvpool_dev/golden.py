@@ -16,6 +16,7 @@ EXAMPLES = REPO / "examples"
 GOLDEN_NAMESPACE = "kvpool"
 # hostPath under /mnt, InferencePools allowed and KEDA installed: what the examples ask of the operator
 GOLDEN_SETTINGS = Settings(connector_image="ghcr.io/kvpool/kvpool-vllm:golden", allowed_host_path_prefixes=("/mnt",),
+                           allowed_model_host_path_prefixes=("/srv/models",),
                            inference_pools=True, keda=True)
 # Examples rendered under other settings: the one that shows the HorizontalPodAutoscaler (no KEDA).
 GOLDEN_OVERRIDES: dict[str, dict[str, object]] = {"tiered-autoscaling": {"keda": False}}

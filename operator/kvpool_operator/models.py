@@ -202,11 +202,33 @@ class SecretKeyRef(_Model):
 
 
 # vLLM flags whose value is a secret: in extraArgs it would sit in the pod spec for anyone to read.
-SECRET_ARGS = ("--api-key", "--hf-token")
-_SECRET_ARGS_RULE = ("!has(self.extraArgs) || !self.extraArgs.exists(a, "
-                     + " || ".join(f"a.startsWith('{f}')" for f in SECRET_ARGS) + ")")
-_SECRET_ARGS_MESSAGE = ("extraArgs must not pass --api-key or --hf-token (the value would sit in the pod spec): "
-                        "use service.apiKeySecretRef, or model.env with valueFrom.secretKeyRef")
+# vLLM's parser (FlexibleArgumentParser) reads `_` as `-` in a flag's name and takes an unambiguous
+# prefix of a flag for the flag (argparse's allow_abbrev), and `--config FILE` reads flags from a
+# file: so every spelling of each, any prefix of it included, is refused, with `=value` or a
+# `.key` (vLLM's dict arguments) after it. One pattern, read by CEL (RE2) and by the model.
+SECRET_ARGS = ("--api-key", "--hf-token", "--config")
+
+
+def _any_prefix(flag: str) -> str:
+    """A regex for every prefix of `flag` (`--api-key`: `--a` ... `--api-key`), `_` for `-`."""
+    body = flag.removeprefix("--")
+    chars = ["[-_]" if c == "-" else re.escape(c) for c in body]
+    nested = ""
+    for char in reversed(chars[1:]):
+        nested = f"({char}{nested})?"
+    return chars[0] + nested
+
+
+SECRET_ARG_PATTERN = "^--(" + "|".join(_any_prefix(f) for f in SECRET_ARGS) + ")([=.].*)?$"
+_SECRET_ARGS_RULE = f"!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('{SECRET_ARG_PATTERN}'))"
+_SECRET_ARGS_MESSAGE = ("extraArgs must not pass --api-key, --hf-token or --config, in any spelling or prefix "
+                        "vLLM reads as them (the value would sit in the pod spec): use service.apiKeySecretRef, "
+                        "or model.env with valueFrom.secretKeyRef")
+
+
+def secret_arg(arg: str) -> bool:
+    """Whether vLLM would read `arg` as one of SECRET_ARGS (the CEL rule's pattern)."""
+    return re.match(SECRET_ARG_PATTERN, arg, flags=re.DOTALL) is not None
 
 
 IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
@@ -259,7 +281,8 @@ class ModelVolume(_Model):
         None, description="An existing claim holding the weights (ReadOnlyMany or ReadWriteMany for several replicas)."
     )
     host_path: HostPathVolume | None = Field(
-        None, description="A node directory with the weights; under the operator's allowedHostPathPrefixes."
+        None, description="A node directory with the weights, mounted whole and read-only; under the operator's "
+        "allowedModelHostPathPrefixes, and never over a disk tier's directory."
     )
     image: ModelImage | None = Field(None, description="An OCI image volume with the weights.")
     mount_path: Annotated[str, AfterValidator(_model_mount)] = Field(
@@ -378,7 +401,7 @@ class ModelSpec(_Model):
     def _parallelism_and_args(self) -> ModelSpec:
         if self.gpus and self.tensor_parallel_size > self.gpus:
             raise ValueError("tensorParallelSize must not exceed gpus")
-        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
+        if any(secret_arg(arg) for arg in self.extra_args):
             raise ValueError(_SECRET_ARGS_MESSAGE)
         if any(isinstance(e, dict) and e.get("name") == CPU_KV_CACHE_ENV for e in self.env):
             raise ValueError(CPU_KV_CACHE_ENV_MESSAGE)
@@ -974,7 +997,7 @@ class PrefillSpec(_Model):
 
     @model_validator(mode="after")
     def _no_secret_args(self) -> PrefillSpec:
-        if any(arg.startswith(SECRET_ARGS) for arg in self.extra_args):
+        if any(secret_arg(arg) for arg in self.extra_args):
             raise ValueError(_SECRET_ARGS_MESSAGE)
         return self
 

@@ -12,12 +12,7 @@ from typing import Any
 
 from kvpool_connector.config import parse_size
 from kvpool_operator import models
-from kvpool_operator.settings import Settings
-
-
-def under(path: str, prefix: str) -> bool:
-    """Whole path components: /mnt/nvme0/kv is under /mnt/nvme0, /mnt/nvme0evil is not."""
-    return prefix == "/" or path == prefix or path.startswith(prefix + "/")
+from kvpool_operator.settings import Settings, overlaps, under
 
 
 def image_under(image: str, prefix: str) -> bool:
@@ -29,25 +24,34 @@ def image_under(image: str, prefix: str) -> bool:
     return image == prefix or image.startswith((prefix + "/", prefix + ":", prefix + "@"))
 
 
+def _host_path_refusals(field: str, path: str, allowed: tuple[str, ...], setting: str, instead: str) -> list[str]:
+    path = path.rstrip("/") or "/"
+    if not allowed:
+        return [f"{field}: refused by this operator (its setting {setting} is empty); use {instead}"]
+    if not any(under(path, prefix) for prefix in allowed):
+        return [f"{field}.path: {path} is not under an allowed prefix (operator setting {setting}: "
+                f"{', '.join(allowed)})"]
+    return []
+
+
 def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
-    host_paths = []
     disk = spec.tiers.disk
     if disk is not None and disk.volume.host_path is not None:
-        host_paths.append(("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path,
-                           "emptyDir, ephemeral or persistentVolumeClaim"))
+        out += _host_path_refusals("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path,
+                                   settings.allowed_host_path_prefixes, "allowedHostPathPrefixes",
+                                   "emptyDir, ephemeral or persistentVolumeClaim")
     model_volume = spec.model.volume
     if model_volume is not None and model_volume.host_path is not None:
-        host_paths.append(("spec.model.volume.hostPath", model_volume.host_path.path, "persistentVolumeClaim or image"))
-    allowed = settings.allowed_host_path_prefixes
-    for field, path, instead in host_paths:
-        path = path.rstrip("/") or "/"
-        if not allowed:
-            out.append(f"{field}: refused by this operator (its setting allowedHostPathPrefixes is empty); "
-                       f"use {instead}")
-        elif not any(under(path, prefix) for prefix in allowed):
-            out.append(f"{field}.path: {path} is not under an allowed prefix "
-                       f"(operator setting allowedHostPathPrefixes: {', '.join(allowed)})")
+        field = "spec.model.volume.hostPath"
+        path = model_volume.host_path.path.rstrip("/") or "/"
+        out += _host_path_refusals(field, path, settings.allowed_model_host_path_prefixes,
+                                   "allowedModelHostPathPrefixes", "persistentVolumeClaim or image")
+        # mounted whole (no forced subPath): over a disk-tier directory it would read every pool's tier
+        for disk_dir in settings.allowed_host_path_prefixes:
+            if overlaps(path, disk_dir):
+                out.append(f"{field}.path: {path} overlaps the disk-tier prefix {disk_dir} (operator setting "
+                           "allowedHostPathPrefixes): a model volume there would read other pools' disk tiers")
     images = [("spec.model.image", spec.model.image)]
     if model_volume is not None and model_volume.image is not None:
         images.append(("spec.model.volume.image.reference", model_volume.image.reference))

@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Literal, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvpool_connector.config import UsageError
 from kvpool_operator import __version__
@@ -17,6 +17,16 @@ ENV_PREFIX = "KVPOOL_"
 # An image by tag or pinned by digest (`repo:tag@sha256:<64 hex>`); the digest wins where both are given.
 IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
 Image = Annotated[str, Field(pattern=IMAGE_PATTERN)]
+
+
+def under(path: str, prefix: str) -> bool:
+    """Whole path components: /mnt/nvme0/kv is under /mnt/nvme0, /mnt/nvme0evil is not."""
+    return prefix == "/" or path == prefix or path.startswith(prefix + "/")
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether one node directory is, holds or lies under the other."""
+    return under(a, b) or under(b, a)
 
 
 def _node_dirs(prefixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -92,8 +102,13 @@ class Settings(BaseModel):
     )
     # What pool creators may ask for (policy.py): these hold whatever RBAC lets them write into a pool.
     allowed_host_path_prefixes: Annotated[tuple[str, ...], AfterValidator(_node_dirs)] = Field(
-        (), description="Node directories a hostPath disk tier or model volume may live under; empty: hostPath is "
-        "refused."
+        (), description="Node directories a hostPath disk tier may live under (each pool mounts only its own "
+        "subdirectory); empty: hostPath disk tiers are refused."
+    )
+    allowed_model_host_path_prefixes: Annotated[tuple[str, ...], AfterValidator(_node_dirs)] = Field(
+        (), description="Node directories a hostPath model volume may be (it is mounted whole, read-only); empty: "
+        "hostPath model volumes are refused. None may be, hold or lie under a disk-tier prefix "
+        "(allowedHostPathPrefixes): a model volume there would read other pools' disk tiers."
     )
     allowed_image_prefixes: tuple[str, ...] = Field(
         (), description="Prefixes of the images a pool may name (model, router, managed backends), matched on a "
@@ -127,6 +142,17 @@ class Settings(BaseModel):
     engine_run_as_user: int = Field(1000, ge=1, description="uid of the engine containers (runAsNonRoot).")
     engine_run_as_group: int = Field(1000, ge=1, description="gid of the engine containers.")
     engine_fs_group: int = Field(1000, ge=1, description="fsGroup of engine pods (group of their volumes).")
+
+    @model_validator(mode="after")
+    def _model_dirs_apart_from_disk_tiers(self) -> Settings:
+        for model_dir in self.allowed_model_host_path_prefixes:
+            for disk_dir in self.allowed_host_path_prefixes:
+                if overlaps(model_dir, disk_dir):
+                    raise ValueError(
+                        f"{env_name('allowed_model_host_path_prefixes')}: {model_dir} overlaps the disk-tier prefix "
+                        f"{disk_dir} ({env_name('allowed_host_path_prefixes')}): a model volume there would read "
+                        "other pools' disk tiers")
+        return self
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

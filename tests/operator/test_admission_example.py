@@ -60,6 +60,7 @@ def test_a_pool_within_the_guardrails_is_admitted():
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda p: p["spec"]["tiers"]["disk"].update(volume={"hostPath": {"path": "/mnt/nvme0"}}), "hostPath"),
+    (lambda p: p["spec"]["model"].update(volume={"hostPath": {"path": "/srv/models"}}), "model.volume.hostPath"),
     (lambda p: p["spec"]["tiers"].update(redis={"external": {"url": "rediss://r:6380/0"}}), "external Redis/S3"),
     (lambda p: p["spec"]["tiers"].update(s3={"external": {"endpoint": "https://s3.example", "bucket": "kvb"}}),
      "external Redis/S3"),
@@ -67,7 +68,7 @@ def test_a_pool_within_the_guardrails_is_admitted():
     (lambda p: p["spec"]["tiers"].update(redis={"managed": {"memory": "1Gi", "image": "redis:7"}}), "images"),
     (lambda p: p["spec"].update(router={"image": "docker.io/someone/router:latest"}), "images"),
     (lambda p: p["spec"].pop("service"), "apiKeySecretRef"),
-], ids=["hostPath", "external-redis", "external-s3", "model-image", "redis-image", "router-image", "no-api-key"])
+], ids=["hostPath", "model-hostPath", "external-redis", "external-s3", "model-image", "redis-image", "router-image", "no-api-key"])
 def test_what_the_guardrails_refuse(change, message):
     pool = copy.deepcopy(trusted_looking_pool())
     change(pool)

@@ -150,8 +150,13 @@ INVALID = [
             f"String should match pattern '{models.OPTIONAL_IMAGE_PATTERN}'",
         ),
     ),
-    ("tiered-full", "spec.model.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
-    ("tiered-full", "spec.model.extraArgs", ["--hf-token", "hf_x"], "must not pass --api-key or --hf-token"),
+    ("tiered-full", "spec.model.extraArgs", ["--api-key=sk-123"], "must not pass --api-key, --hf-token or --config"),
+    ("tiered-full", "spec.model.extraArgs", ["--hf-token", "hf_x"], "must not pass --api-key, --hf-token or --config"),
+    # vLLM reads `_` as `-` and a flag's unambiguous prefix as the flag (test_secret_args.py)
+    ("tiered-full", "spec.model.extraArgs", ["--api_key=sk-1"], "must not pass --api-key, --hf-token or --config"),
+    ("tiered-full", "spec.model.extraArgs", ["--api-ke", "sk-1"], "must not pass --api-key, --hf-token or --config"),
+    ("tiered-full", "spec.model.extraArgs", ["--hf_tok=hf_x"], "must not pass --api-key, --hf-token or --config"),
+    ("tiered-full", "spec.model.extraArgs", ["--config", "/m/a"], "must not pass --api-key, --hf-token or --config"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://:pw@r:6379/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "rediss://kv@r:6380/0", "must not contain credentials"),
     ("tiered-external", "spec.tiers.redis.external.url", "redis://r/0?PASSWORD=pw", "no query but db=<n>"),
@@ -165,7 +170,7 @@ INVALID = [
     ("tiered-emptydir", "spec.prefill", {"replicas": 1}, "needs a tier both roles reach"),
     ("native-cpu", "spec.prefill", {}, "in native mode needs a shared tier through kvpool's secondary tier"),
     ("native-shared", "spec.prefill", {}, "needs router"),
-    ("tiered-pd", "spec.prefill.extraArgs", ["--api-key=sk-123"], "must not pass --api-key or --hf-token"),
+    ("tiered-pd", "spec.prefill.extraArgs", ["--api_k=sk-123"], "must not pass --api-key, --hf-token or --config"),
     ("tiered-pd", "spec.prefill.replicas", 0, ("is less than the minimum of 1",
                                                 "Input should be greater than or equal to 1")),
     # autoscaling: a range, at least one trigger, zero engines only where a shared tier keeps the cache
@@ -223,6 +228,8 @@ def test_valid_variations_pass_both():
         ("tiered-autoscaling", "spec.autoscaling.triggers", {"promptTokensComputed": 0.5}),
         ("tiered-keda", "spec.autoscaling.triggers.kvCacheUsage", 1),
         ("tiered-full", "spec.warmStart", {"maxBytes": "1Gi", "topK": 100}),
+        ("tiered-full", "spec.model.extraArgs", ["--api-server-count", "2", "--hf-config-path=/m", "--config-format",
+                                                 "hf", "--compilation-config", "{}"]),
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)

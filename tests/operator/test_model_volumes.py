@@ -14,13 +14,13 @@ from kvpool_operator.render import InvalidPool, load_pool, render
 from kvpool_operator.render.common import CONFIG_DIR, DISK_PATH, TLS_CA_DIR
 from kvpool_operator.render.engine import HOME
 from kvpool_operator.render.secretrefs import referenced_secrets
-from kvpool_operator.settings import Settings
+from kvpool_operator.settings import Settings, SettingsError
 from tests.operator.conftest import load_example
 from tests.operator.schema_check import api_server_errors, validate_child
 
 SOURCES = {
     "pvc": {"persistentVolumeClaim": {"claimName": "models"}, "subPath": "llama"},
-    "hostPath": {"hostPath": {"path": "/mnt/models"}},
+    "hostPath": {"hostPath": {"path": "/srv/models"}},
     "image": {"image": {"reference": "registry.example/weights/llama:1", "pullPolicy": "IfNotPresent"},
               "mountPath": "/weights"},
 }
@@ -53,7 +53,7 @@ def test_a_model_volume_is_mounted_read_only_and_schema_valid(source, settings):
         assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
         assert mount["subPath"] == "llama"
     elif source == "hostPath":
-        assert volume["hostPath"] == {"path": "/mnt/models", "type": "Directory"}  # never created by the kubelet
+        assert volume["hostPath"] == {"path": "/srv/models", "type": "Directory"}  # never created by the kubelet
     else:
         assert volume["image"] == {"reference": "registry.example/weights/llama:1", "pullPolicy": "IfNotPresent"}
     assert container["args"][0] == "/models/llama"
@@ -94,13 +94,35 @@ def test_tiered_full_serves_its_gated_model_with_a_token(settings):
     assert "secretKeyRef" in token["valueFrom"] and "value" not in token
 
 
-def test_a_model_host_path_is_under_the_operators_allow_list():
+def test_a_model_host_path_is_under_its_own_allow_list():
     pool = pool_with(name="/models/llama", volume=SOURCES["hostPath"])
-    with pytest.raises(InvalidPool, match=r"^spec.model.volume.hostPath: refused by this operator"):
+    with pytest.raises(InvalidPool, match=r"^spec.model.volume.hostPath: refused by this operator \(its setting "
+                                          r"allowedModelHostPathPrefixes is empty\)"):
         load_pool(pool, Settings())
-    with pytest.raises(InvalidPool, match=r"^spec.model.volume.hostPath.path: /mnt/models is not under"):
-        load_pool(pool, Settings(allowed_host_path_prefixes=("/data",)))
-    load_pool(pool, Settings(allowed_host_path_prefixes=("/mnt",)))
+    # the disk tiers' allow-list admits no model volume (it did: a model could mount a disk-tier prefix)
+    with pytest.raises(InvalidPool, match=r"allowedModelHostPathPrefixes is empty"):
+        load_pool(pool, Settings(allowed_host_path_prefixes=("/srv",)))
+    with pytest.raises(InvalidPool, match=r"^spec.model.volume.hostPath.path: /srv/models is not under"):
+        load_pool(pool, Settings(allowed_model_host_path_prefixes=("/data",)))
+    load_pool(pool, Settings(allowed_model_host_path_prefixes=("/srv/models",)))
+
+
+@pytest.mark.parametrize("path", ["/mnt/nvme0", "/mnt/nvme0/kvpool", "/mnt"])
+def test_a_model_volume_never_reads_a_disk_tier_directory(path):
+    """The attack: a pool mounts the node's disk-tier directory (or one above or below it) as its
+    model and reads every other pool's hostPath disk tier there."""
+    pool = pool_with(name="/models/llama", volume={"hostPath": {"path": path}})
+    settings = Settings(allowed_host_path_prefixes=("/mnt/nvme0",), allowed_model_host_path_prefixes=("/srv",))
+    with pytest.raises(InvalidPool) as exc:
+        load_pool(pool, settings)
+    assert str(exc.value).startswith("spec.model.volume.hostPath"), exc.value
+    # and an operator cannot be set up to allow it: model and disk-tier prefixes never overlap
+    with pytest.raises(ValueError, match=r"KVPOOL_ALLOWED_MODEL_HOST_PATH_PREFIXES: .* overlaps the disk-tier prefix "
+                                         r"/mnt/nvme0 \(KVPOOL_ALLOWED_HOST_PATH_PREFIXES\)"):
+        Settings(allowed_host_path_prefixes=("/mnt/nvme0",), allowed_model_host_path_prefixes=(path,))
+    with pytest.raises(SettingsError, match="overlaps the disk-tier prefix"):
+        Settings.from_env({"KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt/nvme0",
+                           "KVPOOL_ALLOWED_MODEL_HOST_PATH_PREFIXES": path})
 
 
 def test_a_model_image_is_under_the_operators_image_prefixes():
