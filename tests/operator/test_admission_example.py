@@ -68,7 +68,8 @@ def test_a_pool_within_the_guardrails_is_admitted():
     (lambda p: p["spec"]["tiers"].update(redis={"managed": {"memory": "1Gi", "image": "redis:7"}}), "images"),
     (lambda p: p["spec"].update(router={"image": "docker.io/someone/router:latest"}), "images"),
     (lambda p: p["spec"].pop("service"), "apiKeySecretRef"),
-], ids=["hostPath", "model-hostPath", "external-redis", "external-s3", "model-image", "redis-image", "router-image", "no-api-key"])
+], ids=["hostPath", "model-hostPath", "external-redis", "external-s3", "model-image", "redis-image", "router-image",
+        "no-api-key"])
 def test_what_the_guardrails_refuse(change, message):
     pool = copy.deepcopy(trusted_looking_pool())
     change(pool)
