@@ -383,8 +383,12 @@ class StoreConfig(_Strict):
     timeout_seconds: float = Field(0.5, gt=0, le=60, description="bound of every store call")
     queue_size: int = Field(256, ge=1, description="default write-queue length of lower tiers")
     batch_max: int = Field(32, ge=1, description="objects a writer takes from its queue at once")
-    backoff_initial_seconds: float = Field(0.25, gt=0)
-    backoff_max_seconds: float = Field(10.0, gt=0)
+    backoff_initial_seconds: float = Field(0.25, gt=0, description="a tripped tier's first "
+                                           "backoff, doubled per failed probe")
+    backoff_max_seconds: float = Field(10.0, gt=0, description="the longest backoff")
+    write_failures_to_trip: int = Field(3, ge=1, description="consecutive failed writes (errors, "
+                                        "timeouts) that make a tier back off its writes; one "
+                                        "failed write never drops the next, independent one")
     promote: bool = Field(True, description="copy lower-tier hits into the faster tiers")
     queue_bytes: PositiveSize = Field(parse_size("1Gi"), description="bytes a lower tier's write "
                                       "queue may hold (beyond: dropped and counted), so a slow "

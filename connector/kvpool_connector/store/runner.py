@@ -31,12 +31,18 @@ _NOT_WRITTEN = object()
 
 
 class Health:
-    """Circuit breaker with exponential backoff and a single probe per backoff window."""
+    """Circuit breaker of one side (reads or writes) of a tier.
 
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial, self.maximum = initial, maximum
+    Closed (`healthy`) until `trip_after` calls in a row failed: below that, every call goes
+    through, so one failed write (an ENOSPC, a timeout) never fails the next, independent one.
+    Tripped, calls are skipped for a backoff (`initial`, doubled per further failure, at most
+    `maximum`); when it is over, one caller probes, the others keep skipping until the probe's
+    outcome. Any success closes it."""
+
+    def __init__(self, initial: float, maximum: float, trip_after: int = 1) -> None:
+        self.initial, self.maximum, self.trip_after = initial, maximum, trip_after
         self.healthy = True
-        self.failures = 0
+        self.failures = 0  # in a row
         self._retry_at = 0.0
         self._lock = threading.Lock()
 
@@ -55,13 +61,14 @@ class Health:
         return not self.healthy and time.monotonic() < self._retry_at
 
     def _backoff(self) -> float:
-        return min(self.maximum, self.initial * 2 ** max(0, self.failures - 1))
+        return min(self.maximum, self.initial * 2 ** max(0, self.failures - self.trip_after))
 
     def fail(self) -> None:
         with self._lock:
             self.failures += 1
-            self.healthy = False
-            self._retry_at = time.monotonic() + self._backoff()
+            if self.failures >= self.trip_after:
+                self.healthy = False
+                self._retry_at = time.monotonic() + self._backoff()
 
     def ok(self) -> None:
         if not self.healthy or self.failures:
@@ -76,7 +83,11 @@ class TierRunner:
                  first: bool) -> None:
         self.name, self.tier, self.stats = name, tier, stats
         self.timeout = tier_cfg.timeout_seconds or cfg.timeout_seconds
-        self.write_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
+        # writes trip after several failures in a row (a failed write costs no reader anything,
+        # and independent writes must not fail with it); reads at the first (a lookup or load on
+        # a failing tier costs its caller the deadline: a miss is cheaper)
+        self.write_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds,
+                                   trip_after=cfg.write_failures_to_trip)
         self.read_health = Health(cfg.backoff_initial_seconds, cfg.backoff_max_seconds)
         self.batch_max = cfg.batch_max
         self._pool = (ThreadPoolExecutor(4, thread_name_prefix=f"kvpool-{name}")
@@ -110,10 +121,10 @@ class TierRunner:
             h.ok()
         else:
             h.fail()
-        if was != ok:
+        if was != h.healthy:
             side = "writes" if op == "put" else "reads"
             log.warning("store tier %s: %s %s", self.name, side,
-                        "healthy again" if ok else "failing")
+                        "healthy again" if ok else f"failing ({h.failures} in a row): backing off")
             self.stats.set_healthy(self.healthy)
 
     def call(self, op: str, fn: Callable, *args, default=None, timeout: float | None = None,

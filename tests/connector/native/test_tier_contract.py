@@ -202,6 +202,27 @@ def test_a_store_that_did_not_land_fails_its_job_and_is_not_announced(failing, n
         assert [k for e in t.tier.take_events() for k in e.keys] == keys
 
 
+@pytest.mark.parametrize("failing", ["disk-full"], indirect=True)
+def test_one_failed_store_job_fails_alone(failing, namespace):
+    """vLLM 0.32's `test_mixed_job_results_emit_event_only_for_successful_job`, with a real
+    failure: a store job that hits ENOSPC fails, the next, independent job succeeds and is the
+    only one announced. Before, the failure tripped the disk tier's write breaker, which
+    dropped the next job too (reported failed, its chunks never stored)."""
+    store_tier, break_it, mend_it = failing
+    keys = chunk_keys(f"mixed-{namespace}", 2)
+    with Tier(store_tier, namespace, events=True, timeout=1.0) as t:
+        t.fill([0, 1])
+        break_it()
+        [first] = t.store(keys[:1], [0])
+        mend_it()
+        [second] = t.store(keys[1:], [1])  # at once: no backoff to wait out
+        assert (first.success, second.success) == (False, True)
+        [event] = t.tier.take_events()
+        assert list(event.keys) == keys[1:]
+        assert t.lookup(keys[1:]) == [LookupResult.HIT]
+        assert t.lookup(keys[:1], req="other") == [LookupResult.MISS]
+
+
 def test_out_of_range_chunk_ids_fail_the_job_and_store_nothing(backends, namespace):
     """Like vLLM's own tiers: a chunk id past the primary tier (or a key without an id) is
     refused before any byte moves; no empty object is stored under a real key."""

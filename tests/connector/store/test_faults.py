@@ -155,6 +155,65 @@ def test_full_disk_drops_writes_and_keeps_serving(small_fs, cpu_tier, namespace)
     alone.close()
 
 
+def test_one_enospc_does_not_fail_the_next_write(small_fs, namespace):
+    """A disk tier whose filesystem is full for one write: that write fails, the next one, once
+    there is room, is written at once (before, the failure tripped the write breaker and the
+    next write was dropped for the backoff)."""
+    disk = {"type": "disk", "path": str(small_fs), "size": "64Mi", "rescan_seconds": 0}
+    alone = build(namespace, disk)
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * ((4 << 20) - (256 << 10)))  # 256 KiB left of 4 MiB
+    keys, vals = [os.urandom(32) for _ in range(2)], [os.urandom(512 * 1024) for _ in range(2)]
+    assert alone.put_many(keys[:1], vals[:1]) == [False]
+    filler.unlink()
+    assert alone.put_many(keys[1:], vals[1:]) == [True]
+    st = alone.stats()["tiers"]["disk"]
+    assert (st["errors"], st["drops"], st["writes_healthy"]) == (1, 1, True)  # the failed one alone
+    assert alone.get_many(keys) == [None, vals[1]]
+    alone.close()
+
+
+def test_one_timeout_does_not_fail_the_next_write(redis_tier, redis_server, namespace):
+    """Redis frozen for one write (cut off at the deadline), then answering again: the next
+    write goes through at once."""
+    alone = build(namespace, redis_tier)
+    keys, vals = [os.urandom(32) for _ in range(2)], [os.urandom(1000) for _ in range(2)]
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        assert bounded(alone.put_many, keys[:1], vals[:1]) == [False]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert alone.put_many(keys[1:], vals[1:]) == [True]
+    st = alone.stats()["tiers"]["redis"]
+    assert (st["timeouts"], st["writes_healthy"]) == (1, True)
+    assert alone.get_many(keys[1:]) == vals[1:]
+    alone.close()
+
+
+def test_a_tier_that_stays_down_is_backed_off_after_three_failed_writes(redis_tier, redis_server, namespace):
+    """Writes to a stopped Redis: the first three fail (each tried), then the breaker trips and
+    writes are skipped (dropped, counted) until a probe after the backoff finds it back."""
+    alone = build(namespace, redis_tier)
+    key, val = os.urandom(32), os.urandom(1000)
+    redis_server.stop()
+    try:
+        for n in range(1, 4):
+            assert bounded(alone.put_many, [key], [val]) == [False]
+            st = alone.stats()["tiers"]["redis"]
+            assert st["errors"] + st["timeouts"] == n and st["writes_healthy"] is (n < 3), (n, st)
+        assert alone.put_many([key], [val]) == [False]  # skipped: not tried
+        st = alone.stats()["tiers"]["redis"]
+        assert st["errors"] + st["timeouts"] == 3 and st["drops"] >= 1
+    finally:
+        redis_server.start()
+
+    def recovered():
+        return alone.put_many([key], [val]) == [True]
+    assert wait_until(recovered)
+    assert alone.stats()["tiers"]["redis"]["writes_healthy"]
+    alone.close()
+
+
 def test_read_only_directory(make_readonly, cpu_tier, namespace):
     prepare, freeze = make_readonly
     path = prepare()
