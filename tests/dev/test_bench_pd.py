@@ -37,7 +37,11 @@ def test_transfer_configs_per_arm():
     assert pb.transfer_config("colo1", "ns") is None and pb.transfer_config("colo2", "ns") is None
     pre = pb.transfer_config("pd-kvpool", "ns", "redis://127.0.0.1:1/0", "prefill")
     dec = pb.transfer_config("pd-kvpool", "ns", "redis://127.0.0.1:1/0", "decode")
-    assert pre == dec  # one config for both roles, as the operator renders it
+    # one config for both roles, as the operator renders it, but for the prefill engine's
+    # handover_requests (only it honours the router's ask for a handover)
+    assert pre["kv_connector_extra_config"].pop("handover_requests") is True
+    assert "handover_requests" not in dec["kv_connector_extra_config"]
+    assert pre == dec
     extra = pre["kv_connector_extra_config"]
     assert [t["type"] for t in extra["tiers"]] == ["cpu", "redis"]
     assert extra["tiers"][1]["password_env"] == pb.REDIS_PASSWORD_ENV

@@ -53,8 +53,8 @@ def engines(tiny_model, redis_server, namespace, audit, tmp_path_factory):
     """The prefill engine writes through to a disk volume and Redis; one decode engine reads
     Redis only, the other the disk volume only (the same directory: a volume both mount).
     The prefill engine has `handover_always` (llm-d's shared-storage protocol sends no params);
-    every other prefill here asks for its handover as the routers do, which it also gets
-    without the flag."""
+    every other prefill here asks for its handover as the routers do, which a prefill engine
+    with `handover_requests` (what the operator renders for spec.prefill) gets as well."""
     redis = redis_tier(redis_server)
     disk = {"type": "disk", "path": str(tmp_path_factory.mktemp("pd-disk")), "size": "1Gi"}
     # a small paged cache (96 blocks, 12k tokens): three engines at once stay in memory

@@ -7,10 +7,12 @@ test_crd.py (INVALID)."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 
+from kvpool_connector.connector.config import ConnectorConfig
 from kvpool_dev.golden import GOLDEN_SETTINGS
 from kvpool_operator import policy
 from kvpool_operator.render import load_pool, render
@@ -58,7 +60,15 @@ def test_prefill_engines_are_the_decode_engines_with_the_prefill_role(pd):
     assert pc["env"] == dc["env"] and pc["image"] == dc["image"] and pc["volumeMounts"] == dc["volumeMounts"]
     assert p["spec"]["volumes"] == d["spec"]["volumes"]
     assert p["spec"].get("initContainers") == d["spec"].get("initContainers")  # both wait for Redis
-    assert pc["args"] == [*dc["args"], "--max-num-batched-tokens", "16384"]  # the prefill's extraArgs last
+    # the prefill's extraArgs last; its connector alone honours a request's ask for a handover
+    at = dc["args"].index("--kv-transfer-config") + 1
+    decode_kv, prefill_kv = json.loads(dc["args"][at]), json.loads(pc["args"][at])
+    assert "handover_requests" not in decode_kv["kv_connector_extra_config"]
+    assert prefill_kv["kv_connector_extra_config"].pop("handover_requests") is True
+    assert prefill_kv == decode_kv
+    assert pc["args"][:at] == dc["args"][:at]
+    assert pc["args"][at + 1:] == [*dc["args"][at + 1:], "--max-num-batched-tokens", "16384"]
+    assert "handover_requests" in ConnectorConfig.model_fields  # a key the connector reads
 
 
 def test_prefill_resources_merge_over_the_engines():

@@ -19,7 +19,8 @@ from ..config import PositiveSize, StoreConfig, _Strict, parse_size, read_docume
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
                   "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
-                  "handover_wait_seconds", "handover_always", "lookup_wait_ms", "warm_start")
+                  "handover_wait_seconds", "handover_always", "handover_requests", "lookup_wait_ms",
+                  "warm_start")
 # tier types whose objects other engines of the pool read: where the hot set manifest lives
 WARM_START_TIERS = ("redis", "s3", "disk")
 
@@ -85,6 +86,15 @@ class ConnectorConfig(StoreConfig):
                                   "to the shared tiers before its response), for a prefill "
                                   "engine behind llm-d's shared-storage protocol, which sends "
                                   "no kv_transfer_params")
+
+    handover_requests: bool = Field(False, description="prefill/decode through the pool: "
+                                    "honour a request's kv_transfer_params asking for a "
+                                    "handover (do_remote_decode, kvpool.handover). Set it on "
+                                    "prefill engines only (the operator does, on spec.prefill's "
+                                    "engines): a handover writes through inside the step and "
+                                    "skips dedupe, so on any other engine a client could force "
+                                    "that cost on everyone; there such a request runs as an "
+                                    "ordinary one (kvpool_handover_refused)")
 
     lookup_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long the scheduler "
                                   "waits, inside its step, for a lookup that asks Redis or S3 "

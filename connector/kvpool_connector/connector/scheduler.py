@@ -213,6 +213,7 @@ class SchedulerSide:
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
         self.stats = KVPoolConnectorStats()
+        self._handover_refusal_logged = False  # one warning per engine (_read_handover)
         # the lower store's series (lookups' latencies, its health) go out with the stats
         self._sampler = (StoreSampler(lower_store) if lower_store is not None and cfg.metrics
                          else None)
@@ -290,8 +291,18 @@ class SchedulerSide:
     def _read_handover(self, record: _RequestRecord) -> None:
         """What the request's kv_transfer_params ask of the pool (handover.py)."""
         params = getattr(record.request, "kv_transfer_params", None)
-        record.handover_out = self.save_enabled and (self.cfg.handover_always
-                                                     or wants_handover(params))
+        asked = wants_handover(params)
+        if asked and not (self.cfg.handover_requests or self.cfg.handover_always):
+            # not a prefill engine: a client must not force write-through on it
+            self.stats.inc("kvpool_handover_refused")
+            if not self._handover_refusal_logged:
+                self._handover_refusal_logged = True
+                log.warning("kvpool: handover requests (kv_transfer_params do_remote_decode or "
+                            "kvpool.handover) are ignored: this engine is not a prefill engine "
+                            "(connector key handover_requests); counted in "
+                            "kvpool_handover_refused_total")
+            asked = False
+        record.handover_out = self.save_enabled and (self.cfg.handover_always or asked)
         try:
             record.handover_in = parse_handover(params) if self.load_enabled else None
         except HandoverError as e:

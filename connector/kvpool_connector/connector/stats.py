@@ -91,6 +91,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                              "them", ()),
     "kvpool_handover_timeouts": ("Decode requests whose handover's objects were not all "
                                  "visible within handover_wait_seconds (they recompute)", ()),
+    "kvpool_handover_refused": ("Requests asking for a handover (do_remote_decode, "
+                                "kvpool.handover) on an engine not configured to give one "
+                                "(handover_requests): run as ordinary requests", ()),
     "kvpool_handover_rejected": ("Handovers ignored: malformed, or naming objects this "
                                  "request does not derive (another prompt, model or key)", ()),
     "kvpool_prewarm_objects": ("Warm start: objects of the pool's hot set loaded into the cpu "

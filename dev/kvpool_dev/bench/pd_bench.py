@@ -193,14 +193,15 @@ def verdicts(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def transfer_config(arm: str, namespace: str, redis_url: str = "",
                     role: str = "prefill") -> dict[str, Any] | None:
     """The arm's --kv-transfer-config for one role (pure): kvpool's the same for prefill and
-    decode, as the operator renders one config for both roles; NIXL's producer and consumer,
-    as vLLM asks (kv_both is deprecated there)."""
+    decode but for `handover_requests` on the prefill engine, as the operator renders them;
+    NIXL's producer and consumer, as vLLM asks (kv_both is deprecated there)."""
     if arm in ("colo1", "colo2"):
         return None
     if arm == "pd-kvpool":
         return kv_configs.kvpool_config(
             [kv_configs.cpu_tier("512Mi"), kv_configs.redis_tier(redis_url, REDIS_PASSWORD_ENV)],
-            namespace, handover_wait_seconds=HANDOVER_WAIT_S)
+            namespace, handover_wait_seconds=HANDOVER_WAIT_S,
+            **({"handover_requests": True} if role == "prefill" else {}))
     if arm == "pd-nixl":
         # the CPU platform registers its paged cache with NIXL as DRAM (base_worker.py)
         return {"kv_connector": "NixlConnector",

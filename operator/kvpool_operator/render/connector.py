@@ -193,15 +193,21 @@ def mounted_store_config(pool: Pool) -> dict[str, Any] | None:
     return None if config is None else config.model_dump(mode="json", exclude_unset=True)
 
 
-def kv_transfer_config(pool: Pool) -> dict[str, Any]:
-    """The JSON passed as `vllm serve --kv-transfer-config`."""
+def kv_transfer_config(pool: Pool, prefill: bool = False) -> dict[str, Any]:
+    """The JSON passed as `vllm serve --kv-transfer-config`. `prefill`: the engines of
+    spec.prefill, the only ones that honour a request's ask for a handover (`handover_requests`,
+    inline over the shared config file): on any other engine a client could force the
+    handover's write-through."""
     if pool.spec.connector == "tiered":
+        extra: dict[str, Any] = {"config_file": CONFIG_FILE}
+        if prefill:
+            extra["handover_requests"] = True
         return {
             "kv_connector": KVPOOL_CONNECTOR,
             "kv_connector_module_path": KVPOOL_MODULE,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config_file": CONFIG_FILE},
+            "kv_connector_extra_config": extra,
         }
     tiers = pool.spec.tiers
     assert tiers.cpu is not None  # validated: native needs a CPU tier

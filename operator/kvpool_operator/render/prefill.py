@@ -5,7 +5,8 @@ connector config (tiers, store namespace), keys Secret (PYTHONHASHSEED, so both 
 prompt's chunks alike; the pool key, so each reads what the other sealed), volumes and placement,
 with `spec.prefill`'s replicas (none with spec.prefill.autoscaling: its autoscaler owns them), its
 resources merged over the engines' and its extraArgs after the model's. The router sends each
-request here first (kv_transfer_params do_remote_decode, one token); the engine saves the prompt's
+request here first (kv_transfer_params do_remote_decode, one token); the engine (the only one whose
+connector honours such a request: `handover_requests` in its --kv-transfer-config) saves the prompt's
 KV to the pool's tiers and hands it over in the response's kv_transfer_params, which the router
 passes to a decode engine that loads it from the shared tier.
 
@@ -22,7 +23,8 @@ from typing import Any
 from kvpool_operator.render.autoscaling import replicas_field
 from kvpool_operator.render.common import CHECKSUM_ANNOTATION, Pool, checksum, merge
 from kvpool_operator.render.configmap import config_data
-from kvpool_operator.render.engine import engine_pod_spec
+from kvpool_operator.render.connector import kv_transfer_config
+from kvpool_operator.render.engine import compact_json, engine_pod_spec
 from kvpool_operator.render.networkpolicy import render_networkpolicy
 from kvpool_operator.render.roles import PREFILL, prefill_name, role_labels
 
@@ -35,7 +37,10 @@ def prefill_pod_spec(pool: Pool) -> dict[str, Any]:
     assert prefill is not None
     pod_spec = engine_pod_spec(pool)
     container = pod_spec["containers"][0]
-    container["args"] = [*container["args"], *prefill.extra_args]
+    args = list(container["args"])
+    at = args.index("--kv-transfer-config") + 1
+    args[at] = compact_json(kv_transfer_config(pool, prefill=True))  # honours handover requests
+    container["args"] = [*args, *prefill.extra_args]
     resources = merge(container.get("resources") or {}, prefill.resources)
     if resources:
         container["resources"] = resources

@@ -32,6 +32,7 @@ from tests.connector.connector.helpers import (
 )
 
 TAILS = {"tail_objects": True}
+PREFILL = {**TAILS, "handover_requests": True}  # a prefill engine: it honours handover requests
 NAME = "ab" * 32
 FIELD = "kv_transfer_params.kvpool.handover"
 
@@ -103,7 +104,7 @@ def _report(side, saves, failed=()):
         durable_failed={"p": list(failed)} if failed else {}))
 
 
-@pytest.mark.parametrize("side", [TAILS], indirect=True)
+@pytest.mark.parametrize("side", [PREFILL], indirect=True)
 def test_prefill_writes_through_all_but_the_last_prompt_token_and_hands_it_over(side):
     req = make_request("p", 1000)  # 7 blocks (3 chunks + a 1-block tail), 104 tokens more
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
@@ -121,7 +122,7 @@ def test_prefill_writes_through_all_but_the_last_prompt_token_and_hands_it_over(
     assert side.stats.data["kvpool_handovers"] == {"": 1}
 
 
-@pytest.mark.parametrize("side", [TAILS], indirect=True)
+@pytest.mark.parametrize("side", [PREFILL], indirect=True)
 def test_a_prompt_ending_on_a_block_boundary_hands_over_its_last_block_but_one_token(side):
     """1024 tokens, 4 whole chunks: the handover is 3 chunks, a 1-block tail and the last
     block's first 127 tokens, all saved at prefill end (the 4th chunk too, for others)."""
@@ -134,7 +135,7 @@ def test_a_prompt_ending_on_a_block_boundary_hands_over_its_last_block_but_one_t
     assert parse_handover(params) == Handover(1023, side.lower.object_names([part])[0])
 
 
-@pytest.mark.parametrize("side", [TAILS], indirect=True)
+@pytest.mark.parametrize("side", [PREFILL], indirect=True)
 def test_a_write_that_did_not_go_through_shortens_the_handover_returned(side):
     req, saves, params = _prefill(side, 1000)
     keys = chunk_keys(PREFIX, req.block_hashes, BPC)
@@ -158,6 +159,29 @@ def test_requests_not_asked_for_a_handover_return_none(side):
     assert not any(s.durable for s in meta.saves)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert side.finish(req, side.test_blocks["q"])[1] is None
+
+
+@pytest.mark.parametrize("side", [TAILS], indirect=True)
+def test_an_engine_that_is_no_prefill_engine_refuses_handover_requests(side):
+    """A client asking any engine for a handover (do_remote_decode) forced a write-through of
+    every chunk, cached ones too, inside the step: only engines with handover_requests (the
+    prefill role) honour it; elsewhere it is an ordinary request, its saves deduplicated."""
+    first = make_request("a", 1000)
+    side.num_matched(first, 0)
+    allocate(side, first, 0)
+    assert side.build_meta(scheduler_output({"a": 1000})).saves  # the chunks are saved once
+    for params in ({"do_remote_decode": True}, {"kvpool": {"handover": True}}):
+        req = make_request("p", 1000, kv_transfer_params=params)
+        side.num_matched(req, 0)
+        allocate(side, req, 0)
+        meta = side.build_meta(scheduler_output({"p": 1000}))
+        assert not any(s.durable for s in meta.saves)
+        assert not any(s.req_id == "p" for s in meta.saves)  # held already: not written again
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert side.finish(req, side.test_blocks["p"])[1] is None  # no handover returned
+        side.reqs.pop("p", None)
+    assert side.stats.data["kvpool_handover_refused"] == {"": 2}
+    assert "kvpool_handovers" not in side.stats.data
 
 
 def _decode_request(params, n=1000, rid="d"):
@@ -259,7 +283,7 @@ def test_handover_always_makes_every_request_a_handover_prefill(side):
     assert parse_handover(params).tokens == 999
 
 
-@pytest.mark.parametrize("side", [TAILS], indirect=True)
+@pytest.mark.parametrize("side", [PREFILL], indirect=True)
 def test_a_prefill_over_several_steps_settles_with_the_last_steps_report(side):
     req = make_request("p", 1000, kv_transfer_params={"kvpool": {"handover": True}})
     side.num_matched(req, 0)
@@ -330,7 +354,7 @@ def test_a_handover_already_visible_in_redis_loads_without_a_step_of_waiting(rem
     assert remote_side.stats.data["kvpool_handover_hits"] == {"": 1}
 
 
-@pytest.mark.parametrize("side", [{**TAILS, "require_cache_salt": True}], indirect=True)
+@pytest.mark.parametrize("side", [{**PREFILL, "require_cache_salt": True}], indirect=True)
 def test_a_pool_saving_no_partial_block_hands_over_whole_blocks(side):
     """require_cache_salt with unencrypted shared tiers: no partial block is saved
     (test_tails.py), so the handover promises only the whole blocks it wrote."""
