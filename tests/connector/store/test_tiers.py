@@ -653,3 +653,29 @@ def test_write_in_place_fills_a_slot_of_a_memory_only_store(tier_cfgs, namespace
     unsized = build(namespace, {"type": "cpu", "size": "256Ki"}, metrics=False)
     assert unsized.write_in_place([a], [10], fill) is None
     unsized.close()
+
+
+def test_a_write_through_skips_what_the_shared_tier_holds(cpu_tier, redis_tier, redis_server, namespace):
+    """A handover's write-through (put_many_through) of objects Redis already holds sends none
+    of them again (a cached 2048-token prompt re-wrote 10 objects per request); one gone from
+    Redis is written again; every one is reported durable."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_server.url, password=redis_server.password)
+    store = build_store(namespace, cpu_tier, redis_tier, layout=b"L")
+
+    def sets() -> int:
+        return int(client.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
+
+    keys, vals = [os.urandom(32) for _ in range(4)], [os.urandom(4096) for _ in range(4)]
+    assert store.put_many_through(keys, vals) == ([True] * 4, [True] * 4)
+    before = sets()
+    assert store.put_many_through(keys, vals) == ([True] * 4, [True] * 4)
+    assert sets() == before  # nothing sent again
+    names = list(client.scan_iter(match=f"*{namespace}*"))
+    assert len(names) == 4, names
+    client.delete(names[0])
+    assert store.put_many_through(keys, vals)[1] == [True] * 4
+    assert sets() == before + 1  # only the object that was gone
+    assert store.get_many(keys) == vals
+    store.close()
