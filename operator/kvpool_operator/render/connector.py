@@ -199,15 +199,15 @@ def kv_transfer_config(pool: Pool, prefill: bool = False) -> dict[str, Any]:
     inline over the shared config file): on any other engine a client could force the
     handover's write-through."""
     if pool.spec.connector == "tiered":
-        extra: dict[str, Any] = {"config_file": CONFIG_FILE}
+        connector_keys: dict[str, Any] = {"config_file": CONFIG_FILE}
         if prefill:
-            extra["handover_requests"] = True
+            connector_keys["handover_requests"] = True
         return {
             "kv_connector": KVPOOL_CONNECTOR,
             "kv_connector_module_path": KVPOOL_MODULE,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
+            "kv_connector_extra_config": connector_keys,
         }
     tiers = pool.spec.tiers
     assert tiers.cpu is not None  # validated: native needs a CPU tier
