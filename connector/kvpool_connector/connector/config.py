@@ -19,8 +19,8 @@ from ..config import PositiveSize, StoreConfig, _Strict, parse_size, read_docume
 EXTRA_CONFIG = "kv_connector_extra_config"
 CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads",
                   "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
-                  "handover_wait_seconds", "handover_always", "handover_requests", "lookup_wait_ms",
-                  "warm_start")
+                  "handover_wait_seconds", "handover_always", "handover_requests",
+                  "handover_max_bytes", "handover_step_bytes", "lookup_wait_ms", "warm_start")
 # tier types whose objects other engines of the pool read: where the hot set manifest lives
 WARM_START_TIERS = ("redis", "s3", "disk")
 
@@ -95,6 +95,17 @@ class ConnectorConfig(StoreConfig):
                                     "skips dedupe, so on any other engine a client could force "
                                     "that cost on everyone; there such a request runs as an "
                                     "ordinary one (kvpool_handover_refused)")
+
+    handover_max_bytes: PositiveSize = Field(parse_size("16Gi"), description="prefill/decode "
+                                             "through the pool: bytes of one request's chunks "
+                                             "a handover writes through (per rank); past it "
+                                             "the rest is saved behind and the handover ends "
+                                             "there (kvpool_handover_capped)")
+    handover_step_bytes: PositiveSize = Field(parse_size("2Gi"), description="prefill/decode "
+                                              "through the pool: bytes of chunks all handovers "
+                                              "of one engine step write through (per rank): the "
+                                              "step waits for them; a handover that would pass "
+                                              "it is capped as by handover_max_bytes")
 
     lookup_wait_ms: float = Field(5.0, ge=0, le=1000, description="how long the scheduler "
                                   "waits, inside its step, for a lookup that asks Redis or S3 "

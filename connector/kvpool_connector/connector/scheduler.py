@@ -109,6 +109,8 @@ class _RequestRecord:
     handover_out: bool = False
     durable_pending: int = 0        # durable save jobs (x world size) not yet reported
     durable_failed: set[bytes] | None = None  # their keys not written through
+    durable_bytes: int = 0          # written through so far (handover_max_bytes caps it)
+    durable_capped: bool = False    # past a cap: the rest is saved behind, not handed over
     # decode: the handover it was given; "wait" until its objects are visible, then "ready"
     # (loaded as a hit) or "off" (timed out, malformed, not this prompt: an ordinary lookup)
     handover_in: Handover | None = None
@@ -224,6 +226,8 @@ class SchedulerSide:
         self.inline_wait_s = cfg.lookup_wait_ms / 1000  # per lookup job (see _answered)
         self.inline_budget_s = INLINE_BUDGET_WAITS * self.inline_wait_s  # per step
         self._inline_left = self.inline_budget_s  # what is left of this step's budget
+        self.chunk_bytes = chunk_bytes  # one rank's part of a chunk: what each worker writes
+        self._durable_step_left = cfg.handover_step_bytes  # this step's write-through budget
         self._job_s = 0.0  # running mean of the lookup jobs' durations (JOB_EWMA)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
@@ -536,6 +540,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
         self._inline_left = self.inline_budget_s  # the next step's lookups may wait again
+        self._durable_step_left = self.cfg.handover_step_bytes  # this step's write-through budget
         self.handovers_out.clear()  # their outputs are gone: nothing left to amend
         for waiting in self.reqs.values():
             if waiting.load is not None:
@@ -548,6 +553,10 @@ class SchedulerSide:
             job = self._plan_save(record, n_sched)
             if job is not None:
                 meta.saves.append(job)
+                if job.durable and record.durable_capped:  # past the cap: the rest, behind
+                    rest = self._plan_save(record, n_sched)
+                    if rest is not None:
+                        meta.saves.append(rest)
             meta.saves.extend(self._plan_prompt_tail(record, n_sched))
         meta.saves.extend(self.finish_saves)
         self.finish_saves = []
@@ -570,7 +579,12 @@ class SchedulerSide:
                        len(req.block_hashes) // self.blocks_per_chunk)
         if n_chunks <= record.next_save:
             return None
-        durable = record.handover_out
+        durable = self._durable(record)
+        if durable:
+            cut = self._durable_room(record, n_chunks)
+            durable = cut > record.next_save  # capped before its first chunk: all behind
+            if durable:
+                n_chunks = cut  # the rest of the step's chunks: build_meta plans them behind
         if record.next_save < record.hit_chunks and not durable:
             record.next_save = record.hit_chunks
         keys = chunk_keys(record.prefix, req.block_hashes, self.blocks_per_chunk,
@@ -601,7 +615,33 @@ class SchedulerSide:
         record.pending_copies += self.world_size
         if durable:
             record.durable_pending += self.world_size
+            nbytes = len(out_keys) * self.chunk_bytes
+            record.durable_bytes += nbytes
+            self._durable_step_left -= nbytes
         return SaveJob(req.request_id, out_keys, out_blocks, kinds, durable=durable)
+
+    def _durable(self, record: _RequestRecord) -> bool:
+        """Whether the request's saves are written through now: a handover not capped."""
+        return record.handover_out and not record.durable_capped
+
+    def _durable_room(self, record: _RequestRecord, n_chunks: int) -> int:
+        """How far (in chunks) a handover's saves may be written through: its caps are
+        handover_max_bytes per request and handover_step_bytes per step (a write-through
+        holds the whole step). Short of `n_chunks`, the request is capped: the chunks past the
+        cap, and every later save, go behind the first tier, and its handover ends before the
+        first chunk not written through (the decode engine computes the rest)."""
+        room = min(self.cfg.handover_max_bytes - record.durable_bytes,
+                   self._durable_step_left) // max(1, self.chunk_bytes)
+        if n_chunks - record.next_save <= room:
+            return n_chunks
+        cut = record.next_save + max(0, room)
+        req = record.request
+        record.durable_capped = True
+        record.durable_failed = (record.durable_failed or set()) | set(
+            chunk_keys(record.prefix, req.block_hashes, self.blocks_per_chunk, start=cut,
+                       limit=cut + 1))
+        self.stats.inc("kvpool_handover_capped")
+        return cut
 
     # -- worker feedback ---------------------------------------------------------------
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
@@ -1045,8 +1085,9 @@ class SchedulerSide:
         # whole blocks of the prompt (its last token's block included, for a longer prompt)
         claim = req.num_prompt_tokens - 1 if record.handover_out else req.num_prompt_tokens
         jobs = [self._tail_job(record, claim // self.block_size, ids,
-                               durable=record.handover_out),
-                self._part_job(record, req.num_prompt_tokens - 1, ids, durable=True)
+                               durable=self._durable(record)),
+                self._part_job(record, req.num_prompt_tokens - 1, ids,
+                               durable=self._durable(record))
                 if record.handover_out else None]
         return [j for j in jobs if j is not None]
 

@@ -94,6 +94,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvpool_handover_refused": ("Requests asking for a handover (do_remote_decode, "
                                 "kvpool.handover) on an engine not configured to give one "
                                 "(handover_requests): run as ordinary requests", ()),
+    "kvpool_handover_capped": ("Handovers cut short by handover_max_bytes or "
+                               "handover_step_bytes (the rest saved behind; the decode engine "
+                               "computes it)", ()),
     "kvpool_handover_rejected": ("Handovers ignored: malformed, or naming objects this "
                                  "request does not derive (another prompt, model or key)", ()),
     "kvpool_prewarm_objects": ("Warm start: objects of the pool's hot set loaded into the cpu "

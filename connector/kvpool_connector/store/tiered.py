@@ -62,6 +62,24 @@ def _zero_all(buffers: list[memoryview]) -> None:
         b[:] = bytes(len(b))
 
 
+# A write-through goes to a shared tier in calls of at most this many bytes, each within the
+# store's deadline: one call of a whole large handover (512 MiB) timed out whole.
+THROUGH_BATCH_BYTES = 64 << 20
+
+
+def _batches(records: list[Record], max_bytes: int) -> list[list[Record]]:
+    """`records` in order, cut into runs of at most `max_bytes` (a larger record alone)."""
+    out: list[list[Record]] = []
+    size = max_bytes
+    for rec in records:
+        if size + rec.size > max_bytes or not out:
+            out.append([])
+            size = 0
+        out[-1].append(rec)
+        size += rec.size
+    return out
+
+
 class TieredStore:
     """See the package docstring for the API; build it with `open_store`."""
 
@@ -218,7 +236,8 @@ class TieredStore:
         if held is None:  # the tier cannot say: write them all
             held = [False] * len(records)
         missing = [r for r, h in zip(records, held, strict=True) if not h]
-        written = iter(runner.put_now(missing) if missing else [])
+        written = iter([ok for batch in _batches(missing, THROUGH_BATCH_BYTES)
+                        for ok in runner.put_now(batch)])
         return [True if h else next(written) for h in held]
 
     def write_in_place(self, keys: Sequence[bytes], sizes: Sequence[int],

@@ -370,3 +370,35 @@ def test_a_pool_saving_no_partial_block_hands_over_whole_blocks(side):
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = side.finish(req, side.test_blocks["p"])
     assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
+
+
+@pytest.mark.parametrize("side", [{**PREFILL, "handover_max_bytes": "2Mi"}], indirect=True)
+def test_a_handover_past_its_byte_cap_writes_through_up_to_it_and_hands_over_that(side):
+    """1 MiB chunks, a 2 MiB cap: of a 1000-token prompt's 3 chunks, 2 are written through in
+    the step and the third behind the first tier (an ordinary save); the handover ends after
+    chunk 2 (the decode engine computes the rest). Before, a handover wrote whatever it was
+    asked inside the step."""
+    req, saves, params = _prefill(side, 1000)
+    keys = chunk_keys(PREFIX, req.block_hashes, BPC)
+    durable = [k for s in saves if s.durable for k in s.keys]
+    behind = [k for s in saves if not s.durable for k in s.keys]
+    assert durable == keys[:2] and keys[2] in behind
+    _report(side, saves)
+    assert parse_handover(params) == Handover(2 * 256, side.lower.object_names([keys[1]])[0])
+    assert side.stats.data["kvpool_handover_capped"] == {"": 1}
+
+
+@pytest.mark.parametrize("side", [{**PREFILL, "handover_step_bytes": "1Mi"}], indirect=True)
+def test_a_step_writes_through_at_most_its_byte_budget(side):
+    """Two prefills in one step under a 1 MiB step budget: the first writes one chunk through,
+    everything else of the step goes behind; the second request's handover is empty."""
+    a = make_request("a", 600, kv_transfer_params={"do_remote_decode": True})
+    b = make_request("b", 600, seed=1, kv_transfer_params={"do_remote_decode": True})
+    for r in (a, b):
+        side.num_matched(r, 0)
+        allocate(side, r, 0)
+    meta = side.build_meta(scheduler_output({"a": 600, "b": 600}))
+    durable = [(s.req_id, len(s.keys)) for s in meta.saves if s.durable]
+    assert durable == [("a", 1)], durable
+    assert sum(len(s.keys) for s in meta.saves if not s.durable and s.req_id in "ab") >= 2
+    assert side.stats.data["kvpool_handover_capped"] == {"": 2}

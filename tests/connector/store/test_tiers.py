@@ -679,3 +679,30 @@ def test_a_write_through_skips_what_the_shared_tier_holds(cpu_tier, redis_tier, 
     assert sets() == before + 1  # only the object that was gone
     assert store.get_many(keys) == vals
     store.close()
+
+
+def test_a_write_through_goes_in_deadline_sized_calls(cpu_tier, redis_tier, redis_server, namespace,
+                                                      monkeypatch):
+    """Each call to a shared tier carries at most THROUGH_BATCH_BYTES (a 512 MiB handover in one
+    call ran past the deadline whole); the records keep their order and all land."""
+    from kvpool_connector.store import tiered
+
+    class Sized:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+    cut = tiered._batches([Sized(n) for n in (30, 30, 30, 100, 10)], 64)
+    assert [[r.size for r in b] for b in cut] == [[30, 30], [30], [100], [10]]
+    assert tiered._batches([], 64) == []
+
+    calls: list[int] = []
+    monkeypatch.setattr(tiered, "THROUGH_BATCH_BYTES", 10_000)
+    store = build_store(namespace, cpu_tier, redis_tier, layout=b"L")
+    redis_runner = store.runners[1]
+    put_now = redis_runner.put_now
+    monkeypatch.setattr(redis_runner, "put_now", lambda recs: calls.append(len(recs)) or put_now(recs))
+    keys, vals = [os.urandom(32) for _ in range(5)], [os.urandom(4096) for _ in range(5)]
+    assert store.put_many_through(keys, vals) == ([True] * 5, [True] * 5)
+    assert calls == [2, 2, 1]  # about 4.1 KiB sealed each: two per 10 kB call
+    assert store.get_many(keys) == vals
+    store.close()
