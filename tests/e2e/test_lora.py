@@ -77,3 +77,27 @@ def test_a_new_adapter_version_at_the_same_path_misses_and_the_same_version_hits
     assert v2["token_ids"] != v1_cold["token_ids"]  # the adapters do change the output
     assert v2_hit["num_cached_tokens"] == HIT and v2_hit["token_ids"] == v2["token_ids"]
     audit.check()
+
+
+def test_an_adapter_rewritten_while_an_engine_runs_never_reaches_the_pool_from_it(
+        tiny_model, tmp_path, namespace, audit_dir, audit):
+    """Version 2 written over version 1's path while an engine that loaded version 1 runs: that
+    engine may still compute version 1's KV (vLLM keeps the adapter in its LoRA cache, and its
+    prefix cache holds version 1's blocks under the same name and path). Before, it saved that
+    KV under version 2's digest, and a fresh engine serving version 2 loaded it (a hit of 640
+    tokens, valid MAC, version 1's KV). Now the changed adapter stays out of the pool on the
+    running engine; the fresh engine computes version 2 and then hits its own KV."""
+    adapter, disk = tmp_path / "adapters" / "sql", tmp_path / "disk"
+    tiers = [{"type": "cpu", "size": "64Mi"},
+             {"type": "disk", "path": str(disk), "size": "256Mi"}]
+    write_adapter(adapter, tiny_model, seed=1)
+    with connector_engine(tiny_model, tiers, namespace, audit_dir=audit_dir, **LORA) as eng:
+        _ask(eng, adapter)
+        write_adapter(adapter, tiny_model, seed=2)  # while the engine runs
+        _ask(eng, adapter)  # out of the pool: nothing saved under version 2's key space
+    with connector_engine(tiny_model, tiers, namespace, audit_dir=audit_dir, **LORA) as eng:
+        v2 = _ask(eng, adapter)
+        v2_hit = _ask(eng, adapter)
+    assert v2["num_cached_tokens"] == 0, "version 1's KV was served to version 2"
+    assert v2_hit["num_cached_tokens"] == HIT and v2_hit["token_ids"] == v2["token_ids"]
+    audit.check()

@@ -4,20 +4,23 @@ vLLM's block hashes name an adapter by `lora_name` and `lora_path` (kv_cache_uti
 `_gen_lora_extra_hash_keys`), so a new version written over the old one's path hashes like
 the old one, and a shared tier would serve the old version's KV to the new one, with a
 valid MAC. The scheduler half gives every adapter request the key space prefix of its
-adapter's content (keys.py `adapter_prefix`): a BLAKE3 digest of every regular file under
-the adapter's directory (names and bytes, links followed as vLLM's loader follows them: a
-Hugging Face cache snapshot links its files into blobs). The digest is computed once per
-path and computed again when a file's size, mtime or inode changes (checked on every
-request: a stat per file), so a fresh engine serving a rewritten adapter misses.
+adapter's content (keys.py `adapter_prefix`): a BLAKE3 digest of the files vLLM's loader
+reads (`LoRAModel.from_local_checkpoint`, `PEFTHelper`): `adapter_config.json` and the
+first of `adapter_model.safetensors`, `.bin`, `.pt` (links followed as the loader follows
+them: a Hugging Face cache snapshot links its files into blobs), at most MAX_BYTES.
 
-What this cannot tell apart: an engine that loaded version 1 and keeps it in its adapter
-cache while version 2 is written over its path. vLLM itself then serves version 1 under
-the adapter's name (and its own prefix cache its KV); kvpool keys what the engine computes
-from then on by version 2's files. Deploy a new version under a new path or name, or
-restart the engines, as vLLM's own caches require.
+The digest is taken at an adapter's first request and its files' stats (size, mtime,
+ctime, inode: ctime too, since `cp -p` or `rsync --inplace -t` keep the mtime) are checked
+on every request; when they moved, the files are digested again. An adapter whose content
+changes while the engine runs is kept out of the pool (no lookups, no saves) until the
+engine restarts: the engine may still hold the old version in its LoRA cache and compute
+the old version's KV, which must not be saved under the new version's key space (a fresh
+engine would load it). It says so once in the log, and in
+kvpool_lora_adapters_changed_total. A fresh engine digests the new files.
 
-An adapter whose path is not a local directory (a hub id resolved by the worker) has no
-digest here: its requests neither read nor write the pool (`adapter_digest` returns None).
+An adapter whose path is not a local directory (a hub id resolved by the worker), or whose
+files cannot be read or are larger than MAX_BYTES, has no digest here: its requests neither
+read nor write the pool (`digest` returns None).
 """
 
 from __future__ import annotations
@@ -25,35 +28,36 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import blake3
 
 log = logging.getLogger("kvpool.connector")
 
 READ_BYTES = 8 << 20  # per read while hashing (adapters are MBs to a few hundred MB)
-MAX_FILES = 4096  # a directory with more files is not an adapter kvpool digests
+MAX_BYTES = 4 << 30  # a larger adapter is not digested (its requests stay out of the pool)
+CONFIG = "adapter_config.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")  # vLLM's order
 
 
 def _files(root: str) -> list[str]:
-    """The regular files under `root` (links followed), sorted by relative path."""
-    out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            if os.path.isfile(path):
-                out.append(path)
-                if len(out) > MAX_FILES:
-                    raise ValueError(f"more than {MAX_FILES} files")
-    return out
+    """The files vLLM loads for the adapter at `root`: its config and its weights."""
+    config = os.path.join(root, CONFIG)
+    weights = next((p for p in (os.path.join(root, w) for w in WEIGHTS) if os.path.isfile(p)), None)
+    if not os.path.isfile(config) or weights is None:
+        raise FileNotFoundError(f"no {CONFIG} and {' / '.join(WEIGHTS)}")
+    return [config, weights]
 
 
 def _signature(root: str, files: list[str]) -> tuple:
-    """What changes when any file is rewritten, replaced or added (cheap: stats only)."""
+    """What changes when a file is rewritten or replaced (cheap: stats only)."""
     sig = []
     for path in files:
         st = os.stat(path)
-        sig.append((os.path.relpath(path, root), st.st_size, st.st_mtime_ns, st.st_ino))
+        sig.append((os.path.relpath(path, root), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                    st.st_ino, st.st_dev))
+    if sum(entry[1] for entry in sig) > MAX_BYTES:
+        raise ValueError(f"larger than {MAX_BYTES >> 30} GiB")
     return tuple(sig)
 
 
@@ -71,17 +75,24 @@ def _digest(root: str, files: list[str]) -> bytes:
 
 
 class AdapterDigests:
-    """Per adapter path, the digest of its files, recomputed when their stats change."""
+    """Per adapter path, the digest of its files; a path whose files changed since is out."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_changed: Callable[[], None] | None = None) -> None:
         self._known: dict[str, tuple[tuple, bytes]] = {}
+        self._changed: set[str] = set()  # out of the pool until the engine restarts
         self._warned: set[str] = set()
+        self._on_changed = on_changed
         self._lock = threading.Lock()  # the scheduler thread and the lookup threads
 
     def digest(self, lora_request) -> bytes | None:
         """The content digest of a request's adapter, or None (not a local directory,
-        unreadable): the request is then kept out of the pool."""
+        unreadable, too large, or changed while this engine runs): the request is then kept
+        out of the pool."""
         path = str(getattr(lora_request, "lora_path", "") or "")
+        name = getattr(lora_request, "lora_name", "?")
+        with self._lock:
+            if path in self._changed:
+                return None
         try:
             if not os.path.isdir(path):
                 raise FileNotFoundError("not a local directory")
@@ -94,15 +105,26 @@ class AdapterDigests:
             value = _digest(path, files)
             if _signature(path, files) != sig:  # written while being read: no identity yet
                 raise OSError("changed while being hashed")
+            if known is not None and known[1] != value:  # new content (stats alone: touched)
+                self._changed_under_us(path, name)
+                return None
         except (OSError, ValueError) as e:
             if path not in self._warned:
                 self._warned.add(path)
                 log.warning("kvpool: LoRA adapter %r (%s): %s; its requests do not use the "
-                            "pool", getattr(lora_request, "lora_name", "?"), path, e)
+                            "pool", name, path, e)
             return None
         with self._lock:
             self._known[path] = (sig, value)
-        if known is not None:
-            log.info("kvpool: LoRA adapter %r at %s changed: a new key space for it",
-                     getattr(lora_request, "lora_name", "?"), path)
         return value
+
+    def _changed_under_us(self, path: str, name: str) -> None:
+        with self._lock:
+            if path in self._changed:
+                return
+            self._changed.add(path)
+        log.warning("kvpool: LoRA adapter %r at %s changed while this engine runs: its requests "
+                    "stay out of the pool until the engine restarts (the engine may still hold "
+                    "the old version and compute its KV)", name, path)
+        if self._on_changed is not None:
+            self._on_changed()

@@ -198,7 +198,8 @@ class SchedulerSide:
         # a chunk enters the index once every worker reported its part stored: key -> the
         # reports so far (bounded like the index; one rank's part alone is never a hit)
         self._stored_parts: OrderedDict[bytes, int] = OrderedDict()
-        self._adapters = AdapterDigests()
+        self._adapters = AdapterDigests(
+            on_changed=lambda: self.stats.inc("kvpool_lora_adapters_changed"))
         # The index holds what the workers copied out and hand to a local first tier (cpu or
         # disk; a lower tier's own index may lag behind). With a remote first tier the
         # scheduler asks the tier itself, so a failed write is never taken for a hit.

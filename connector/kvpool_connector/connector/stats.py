@@ -94,6 +94,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvpool_handover_refused": ("Requests asking for a handover (do_remote_decode, "
                                 "kvpool.handover) on an engine not configured to give one "
                                 "(handover_requests): run as ordinary requests", ()),
+    "kvpool_lora_adapters_changed": ("LoRA adapters whose files changed while the engine ran: "
+                                     "their requests stay out of the pool until it restarts", ()),
     "kvpool_handover_capped": ("Handovers cut short by handover_max_bytes or "
                                "handover_step_bytes (the rest saved behind; the decode engine "
                                "computes it)", ()),

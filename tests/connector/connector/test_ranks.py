@@ -110,23 +110,84 @@ def test_a_chunk_is_a_hit_once_every_worker_reported_its_part(tmp_path):
     side.lower.close()
 
 
-def _adapter(path, weights: bytes):
-    path.mkdir(exist_ok=True)
-    (path / "adapter_config.json").write_text('{"r": 8}')
-    (path / "adapter_model.safetensors").write_bytes(weights)
+def _request(path):
     return SimpleNamespace(lora_name="sql", lora_path=str(path), lora_int_id=1)
 
 
-def test_an_adapter_rewritten_at_its_path_gets_a_new_key_space(tmp_path):
-    digests = AdapterDigests()
-    v1 = digests.digest(_adapter(tmp_path / "a", b"1" * 4096))
-    assert v1 is not None and digests.digest(_adapter(tmp_path / "a", b"1" * 4096)) == v1
+def _adapter(path, weights: bytes):
+    """Write an adapter's config and weights at `path`; its LoRA request."""
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return _request(path)
+
+
+def test_an_adapter_rewritten_at_its_path_gets_a_new_key_space_in_a_fresh_engine(tmp_path):
+    running = AdapterDigests()
+    v1 = running.digest(_adapter(tmp_path / "a", b"1" * 4096))
+    assert v1 is not None and running.digest(_adapter(tmp_path / "a", b"1" * 4096)) == v1
     st = os.stat(tmp_path / "a" / "adapter_model.safetensors")
-    v2 = digests.digest(_adapter(tmp_path / "a", b"2" * 4096))  # same name, path and size
-    assert v2 is not None and v2 != v1
+    _adapter(tmp_path / "a", b"2" * 4096)  # same name, path and size
     os.utime(tmp_path / "a" / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert AdapterDigests().digest(_adapter(tmp_path / "a", b"2" * 4096)) == v2  # content
-    assert AdapterDigests().digest(_adapter(tmp_path / "b", b"1" * 4096)) == v1  # not path
+    v2 = AdapterDigests().digest(_adapter(tmp_path / "a", b"2" * 4096))  # a fresh engine: content
+    assert v2 is not None and v2 != v1
+    assert AdapterDigests().digest(_adapter(tmp_path / "b", b"1" * 4096)) == v1  # not the path
+
+
+def test_an_adapter_changed_while_the_engine_runs_stays_out_of_the_pool(tmp_path):
+    """The running engine may still hold v1 in its LoRA cache and compute v1's KV: saved under
+    v2's digest, a fresh engine would load it for v2 (before, the running engine switched to
+    v2's key space at once). Out of the pool until the engine restarts, said once."""
+    changes: list[int] = []
+    running = AdapterDigests(on_changed=lambda: changes.append(1))
+    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is not None
+    _adapter(tmp_path / "a", b"2" * 4096)
+    assert running.digest(_adapter(tmp_path / "a", b"2" * 4096)) is None
+    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is None  # even back to v1
+    assert changes == [1]
+    assert running.digest(_adapter(tmp_path / "b", b"1" * 4096)) is not None  # another path
+
+
+def test_the_scheduler_keeps_a_changed_adapters_requests_out_and_counts_it(tmp_path):
+    side = _side(tmp_path / "pool", world_size=1)
+    first = make_request("a", 1000)
+    first.lora_request = _adapter(tmp_path / "a", b"1" * 4096)
+    assert side.request_record(first).prefix not in (b"", PREFIX)
+    later = make_request("b", 1000)
+    later.lora_request = _adapter(tmp_path / "a", b"2" * 4096)
+    assert side.request_record(later).prefix == b""  # neither looked up nor saved
+    assert side.num_matched(later, 0) == (0, False)
+    assert side.stats.data["kvpool_lora_adapters_changed"] == {"": 1}
+    side.close()
+    side.lower.close()
+
+
+def test_an_in_place_rewrite_keeping_size_mtime_and_inode_is_seen(tmp_path):
+    """`cp -p` / `rsync --inplace -t`: the same inode, size and mtime; the ctime moves."""
+    running = AdapterDigests()
+    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is not None
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    st = os.stat(weights)
+    with open(weights, "r+b") as f:
+        f.write(b"2" * 4096)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(weights)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert running.digest(_request(tmp_path / "a")) is None
+
+
+def test_only_the_files_vllm_loads_make_the_identity_and_a_huge_adapter_has_none(tmp_path, monkeypatch):
+    from kvpool_connector.connector import adapters
+
+    v1 = AdapterDigests().digest(_adapter(tmp_path / "a", b"1" * 4096))
+    (tmp_path / "a" / "README.md").write_text("notes")
+    (tmp_path / "a" / "adapter_model.bin").write_bytes(b"not loaded: safetensors comes first")
+    assert AdapterDigests().digest(_request(tmp_path / "a")) == v1
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "adapter_config.json").write_text('{"r": 8}')
+    assert AdapterDigests().digest(_request(tmp_path / "c")) is None  # no weights
+    monkeypatch.setattr(adapters, "MAX_BYTES", 1024)
+    assert AdapterDigests().digest(_request(tmp_path / "a")) is None
 
 
 def test_requests_of_an_adapter_use_its_prefix_and_an_unknown_one_stays_out(tmp_path):
