@@ -34,7 +34,7 @@ from .events import kv_events_enabled
 from .keys import KeySpace, model_config_hash, pipeline_partition
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
-from .ranks import AllRanksLookup, RankedStore
+from .ranks import AllRanksLookup, RankedStore, reporting_workers
 from .scheduler import SchedulerSide, prewarm_objects
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
 from .tails import is_tail_key
@@ -185,7 +185,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                    if manifest_cfg is not None else None)
             self.sched = SchedulerSide(self.cfg, self.prefix, self.block_size,
                                        self.blocks_per_chunk,
-                                       chunk_bytes, parallel.world_size, lower,
+                                       chunk_bytes, reporting_workers(parallel), lower,
                                        self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
                                        load=transfer_config.is_kv_consumer,

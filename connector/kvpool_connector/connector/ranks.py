@@ -19,6 +19,14 @@ from typing import Any
 from .keys import rank_key
 
 
+def reporting_workers(parallel: Any) -> int:
+    """The workers of one engine, each of which reports every save and load: tensor x
+    pipeline parallel ranks. Not `parallel.world_size`: under vLLM's external_launcher it
+    counts the data-parallel ranks too (other engines, which never report here), and the
+    scheduler would wait for their reports forever."""
+    return int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+
+
 class RankedStore:
     """A worker's store under its rank tag (non-empty: rank 0 of stage 0 needs no wrapper).
 
@@ -63,12 +71,40 @@ class RankedStore:
     def delete_many(self, keys) -> None:
         self.store.delete_many(self.own(keys))
 
+    def put(self, key, payload, layout=None) -> bool:
+        return self.store.put(rank_key(bytes(key), self.tag), payload, layout)
+
+    def get(self, key, layout=None, promote: bool = True):
+        return self.store.get(rank_key(bytes(key), self.tag), layout, promote)
+
+    def get_into(self, key, out, layout=None):
+        return self.store.get_into(rank_key(bytes(key), self.tag), out, layout)
+
+    def first_present(self, keys) -> int | None:
+        return self.store.first_present(self.own(keys))
+
+    def forget_absent(self, keys) -> None:
+        self.store.forget_absent(self.own(keys))
+
+    def object_names(self, keys) -> list[bytes]:
+        return self.store.object_names(self.own(keys))
+
     def take_events(self) -> list:
         self.store.take_events()  # drained, so they do not pile up in the store
         return []
 
-    def __getattr__(self, name: str) -> Any:  # stats, flush, close, tier_names, ...: no keys
-        return getattr(self.store, name)
+    def __getattr__(self, name: str) -> Any:
+        """The store's methods that take no keys; any other is refused: passed through, it
+        would read or write logical keys, i.e. rank 0's heads, with a valid MAC."""
+        if name in KEYLESS:
+            return getattr(self.store, name)
+        raise AttributeError(f"RankedStore does not pass {name!r} through: a store method that "
+                             "takes keys must be wrapped to rewrite them to this rank's")
+
+
+# TieredStore's methods that take no keys (every method that does is wrapped above)
+KEYLESS = frozenset({"usage_samples", "set_evict_first", "tier_names", "memory_only", "flush",
+                     "enable_events", "stats", "telemetry", "close"})
 
 
 class AllRanksLookup:

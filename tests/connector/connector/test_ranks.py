@@ -232,3 +232,42 @@ def test_workers_reports_add_up_one_entry_per_worker():
     k = PREFIX + b"\x01" * 32
     a, b = KVPoolWorkerMetadata(stored_keys=[k]), KVPoolWorkerMetadata(stored_keys=[k])
     assert a.aggregate(b).stored_keys == [k, k]
+
+
+def test_every_store_method_that_takes_keys_is_rewritten_to_the_rank_and_no_other_passes(tmp_path):
+    """RankedStore passed every method it did not wrap through with logical keys: `get`,
+    `put`, `get_into`, `first_present` on rank 1 read or wrote rank 0's part with a valid MAC."""
+    import inspect
+
+    from kvpool_connector.connector.ranks import KEYLESS
+    from kvpool_connector.store.tiered import TieredStore
+
+    public = {n for n, f in inspect.getmembers(TieredStore, inspect.isfunction) if not n.startswith("_")}
+    wrapped = {n for n in vars(RankedStore) if not n.startswith("_")} - {"own"}
+    assert public <= wrapped | KEYLESS, public - wrapped - KEYLESS  # a new store method is classified
+    assert not (wrapped & KEYLESS)
+    store = _disk(tmp_path)
+    rank1 = RankedStore(store, TAGS[1])
+    key = chunk_keys(SPACE.prefix(), [b"k" * 32], 1)[0]
+    assert store.put(key, b"0" * 64)  # rank 0's part under the logical key
+    assert rank1.get(key) is None and rank1.first_present([key]) is None
+    out = bytearray(64)
+    assert rank1.get_into(key, out) is None
+    assert rank1.put(key, b"1" * 64) and bytes(rank1.get(key)) == b"1" * 64
+    assert bytes(store.get(key)) == b"0" * 64  # rank 0's part untouched
+    assert rank1.object_names([key]) != store.object_names([key])
+    with pytest.raises(AttributeError, match="does not pass 'not_a_method' through"):
+        rank1.not_a_method  # noqa: B018
+    store.close()
+
+
+def test_the_scheduler_waits_for_the_engines_own_workers_only():
+    """Under external_launcher, vLLM's world_size counts data-parallel ranks too: with it the
+    scheduler waited for reports of workers of other engines that never come."""
+    from kvpool_connector.connector.ranks import reporting_workers
+
+    dp2 = SimpleNamespace(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2,
+                          data_parallel_size=2)
+    assert reporting_workers(dp2) == 4
+    assert reporting_workers(SimpleNamespace(world_size=1, tensor_parallel_size=1,
+                                             pipeline_parallel_size=1)) == 1
