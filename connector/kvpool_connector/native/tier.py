@@ -184,6 +184,26 @@ class _JobFailed(Exception):
     (missing, corrupt, of another layout, a failing backend); the job reports failure."""
 
 
+def check_engine_layout(vllm_config: Any) -> None:
+    """Refuse what this tier's keys (vLLM's block hashes under the layout's prefix) cannot
+    tell apart, with one line naming the option: LoRA adapters (vLLM's hashes name an adapter
+    by name and path, and this tier never sees the adapter, so a shared tier would serve
+    version 1's KV to version 2 written over the same path) and context parallelism (each
+    rank holds a share of every token's KV)."""
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ValueError("kvpool's secondary tier (native mode) does not support --enable-lora: "
+                         "its keys name an adapter by name and path, not its weights; use "
+                         "KVPoolConnector (connector: tiered), which keys each adapter by its "
+                         "files, or no shared secondary tier")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for option, attr in (("--decode-context-parallel-size", "decode_context_parallel_size"),
+                         ("--prefill-context-parallel-size", "prefill_context_parallel_size")):
+        if getattr(parallel, attr, 1) > 1:
+            raise ValueError(f"kvpool's secondary tier (native mode) does not support {option} "
+                             "> 1 (each rank would hold a share of every token's KV); start vLLM "
+                             f"with {option} 1")
+
+
 class KVPoolTier(SecondaryTierManager):
     """A vLLM secondary tier backed by the kvpool store (disk, Redis, S3)."""
 
@@ -211,6 +231,7 @@ class KVPoolTier(SecondaryTierManager):
         self.config = secondary_tier_store_config(options)
         vllm_config = engine_vllm_config()
         if vllm_config is not None:
+            check_engine_layout(vllm_config)
             check_hash_algo(str(vllm_config.cache_config.prefix_caching_hash_algo),
                             [t.type for t in self.config.tiers])  # all shared: cpu is refused
         else:

@@ -182,14 +182,14 @@ class RowEngine(SchedulerHalf):
 
     def __init__(self, tier_options: dict, tier_type: str = "kvpool",
                  engine_model: Path | None = None, hash_algo: str = "sha256",
-                 model_kwargs: dict | None = None, **cfg_kwargs):
+                 model_kwargs: dict | None = None, lora: bool = False, **cfg_kwargs):
         extra = kvpool_tiering(tier_options, NUM_CHUNKS * BLOCK_BYTES * BLOCKS_PER_CHUNK,
                                tier_type)
         self.connector = None
         if engine_model is None:
             manager = TieringOffloadingSpec(offloading_config(extra, **cfg_kwargs)).get_manager()
         else:
-            self.connector = scheduler_connector(extra, engine_model, hash_algo,
+            self.connector = scheduler_connector(extra, engine_model, hash_algo, lora=lora,
                                                  **(model_kwargs or {}))
             manager = self.connector.connector_scheduler.manager
         super().__init__(manager)
@@ -225,7 +225,8 @@ class RowEngine(SchedulerHalf):
         self.close()
 
 
-def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256", **model_kwargs):
+def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256", lora: bool = False,
+                        **model_kwargs):
     """vLLM's OffloadingConnector, scheduler role, built the way an engine builds it (the KV
     geometry of `offloading_config`: two layers of BLOCK_BYTES / 2 per block of 16 tokens)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -237,7 +238,7 @@ def scheduler_connector(extra: dict, model: Path, hash_algo: str = "sha256", **m
         model, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
                                               "block_size": 16 * BLOCKS_PER_CHUNK, **extra}},
-        hash_algo, **model_kwargs)
+        hash_algo, lora=lora, **model_kwargs)
     assert 2 * kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes == BLOCK_BYTES
     return OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 

@@ -236,3 +236,22 @@ def test_xxhash_prefix_hashes_are_refused_at_engine_start(redis_options, tiny_mo
             RowEngine(redis_options, engine_model=tiny_model, hash_algo=algo)
     with RowEngine(redis_options, engine_model=tiny_model, hash_algo="sha256_cbor") as ok:
         assert ok.tier.identity["hash_algo"] == "sha256_cbor"
+
+
+def test_lora_and_context_parallelism_are_refused_at_engine_start_naming_the_option(
+        redis_options, tiny_model):
+    """vLLM's block hashes name a LoRA adapter by name and path and this tier never sees the
+    adapter: with a shared tier, version 2 written over version 1's path would load version 1's
+    KV (before, native mode took --enable-lora). An engine built with LoRA on refuses to start,
+    in one line naming the option; so does context parallelism."""
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"does not support --enable-lora") as exc:
+        RowEngine(redis_options, engine_model=tiny_model, model_kwargs={}, lora=True)
+    assert "\n" not in str(exc.value)
+    for attr, option in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                         ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        parallel = SimpleNamespace(**{attr: 2})
+        with pytest.raises(ValueError, match=f"does not support {option} > 1"):
+            native_tier.check_engine_layout(SimpleNamespace(lora_config=None, parallel_config=parallel))
+    native_tier.check_engine_layout(SimpleNamespace(lora_config=None, parallel_config=SimpleNamespace()))
