@@ -65,6 +65,13 @@ def _worker_ranks(role: KVConnectorRole, parallel_config) -> tuple[int, int]:
     return tp, pp
 
 
+def first_worker(tp_rank: int, pp_rank: int) -> bool:
+    """The one worker of an engine that counts tokens and reports the tiers' KV events: the
+    others' would count each token again. Not "the worker without a rank tag": with MLA every
+    tensor rank of stage 0 shares the logical keys (no tag), and each counted every token."""
+    return tp_rank == 0 and pp_rank == 0
+
+
 def check_parallel_layout(parallel_config) -> None:
     """Refuse what the key space does not describe: with context parallelism each rank holds
     a share of the tokens' KV, which the chunk keys (one per token prefix) cannot name."""
@@ -220,12 +227,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         store.set_evict_first(functools.partial(is_tail_key, prefix_len=len(self.prefix)))
         if self.rank_tag:  # this rank's part of every chunk under its own keys (ranks.py)
             store = RankedStore(store, self.rank_tag)
+        first = first_worker(self.tp_rank, self.pp_rank)
         self.worker = WorkerSide(store, self.blocks_per_chunk, self.cfg.layerwise,
                                  audit=KVAudit.from_env(rank=self.rank_tag.decode()),
                                  staging_bytes=self.cfg.staging_bytes,
-                                 events=kv_events_enabled(self._vllm_config),
+                                 events=first and kv_events_enabled(self._vllm_config),
                                  store_metrics=self.cfg.metrics, block_size=self.block_size,
-                                 count_tokens=not self.rank_tag)
+                                 count_tokens=first)
         self.worker.register(layout)
         log.info("KVPoolConnector: %d layers, %d bytes per chunk of %d tokens, tiers %s",
                  len(layout.layers), layout.chunk_nbytes(self.blocks_per_chunk),

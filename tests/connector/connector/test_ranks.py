@@ -271,3 +271,14 @@ def test_the_scheduler_waits_for_the_engines_own_workers_only():
     assert reporting_workers(dp2) == 4
     assert reporting_workers(SimpleNamespace(world_size=1, tensor_parallel_size=1,
                                              pipeline_parallel_size=1)) == 1
+
+
+def test_tokens_and_events_are_counted_by_one_worker_of_the_engine_whatever_the_layout():
+    """MLA at TP 2: both tensor ranks of stage 0 use the logical keys (no rank tag), and both
+    counted every token and reported every KV event (twice the engine's figures)."""
+    from kvpool_connector.connector.connector import first_worker
+
+    mla = KeySpace("t", "m", "h", "v", "bf16", "fp", 2, "sha256", 256, replicated=True)
+    assert [mla.rank_tag(tp, 0) for tp in (0, 1)] == [b"", b""]  # what `not rank_tag` counted
+    assert [first_worker(tp, pp) for tp, pp in ((0, 0), (1, 0), (0, 1), (1, 1))] == [
+        True, False, False, False]
