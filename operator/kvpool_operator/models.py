@@ -842,6 +842,7 @@ class KvEventsSpec(_Model):
         return self
 
 
+ENABLE_LORA_PATTERN = "^--enable[-_]lora(=.*)?$"  # vLLM reads `_` as `-`; the engine refuses any other spelling
 _SHARED_TIER_RULE = ("has(self.tiers.redis) || has(self.tiers.s3) || "
                      "(has(self.tiers.disk) && has(self.tiers.disk.volume.persistentVolumeClaim))")
 _SHARED_TIERS = "tiers.redis, tiers.s3 or tiers.disk on a persistentVolumeClaim"
@@ -1070,6 +1071,15 @@ _SPEC_RULES = (
         WARM_START_MESSAGE,
         ".warmStart",
     ),
+    (
+        "self.connector != 'native' || !self.native.kvpoolSecondaryTier || "
+        "!(has(self.tiers.disk) || has(self.tiers.redis) || has(self.tiers.s3)) || "
+        f"!has(self.model.extraArgs) || !self.model.extraArgs.exists(a, a.matches('{ENABLE_LORA_PATTERN}'))",
+        "native mode's kvpool secondary tier cannot tell LoRA adapter versions apart (its keys name an "
+        "adapter by name and path, not its weights) and refuses --enable-lora: use connector: tiered, or "
+        "no disk, redis or s3 tier",
+        ".model.extraArgs",
+    ),
 )
 
 
@@ -1173,6 +1183,10 @@ class KVCachePoolSpec(_Model):
                           or (disk is not None and disk.volume.persistent_volume_claim is not None))
             if self.connector != "tiered" or self.tiers.cpu is None or not shared:
                 raise ValueError(_SPEC_RULES[10][1])
+        if (self.connector == "native" and self.native.kvpool_secondary_tier
+                and (self.tiers.disk or self.tiers.redis or self.tiers.s3)
+                and any(re.match(ENABLE_LORA_PATTERN, a, flags=re.DOTALL) for a in self.model.extra_args)):
+            raise ValueError(_SPEC_RULES[11][1])
         return self
 
     @field_validator("prefill")

@@ -192,6 +192,9 @@ INVALID = [
     ("tiered-keda", "spec.warmStart.maxSeconds", 601,
      ("greater than the maximum of 600", "less than or equal to 600")),
     ("tiered-keda", "spec.warmStart.maxBytes", "lots", ("does not match", "must be a size")),
+    # native mode's kvpool tier keys LoRA adapters by name and path: refused (the engine too)
+    ("native-shared", "spec.model.extraArgs", ["--enable-lora"], "refuses --enable-lora"),
+    ("native-nvme", "spec.model.extraArgs", ["--enable_lora=true"], "refuses --enable-lora"),
 ]
 
 
@@ -230,6 +233,8 @@ def test_valid_variations_pass_both():
         ("tiered-full", "spec.warmStart", {"maxBytes": "1Gi", "topK": 100}),
         ("tiered-full", "spec.model.extraArgs", ["--api-server-count", "2", "--hf-config-path=/m", "--config-format",
                                                  "hf", "--compilation-config", "{}"]),
+        ("tiered-full", "spec.model.extraArgs", ["--enable-lora"]),  # KVPoolConnector keys adapters by their files
+        ("native-cpu", "spec.model.extraArgs", ["--enable-lora"]),  # vLLM's host tier alone: per engine
     ]
     for name, path, value in variations:
         pool = _mutate(load_example(name), path, value)
