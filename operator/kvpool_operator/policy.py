@@ -25,7 +25,7 @@ def image_under(image: str, prefix: str) -> bool:
 
 
 def _host_path_refusals(field: str, path: str, allowed: tuple[str, ...], setting: str, instead: str) -> list[str]:
-    path = path.rstrip("/") or "/"
+    """A hostPath (normalised: no trailing /) outside the setting's prefixes, named."""
     if not allowed:
         return [f"{field}: refused by this operator (its setting {setting} is empty); use {instead}"]
     if not any(under(path, prefix) for prefix in allowed):
@@ -38,7 +38,7 @@ def refusals(spec: models.KVCachePoolSpec, settings: Settings) -> list[str]:
     out = []
     disk = spec.tiers.disk
     if disk is not None and disk.volume.host_path is not None:
-        out += _host_path_refusals("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path,
+        out += _host_path_refusals("spec.tiers.disk.volume.hostPath", disk.volume.host_path.path.rstrip("/") or "/",
                                    settings.allowed_host_path_prefixes, "allowedHostPathPrefixes",
                                    "emptyDir, ephemeral or persistentVolumeClaim")
     model_volume = spec.model.volume

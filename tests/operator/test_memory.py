@@ -120,8 +120,8 @@ def test_the_account_is_what_the_deployments_request(settings):
     doc = load_example("tiered-pd")
     pool = load_pool(doc, settings)
     manifests = render(doc, settings)
-    for component, role in (("engine", "decode"), ("prefill", "prefill")):
-        assert memory_of(deployment(manifests, component)) == (account(pool, role).total,) * 2
+    for component in ("engine", "prefill"):
+        assert memory_of(deployment(manifests, component)) == (account(pool).total,) * 2
 
 
 def cli(*args: str, stdin: str) -> subprocess.CompletedProcess:

@@ -70,9 +70,9 @@ THROUGH_BATCH_BYTES = 64 << 20
 def _batches(records: list[Record], max_bytes: int) -> list[list[Record]]:
     """`records` in order, cut into runs of at most `max_bytes` (a larger record alone)."""
     out: list[list[Record]] = []
-    size = max_bytes
+    size = 0
     for rec in records:
-        if size + rec.size > max_bytes or not out:
+        if not out or size + rec.size > max_bytes:
             out.append([])
             size = 0
         out[-1].append(rec)

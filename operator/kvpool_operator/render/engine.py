@@ -60,7 +60,6 @@ for target in sys.argv[2:]:
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 # The vLLM image's HOME (/root) is not the engine user's: caches (Hugging Face, vLLM, Triton) go here.
 HOME = "/home/kvpool"
-CPU_KV_CACHE_ENV = models.CPU_KV_CACHE_ENV
 
 
 def compact_json(value: Any) -> str:
@@ -237,7 +236,7 @@ def cpu_platform_env(pool: Pool) -> list[dict[str, Any]]:
     would take --gpu-memory-utilization (0.9) of the NUMA node's memory, far beyond the pod's limit."""
     if pool.spec.model.gpus:
         return []
-    return [{"name": CPU_KV_CACHE_ENV, "value": str(pool.spec.model.cpu_kv_cache_gib)}]
+    return [{"name": models.CPU_KV_CACHE_ENV, "value": str(pool.spec.model.cpu_kv_cache_gib)}]
 
 
 def engine_env(pool: Pool) -> list[dict[str, Any]]:

@@ -45,9 +45,8 @@ class Item:
 
 @dataclass(frozen=True)
 class Account:
-    """An engine role's memory: its items, their sum (request = limit), and /dev/shm's size."""
+    """An engine's memory: its items, their sum (request = limit), and /dev/shm's size."""
 
-    role: str
     items: tuple[Item, ...]
 
     @property
@@ -67,10 +66,10 @@ def cpu_kv_cache_bytes(pool: Pool) -> int:
     return model.cpu_kv_cache_gib * GIB * model.tensor_parallel_size if model.gpus == 0 else 0
 
 
-def account(pool: Pool, role: str = DECODE) -> Account:
-    """The items an engine of `role` maps (see the module docstring). Both roles run the same
-    engine, connector config and /dev/shm: the account is the same; only the user's resources
-    (`prefill.resources` over `model.resources`) differ, which `check_fits` reads."""
+def account(pool: Pool) -> Account:
+    """The items an engine maps (see the module docstring). Both roles (decode, prefill) run the
+    same engine, connector config and /dev/shm: one account; only the user's resources
+    (`prefill.resources` over `model.resources`) differ per role, which `check_fits` reads."""
     spec = pool.spec
     model = spec.model
     weights = " and, on CPU nodes, the model's weights" if model.gpus == 0 else ""
@@ -94,7 +93,7 @@ def account(pool: Pool, role: str = DECODE) -> Account:
         items.append(Item(f"write queues of {queues} lower tier{'s' if queues > 1 else ''}",
                           queues * parse_size(QUEUE_BYTES), "spec.tiers"))
     items.append(Item("/dev/shm for vLLM and NCCL", parse_size(model.shm_size), "spec.model.shmSize", in_shm=True))
-    return Account(role, tuple(items))
+    return Account(tuple(items))
 
 
 def roles(pool: Pool) -> list[str]:
@@ -122,12 +121,12 @@ def _quantity(value: Any, field: str) -> Decimal:
 def check_fits(pool: Pool) -> None:
     """Refuse a user-set memory limit below what the role's engine maps (the kernel would
     OOM-kill it once its tiers fill), naming the field and the account's total."""
+    need = account(pool).total
     for role in roles(pool):
         resources, field = user_resources(pool, role)
         limit = (resources.get("limits") or {}).get("memory")
         if limit is None:
             continue
-        need = account(pool, role).total
         if _quantity(limit, f"{field}.limits.memory") < need:
             raise InvalidPool(
                 f"{field}.limits.memory: {limit} is below the {models.format_size(need)} the {role} engine maps "
@@ -138,8 +137,8 @@ def check_fits(pool: Pool) -> None:
 def explain(pool: Pool) -> str:
     """The account of every role, one line per item: what `kvpool render --explain` prints."""
     lines = []
+    acc = account(pool)
     for role in roles(pool):
-        acc = account(pool, role)
         resources, field = user_resources(pool, role)
         total = models.format_size(acc.total)
         request = (resources.get("requests") or {}).get("memory", total)
