@@ -13,6 +13,7 @@ from kvpool_connector.config import UsageError
 from kvpool_operator import __version__
 
 ENV_PREFIX = "KVPOOL_"
+MAX_UID = 2**31 - 1  # Kubernetes' runAsUser/runAsGroup/fsGroup are int64 capped here by validation
 
 # An image by tag or pinned by digest (`repo:tag@sha256:<64 hex>`); the digest wins where both are given.
 IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
@@ -51,6 +52,15 @@ OTHER_VARIABLES = ("KVPOOL_DTYPE", "KVPOOL_POOL_KEY", "KVPOOL_POOL_KEY_PREVIOUS"
                    "KVPOOL_S3_ACCESS_KEY", "KVPOOL_S3_SECRET_KEY")
 
 
+# Settings that are gone, and what replaced them: set, they are reported, never silently ignored.
+REMOVED_VARIABLES = {
+    "KVPOOL_ENGINE_RUN_AS_USER": "each pool's engines run as a uid of their own (KVPOOL_ENGINE_UID_FIRST, "
+    "KVPOOL_ENGINE_UID_COUNT)",
+    "KVPOOL_ENGINE_RUN_AS_GROUP": "each pool's engines run as a gid of their own, equal to their uid "
+    "(KVPOOL_ENGINE_UID_FIRST, KVPOOL_ENGINE_UID_COUNT)",
+}
+
+
 def misspelled(env: Mapping[str, str] | None = None) -> list[str]:
     """`KVPOOL_*` variables close to a setting's name but not one (KVPOOL_ALLOWED_HOSTPATH_PREFIXES):
     from_env ignores them, so the setting keeps its default while the user thinks it is set."""
@@ -60,7 +70,9 @@ def misspelled(env: Mapping[str, str] | None = None) -> list[str]:
     names = [env_name(f) for f in Settings.model_fields]
     out = []
     for var in sorted(env):
-        if var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES:
+        if var in REMOVED_VARIABLES:
+            out.append(f"{var} is no longer an operator setting (ignored): {REMOVED_VARIABLES[var]}")
+        elif var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES:
             close = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
             if close:
                 out.append(f"{var} is not an operator setting (ignored); did you mean {close[0]}?")
@@ -138,10 +150,33 @@ class Settings(BaseModel):
         description="ClusterRole (pods list/watch) a pool's router is bound to in its namespace; the chart ships "
         "it as <fullname>-router-discovery and grants the operator `bind` on it alone.",
     )
-    # The vLLM image runs as root by default; engines run as this non-root user instead.
-    engine_run_as_user: int = Field(1000, ge=1, description="uid of the engine containers (runAsNonRoot).")
-    engine_run_as_group: int = Field(1000, ge=1, description="gid of the engine containers.")
-    engine_fs_group: int = Field(1000, ge=1, description="fsGroup of engine pods (group of their volumes).")
+    # The vLLM image runs as root by default; each pool's engines run as a non-root uid of their own.
+    engine_uid_first: int = Field(
+        1_000_000, ge=1, le=MAX_UID,
+        description="Lowest uid/gid of engine containers. Each pool's engines run as uid = gid = engineUidFirst + "
+        "(a digest of <namespace>/<name> mod engineUidCount): what one pool's connector writes (0600 files, 0700 "
+        "directories) another pool cannot read.",
+    )
+    engine_uid_count: int = Field(
+        1_000_000_000, ge=1, le=MAX_UID,
+        description="How many uids pools' engines are spread over (engineUidFirst + engineUidCount - 1 is at most "
+        f"{MAX_UID}, the largest runAsUser Kubernetes takes).",
+    )
+    engine_fs_group: int = Field(
+        1000, ge=1, le=MAX_UID,
+        description="fsGroup of engine pods, shared by every pool: the group that may enter the per-pool "
+        "directories the kubelet creates on hostPath and PVC disk tiers (prepare hostPath prefixes with "
+        "`install -d -m 2770 -g <engineFsGroup>`); the files inside are the pool's uid's alone.",
+    )
+
+    @model_validator(mode="after")
+    def _engine_uids_in_range(self) -> Settings:
+        last = self.engine_uid_first + self.engine_uid_count - 1
+        if last > MAX_UID:
+            raise ValueError(
+                f"{env_name('engine_uid_count')}: {env_name('engine_uid_first')} + {env_name('engine_uid_count')} "
+                f"- 1 = {last} is above {MAX_UID}, the largest uid Kubernetes runs a container as")
+        return self
 
     @model_validator(mode="after")
     def _model_dirs_apart_from_disk_tiers(self) -> Settings:

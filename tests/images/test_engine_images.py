@@ -1,8 +1,8 @@
 """The CPU connector image as the operator runs an engine, and the router image in front of it.
 
 One pool (`smoke`: cpu + disk tiers, cache_aware router) is rendered by the checkout's operator;
-its engine Deployment's container runs from the connector-cpu image exactly as rendered (uid
-1000, HOME and the disk tier on emptyDirs, the pool key and hash seed from the keys Secret, the
+its engine Deployment's container runs from the connector-cpu image exactly as rendered (the
+pool's own uid, HOME and the disk tier on emptyDirs, the pool key and hash seed from the keys Secret, the
 ConfigMap mounted read-only, `vllm serve` with kvpool's --kv-transfer-config), on a model
 generated outside the image (kvpool_dev.testbed.localmodel) and mounted read-only. vLLM's own
 prefix cache is off, so the cached tokens of a repeated prompt can only come from kvpool.
@@ -72,12 +72,16 @@ def metric(text: str, name: str) -> float:
 
 def readable_copy(model: Path) -> Path:
     """The generated model with world-readable files (the generator keeps its weights 0600, and
-    the engine runs as uid 1000, like a model volume a cluster mounts)."""
+    the engine runs as its pool's own uid, like a model volume a cluster mounts)."""
     out = Path(tempfile.mkdtemp(prefix="kvpool-smoke-model-")) / "tiny"
     shutil.copytree(model, out)
     for path in (out.parent, out, *out.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return out
+
+
+def engine_uid(rendered: list[dict[str, Any]]) -> int:
+    return by_name(rendered, "Deployment", "smoke")["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +118,15 @@ def engine(rendered, runtime):
 
 
 @pytest.mark.parametrize("target", ["connector", "connector-cpu"])
-def test_connector_images_import_the_connector_as_the_engine_user(target, image, runtime):
+def test_connector_images_import_the_connector_as_the_engine_user(target, image, runtime, rendered):
     """Both engine images (the CUDA one where it could be built: no GPU is needed to import) load
-    kvpool's connector module next to vLLM's, as uid 1000 without a home directory."""
+    kvpool's connector module next to vLLM's, as the pool's uid (no passwd entry, no home)."""
     import subprocess
 
     ref = image(target)
+    uid = engine_uid(rendered)
     code = "import kvpool_connector.vllm, vllm, importlib.metadata as m; print(m.version('vllm'), m.version('kvpool'))"
-    proc = subprocess.run(runtime.run("--rm", "--network=none", "--user=1000:1000", "--entrypoint=python3", ref,
+    proc = subprocess.run(runtime.run("--rm", "--network=none", f"--user={uid}:{uid}", "--entrypoint=python3", ref,
                                       "-c", code), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     vllm_version, kvpool_version = proc.stdout.split()[-2:]
@@ -129,9 +134,10 @@ def test_connector_images_import_the_connector_as_the_engine_user(target, image,
     assert kvpool_version == VERSION
 
 
-def test_connector_cpu_image_serves_a_repeated_prompt_from_kvpool(engine):
+def test_connector_cpu_image_serves_a_repeated_prompt_from_kvpool(engine, rendered):
     ctr, base, _ = engine
-    assert "--user=1000:1000" in ctr.spec.args, "the engine user the operator renders by default"
+    uid = engine_uid(rendered)
+    assert f"--user={uid}:{uid}" in ctr.spec.args, "the pool's own engine uid, as the operator renders it"
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     first = post_json(f"{base}/v1/completions", body)
     second = post_json(f"{base}/v1/completions", body)

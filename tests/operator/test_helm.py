@@ -68,8 +68,8 @@ SCENARIOS: dict[str, dict] = {
             "allowedHostPathPrefixes": ["/mnt/nvme0", "/mnt/nvme1"],
             "allowedImagePrefixes": ["registry.example/", "redis:"],
             "allowExternalBackends": False,
-            "engineRunAsUser": 2000,
-            "engineRunAsGroup": 2001,
+            "engineUidFirst": 2000,
+            "engineUidCount": 2001,
             "engineFsGroup": 2002,
         },
         "operator.extraEnv": [{"name": "EXTRA", "value": "1"}],
@@ -299,7 +299,7 @@ def test_settings_reach_the_operator_as_it_reads_them():
     assert settings.allowed_host_path_prefixes == ("/mnt/nvme0", "/mnt/nvme1")
     assert settings.allowed_image_prefixes == ("registry.example/", "redis:")
     assert settings.allow_external_backends is False
-    assert (settings.engine_run_as_user, settings.engine_run_as_group, settings.engine_fs_group) == (2000, 2001, 2002)
+    assert (settings.engine_uid_first, settings.engine_uid_count, settings.engine_fs_group) == (2000, 2001, 2002)
     assert settings.namespaces == ("team-a", "kvpool-system")
     assert settings.log_format == "json"
 
@@ -361,7 +361,7 @@ def test_values_yaml_matches_its_schema():
          "'not' failed"),
         ({"operator.settings.allowedHostPathPrefixes": ["relative"]}, "/operator/settings/allowedHostPathPrefixes/0",
          "relative"),
-        ({"operator.settings.engineRunAsUser": 0}, "/operator/settings/engineRunAsUser", "minimum"),
+        ({"operator.settings.engineUidFirst": 0}, "/operator/settings/engineUidFirst", "minimum"),
         ({"operator.settings.bogus": 1}, "/operator/settings", "bogus"),
         ({"metrics.interval": "30 seconds"}, "/metrics/interval", "30 seconds"),
         ({"crds.install": "yes"}, "/crds/install", "boolean"),

@@ -78,11 +78,11 @@ def test_settings_read_lists_and_booleans_from_the_environment():
             "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt/nvme0, /data/",
             "KVPOOL_ALLOW_EXTERNAL_BACKENDS": "false",
             "KVPOOL_ALLOWED_IMAGE_PREFIXES": "registry.example/",
-            "KVPOOL_ENGINE_RUN_AS_USER": "5",
+            "KVPOOL_ENGINE_UID_FIRST": "5",
         }
     )
     assert s.allowed_host_path_prefixes == ("/mnt/nvme0", "/data") and s.allow_external_backends is False
-    assert s.allowed_image_prefixes == ("registry.example/",) and s.engine_run_as_user == 5
+    assert s.allowed_image_prefixes == ("registry.example/",) and s.engine_uid_first == 5
     with pytest.raises(ValueError, match="connector_image"):
         Settings(connector_image="vllm@latest")
 

@@ -306,7 +306,8 @@ def test_common_engine_properties(settings):
         assert len(dep["spec"]["template"]["metadata"]["annotations"][CHECKSUM_ANNOTATION]) == 64
         assert dep["spec"]["template"]["spec"]["enableServiceLinks"] is False
         pod = dep["spec"]["template"]["spec"]
-        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+        uid = pod["securityContext"]["runAsUser"]
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": 1000,
                                           "fsGroupChangePolicy": "OnRootMismatch",
                                           "seccompProfile": {"type": "RuntimeDefault"}}
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -319,11 +320,11 @@ def test_common_engine_properties(settings):
 
 def test_engines_run_as_the_configured_non_root_user(settings):
     custom = settings.model_copy(
-        update={"engine_run_as_user": 4242, "engine_run_as_group": 4343, "engine_fs_group": 4444}
+        update={"engine_uid_first": 4242, "engine_uid_count": 1, "engine_fs_group": 4444}
     )
     pod = engines(rendered("tiered-emptydir", custom))["spec"]["template"]["spec"]
     sc = pod["securityContext"]
-    assert (sc["runAsNonRoot"], sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (True, 4242, 4343, 4444)
+    assert (sc["runAsNonRoot"], sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (True, 4242, 4242, 4444)
     for container in pod["containers"] + pod.get("initContainers", []):
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -10,6 +10,7 @@ settings).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from typing import Any
 
@@ -332,6 +333,17 @@ def engine_container(pool: Pool, mounts: list[dict[str, Any]]) -> dict[str, Any]
     return container
 
 
+def engine_uid(pool: Pool) -> int:
+    """The pool's own uid (and gid) in the operator's range, from `<namespace>/<name>`: the
+    connector's 0600 files and 0700 directories are then unreadable to other pools' engines even
+    where a mount would reach them. Stable across restarts and re-creation, so a pool keeps its
+    disk tier's files; a digest, not a secret (subPath and the hostPath allow-lists are the
+    boundary; this is the second wall)."""
+    settings = pool.settings
+    digest = hashlib.sha256(f"{pool.namespace}/{pool.name}".encode()).digest()
+    return settings.engine_uid_first + int.from_bytes(digest[:8], "big") % settings.engine_uid_count
+
+
 def engine_pod_spec(pool: Pool) -> dict[str, Any]:
     """The engines' pod: non-root, no token, no service links, the wait for backends, placement."""
     volumes, mounts = engine_volumes(pool)
@@ -341,9 +353,9 @@ def engine_pod_spec(pool: Pool) -> dict[str, Any]:
         "terminationGracePeriodSeconds": 60,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": pool.settings.engine_run_as_user,
-            "runAsGroup": pool.settings.engine_run_as_group,
-            "fsGroup": pool.settings.engine_fs_group,
+            "runAsUser": engine_uid(pool),
+            "runAsGroup": engine_uid(pool),
+            "fsGroup": pool.settings.engine_fs_group,  # shared: enters the kubelet's per-pool subPath directories
             "fsGroupChangePolicy": "OnRootMismatch",  # a large disk tier is not re-chowned at every start
             "seccompProfile": {"type": "RuntimeDefault"},
         },
