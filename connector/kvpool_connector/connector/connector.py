@@ -83,14 +83,12 @@ def check_parallel_layout(parallel_config) -> None:
                 f"share of every token's KV); start vLLM with {option} 1")
 
 
-def replicated_kv(kv_cache_spec, parallel_config) -> bool:
-    """Whether every tensor rank holds the same KV: MLA's one latent vector per token (not
-    split over heads), unless decode context parallelism splits the tokens."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-    specs = getattr(kv_cache_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    spec = next(iter(specs.values())) if isinstance(specs, dict) and specs else kv_cache_spec
-    return (isinstance(spec, MLAAttentionSpec)
-            and getattr(parallel_config, "decode_context_parallel_size", 1) == 1)
+def tp_replicas(kv_cache_config: KVCacheConfig) -> int:
+    """vLLM's `kv_cache_config.kv_tp_replicas`: how many consecutive tensor ranks hold
+    identical KV for every layer, which vLLM derives from each layer's spec (MLA's one latent
+    vector per token on every rank; a cache with fewer shards than ranks; 1 under decode
+    context parallelism, which splits the tokens). One copy per replica group is stored."""
+    return int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
 
 
 def _unexported(cfg: StoreConfig | None) -> StoreConfig | None:
@@ -170,7 +168,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             layout=self.spec_fingerprint, tp_size=parallel.tensor_parallel_size,
             hash_algo=hash_algo, chunk_tokens=self.cfg.chunk_tokens,
             pp_size=parallel.pipeline_parallel_size, pp_layers=pipeline_partition(vllm_config),
-            replicated=replicated_kv(groups[0].kv_cache_spec, parallel))
+            tp_replicas=tp_replicas(kv_cache_config))
         self.prefix = self.keyspace.prefix()  # of the logical keys (keys.py "Ranks")
         self.rank_tag = self.keyspace.rank_tag(self.tp_rank, self.pp_rank)
         self.sched: SchedulerSide | None = None

@@ -81,35 +81,44 @@ class KeySpace:
     chunk_tokens: int
     pp_size: int = 1
     pp_layers: str = ""  # the pipeline's layer partition ("0-16,16-32"), "" without one
-    replicated: bool = False  # every tensor rank holds the same KV (MLA): one copy a stage
+    # consecutive tensor ranks holding identical KV (vLLM's kv_cache_config.kv_tp_replicas:
+    # MLA's latent cache on every rank, a cache with fewer shards than ranks): one copy a group
+    tp_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_replicas < 1 or self.tp_size % self.tp_replicas:
+            raise ValueError(f"kv_tp_replicas {self.tp_replicas} does not divide the tensor "
+                             f"parallel size {self.tp_size}")
 
     def prefix(self) -> bytes:
         """Short stable digest of the key space: the first part of every logical key."""
         text = "|".join(str(x) for x in (
             KEY_FORMAT, self.namespace, self.model, self.model_hash, self.vllm_version,
             self.dtype, self.layout, f"tp{self.tp_size}", f"pp{self.pp_size}:{self.pp_layers}",
-            "replicated" if self.replicated else "sharded", self.hash_algo, self.chunk_tokens))
+            "sharded" if self.tp_replicas == 1 else f"replicas{self.tp_replicas}", self.hash_algo,
+            self.chunk_tokens))
         return xxhash.xxh3_128_digest(text.encode())
 
     def rank_tag(self, tp_rank: int, pp_rank: int) -> bytes:
         """The tag of the worker at (tp_rank, pp_rank): b"" for the one whose rank keys are
-        the logical keys; tensor ranks share their stage's tag when the KV is replicated."""
-        if self.replicated:
-            tp_rank = 0
+        the logical keys; the tensor ranks of one replica group share its tag (the group's
+        index: tp_rank // tp_replicas)."""
         if not 0 <= tp_rank < self.tp_size or not 0 <= pp_rank < self.pp_size:
             raise ValueError(f"rank tp{tp_rank}/pp{pp_rank} outside tp{self.tp_size}/"
                              f"pp{self.pp_size}")
-        return b"" if tp_rank == pp_rank == 0 else f"tp{tp_rank}/pp{pp_rank}".encode()
+        group = tp_rank // self.tp_replicas
+        return b"" if group == pp_rank == 0 else f"tp{group}/pp{pp_rank}".encode()
 
     def rank_tags(self) -> list[bytes]:
         """Every distinct tag of the engine's workers: the objects one chunk is made of."""
-        tps = range(1 if self.replicated else self.tp_size)
+        tps = range(0, self.tp_size, self.tp_replicas)  # the first rank of each replica group
         return [self.rank_tag(t, p) for p in range(self.pp_size) for t in tps]
 
     def stores_shared(self, tp_rank: int) -> bool:
         """Whether this tensor rank writes the tiers other processes read: with replicated
-        KV only rank 0 does (the others keep their copy in their own memory)."""
-        return not self.replicated or tp_rank == 0
+        KV only the first rank of each replica group does (the others keep their copy in
+        their own memory)."""
+        return tp_rank % self.tp_replicas == 0
 
 
 def rank_key(key: bytes, tag: bytes) -> bytes:

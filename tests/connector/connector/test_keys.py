@@ -58,7 +58,8 @@ def test_key_space_separates_models_layouts_dtypes_and_ranks():
         ("model", "/models/other"), ("layout", "other-fp"), ("dtype", "torch.float16/auto"),
         ("tp_size", 2), ("namespace", "other"), ("hash_algo", "xxhash"),
         ("chunk_tokens", 512), ("model_hash", "h2"), ("vllm_version", "0.33.0"),
-        ("pp_size", 2), ("pp_layers", "0-1,1-2"), ("replicated", True)]]
+        ("pp_size", 2), ("pp_layers", "0-1,1-2")]]
+    variants += [dataclasses.replace(SPACE, tp_size=4, tp_replicas=n) for n in (2, 4)]
     prefixes = {v.prefix() for v in variants} | {SPACE.prefix()}
     assert len(prefixes) == len(variants) + 1
 
@@ -103,11 +104,48 @@ def test_every_rank_and_stage_has_its_own_keys_and_rank_0_the_logical_ones():
 
 
 def test_replicated_kv_is_one_object_per_stage_written_by_tensor_rank_0():
-    mla = dataclasses.replace(SPACE, tp_size=4, pp_size=2, pp_layers="0-1,1-2", replicated=True)
+    mla = dataclasses.replace(SPACE, tp_size=4, pp_size=2, pp_layers="0-1,1-2", tp_replicas=4)
     assert mla.rank_tags() == [b"", b"tp0/pp1"]
     assert {mla.rank_tag(t, 1) for t in range(4)} == {b"tp0/pp1"}
     assert [mla.stores_shared(t) for t in range(4)] == [True, False, False, False]
-    assert all(dataclasses.replace(mla, replicated=False).stores_shared(t) for t in range(4))
+    assert all(dataclasses.replace(mla, tp_replicas=1).stores_shared(t) for t in range(4))
+
+
+def test_replica_groups_store_one_copy_each():
+    """kv_tp_replicas 2 at TP 4 (a cache with 2 shards): ranks 0-1 hold one half of the heads,
+    2-3 the other; one object per group, written by its first rank, and a hit needs both."""
+    gqa = dataclasses.replace(SPACE, tp_size=4, tp_replicas=2)
+    assert gqa.rank_tags() == [b"", b"tp1/pp0"]
+    assert [gqa.rank_tag(t, 0) for t in range(4)] == [b"", b"", b"tp1/pp0", b"tp1/pp0"]
+    assert [gqa.stores_shared(t) for t in range(4)] == [True, False, True, False]
+    with pytest.raises(ValueError, match="kv_tp_replicas 3 does not divide the tensor parallel size 4"):
+        dataclasses.replace(SPACE, tp_size=4, tp_replicas=3)
+
+
+def test_replicas_come_from_vllms_kv_cache_config():
+    """The count is vLLM's own (kv_cache_groups_tp_replicas over every layer's spec), not a
+    type check of one spec: MLA at TP 4 -> 4, a 2-shard cache -> 2, plain attention -> 1."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import kv_cache_groups_tp_replicas
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
+
+    from kvpool_connector.connector.connector import tp_replicas
+
+    def config(spec) -> KVCacheConfig:
+        groups = [KVCacheGroupSpec(["l0"], spec)]
+        cfg = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+        cfg.kv_tp_replicas = kv_cache_groups_tp_replicas(groups, tp_size=4)
+        return cfg
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1)
+    two = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, max_tp_shards=2)
+    plain = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    assert [tp_replicas(config(s)) for s in (mla, two, plain)] == [4, 2, 1]
 
 
 def test_an_adapter_has_its_own_key_space_per_content():

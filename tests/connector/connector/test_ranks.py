@@ -278,7 +278,7 @@ def test_tokens_and_events_are_counted_by_one_worker_of_the_engine_whatever_the_
     counted every token and reported every KV event (twice the engine's figures)."""
     from kvpool_connector.connector.connector import first_worker
 
-    mla = KeySpace("t", "m", "h", "v", "bf16", "fp", 2, "sha256", 256, replicated=True)
+    mla = KeySpace("t", "m", "h", "v", "bf16", "fp", 2, "sha256", 256, tp_replicas=2)
     assert [mla.rank_tag(tp, 0) for tp in (0, 1)] == [b"", b""]  # what `not rank_tag` counted
     assert [first_worker(tp, pp) for tp, pp in ((0, 0), (1, 0), (0, 1), (1, 1))] == [
         True, False, False, False]
