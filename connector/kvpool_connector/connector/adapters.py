@@ -11,7 +11,10 @@ them: a Hugging Face cache snapshot links its files into blobs), at most MAX_BYT
 
 The digest is taken at an adapter's first request and its files' stats (size, mtime,
 ctime, inode: ctime too, since `cp -p` or `rsync --inplace -t` keep the mtime) are checked
-on every request; when they moved, the files are digested again. An adapter whose content
+on every request; when they moved, the files are digested again. Digests run on a thread of
+their own, never the engine core's (an adapter is MBs to GBs): meanwhile `digest` answers
+PENDING, and the scheduler holds that request back (its lookup is "in flight") for at most
+scheduler.ADAPTER_WAIT_S, after which it runs without the pool. An adapter whose content
 changes while the engine runs is kept out of the pool (no lookups, no saves) until the
 engine restarts: the engine may still hold the old version in its LoRA cache and compute
 the old version's KV, which must not be saved under the new version's key space (a fresh
@@ -29,6 +32,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from typing import Final
 
 import blake3
 
@@ -74,6 +79,14 @@ def _digest(root: str, files: list[str]) -> bytes:
     return h.digest()
 
 
+class _Pending:
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING: Final = _Pending()  # the adapter's files are being digested: ask again
+
+
 class AdapterDigests:
     """Per adapter path, the digest of its files; a path whose files changed since is out."""
 
@@ -81,13 +94,16 @@ class AdapterDigests:
         self._known: dict[str, tuple[tuple, bytes]] = {}
         self._changed: set[str] = set()  # out of the pool until the engine restarts
         self._warned: set[str] = set()
+        self._running: dict[str, Future] = {}  # path -> its digest in flight
         self._on_changed = on_changed
-        self._lock = threading.Lock()  # the scheduler thread and the lookup threads
+        self._lock = threading.Lock()  # the scheduler thread and the digest thread
+        self._pool: ThreadPoolExecutor | None = None  # started at the first adapter
 
-    def digest(self, lora_request) -> bytes | None:
-        """The content digest of a request's adapter, or None (not a local directory,
-        unreadable, too large, or changed while this engine runs): the request is then kept
-        out of the pool."""
+    def digest(self, lora_request) -> bytes | None | _Pending:
+        """The content digest of a request's adapter; PENDING while its files are being
+        digested (off this thread); None (not a local directory, unreadable, too large, or
+        changed while this engine runs): the request is then kept out of the pool. Only the
+        files' stats are read here."""
         path = str(getattr(lora_request, "lora_path", "") or "")
         name = getattr(lora_request, "lora_name", "?")
         with self._lock:
@@ -98,25 +114,54 @@ class AdapterDigests:
                 raise FileNotFoundError("not a local directory")
             files = _files(path)
             sig = _signature(path, files)
-            with self._lock:
-                known = self._known.get(path)
+        except (OSError, ValueError) as e:
+            self._warn(path, name, e)
+            return None
+        with self._lock:
+            known = self._known.get(path)
             if known is not None and known[0] == sig:
                 return known[1]
+            if path in self._running:
+                return PENDING
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-adapter-digest")
+            self._running[path] = self._pool.submit(self._hash, path, name, files, sig, known)
+        return PENDING
+
+    def _hash(self, path: str, name: str, files: list[str], sig: tuple,
+              known: tuple[tuple, bytes] | None) -> None:
+        try:
             value = _digest(path, files)
             if _signature(path, files) != sig:  # written while being read: no identity yet
                 raise OSError("changed while being hashed")
             if known is not None and known[1] != value:  # new content (stats alone: touched)
                 self._changed_under_us(path, name)
-                return None
+            else:
+                with self._lock:
+                    self._known[path] = (sig, value)
         except (OSError, ValueError) as e:
-            if path not in self._warned:
-                self._warned.add(path)
-                log.warning("kvpool: LoRA adapter %r (%s): %s; its requests do not use the "
-                            "pool", name, path, e)
-            return None
+            self._warn(path, name, e)
+        finally:
+            with self._lock:
+                self._running.pop(path, None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every digest in flight finished within `timeout` (tests, shutdown)."""
         with self._lock:
-            self._known[path] = (sig, value)
-        return value
+            running = list(self._running.values())
+        return not wait_futures(running, timeout=timeout).not_done
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _warn(self, path: str, name: str, error: Exception) -> None:
+        with self._lock:
+            if path in self._warned:
+                return
+            self._warned.add(path)
+        log.warning("kvpool: LoRA adapter %r (%s): %s; its requests do not use the pool",
+                    name, path, error)
 
     def _changed_under_us(self, path: str, name: str) -> None:
         with self._lock:

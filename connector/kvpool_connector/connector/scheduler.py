@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
-from .adapters import AdapterDigests
+from .adapters import PENDING, AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
 from .handover import (
@@ -67,6 +67,7 @@ log = logging.getLogger("kvpool.connector")
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
+ADAPTER_WAIT_S = 5.0  # a request waits this long for its LoRA adapter's digest, then goes without the pool
 # A job on the lookup threads (a remote lookup, a handover's visibility check) is waited for
 # up to `lookup_wait_ms` when it is submitted, before the request is told to ask again next
 # step: a Redis lookup takes a few milliseconds, a step of waiting is tens to hundreds of the
@@ -86,6 +87,9 @@ class _RequestRecord:
     # the key space prefix of its chunks: the engine's, or its LoRA adapter's (keys.py);
     # b"": none (an adapter kvpool cannot identify): it neither reads nor writes the pool
     prefix: bytes = b""
+    # its adapter's files were being digested when it arrived (adapters.py): held back until
+    # the digest is known (prefix set), for at most ADAPTER_WAIT_S from this time
+    adapter_wait_since: float | None = None
     hit_chunks: int = 0             # leading chunks the store had at lookup
     lookup: tuple[int, int, float] | None = None  # (n block hashes, hit chunks, time)
     next_save: int = 0              # first chunk not yet planned for saving
@@ -277,6 +281,7 @@ class SchedulerSide:
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
 
     def close(self) -> None:
+        self._adapters.close()
         if self.hotset is not None:
             self.hotset.close()  # the hits counted since the last refresh
         if self._lookup_pool is not None:
@@ -286,8 +291,10 @@ class SchedulerSide:
     def request_record(self, request: Request) -> _RequestRecord:
         record = self.reqs.get(request.request_id)
         if record is None:
-            record = self.reqs[request.request_id] = _RequestRecord(request,
-                                                                   self._prefix_of(request))
+            prefix = self._prefix_of(request)
+            record = self.reqs[request.request_id] = _RequestRecord(
+                request, prefix if prefix is not None else b"",
+                adapter_wait_since=time.monotonic() if prefix is None else None)
             self._read_handover(record)
         else:
             record.request = request
@@ -329,14 +336,31 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def _prefix_of(self, request: Request) -> bytes:
+    def _prefix_of(self, request: Request) -> bytes | None:
         """The key space prefix of a request's chunks: its adapter's content decides, not
-        its name and path (adapters.py); b"" when the adapter has no digest here."""
+        its name and path (adapters.py); b"" when the adapter has no digest here, None
+        while its files are being digested."""
         lora = getattr(request, "lora_request", None)
         if lora is None:
             return self.prefix
         digest = self._adapters.digest(lora)
-        return adapter_prefix(self.prefix, digest) if digest is not None else b""
+        if digest is PENDING:
+            return None
+        return adapter_prefix(self.prefix, digest) if isinstance(digest, bytes) else b""
+
+    def _adapter_known(self, record: _RequestRecord) -> bool:
+        """False while the request's adapter is being digested (ask again next step); after
+        ADAPTER_WAIT_S the request goes on without the pool. Until then it has no prefix: it
+        is neither looked up nor saved."""
+        if record.adapter_wait_since is None:
+            return True
+        prefix = self._prefix_of(record.request)
+        if prefix is None and time.monotonic() - record.adapter_wait_since < ADAPTER_WAIT_S:
+            return False
+        if prefix is None:
+            self.stats.inc("kvpool_lora_digest_late")
+        record.prefix, record.adapter_wait_since = prefix or b"", None
+        return True
 
     def _isolated(self, record: _RequestRecord) -> bool:
         """A request that neither reads nor writes the pool: require_cache_salt and no
@@ -347,6 +371,8 @@ class SchedulerSide:
     def num_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         record = self.request_record(request)
         record.local_tokens = num_computed_tokens  # after_alloc counts what neither cache held
+        if not self._adapter_known(record):
+            return None, False  # its adapter's identity is being computed: ask again
         if not self.load_enabled or self._isolated(record):
             return 0, False
         hashes = request.block_hashes

@@ -96,6 +96,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "(handover_requests): run as ordinary requests", ()),
     "kvpool_lora_adapters_changed": ("LoRA adapters whose files changed while the engine ran: "
                                      "their requests stay out of the pool until it restarts", ()),
+    "kvpool_lora_digest_late": ("Requests that waited ADAPTER_WAIT_S for their LoRA adapter's "
+                                "files to be digested and ran without the pool", ()),
     "kvpool_handover_capped": ("Handovers cut short by handover_max_bytes or "
                                "handover_step_bytes (the rest saved behind; the decode engine "
                                "computes it)", ()),

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpool_connector.connector.adapters import AdapterDigests
+from kvpool_connector.connector.adapters import PENDING, AdapterDigests
 from kvpool_connector.connector.config import load_connector_config
 from kvpool_connector.connector.keys import KeySpace, chunk_keys, rank_key
 from kvpool_connector.connector.metadata import KVPoolWorkerMetadata
@@ -122,16 +122,35 @@ def _adapter(path, weights: bytes):
     return _request(path)
 
 
+def settled(digests: AdapterDigests, request):
+    """digest() once the adapter's files were digested (on the digest thread)."""
+    got = digests.digest(request)
+    if got is PENDING:
+        assert digests.wait(30), "the digest did not finish"
+        got = digests.digest(request)
+    return got
+
+
+def admitted(side: SchedulerSide, request):
+    """The request's record once its adapter's digest is known (num_matched held it back
+    until then)."""
+    record = side.request_record(request)
+    side._adapters.wait(30)
+    side.num_matched(request, 0)
+    assert record.adapter_wait_since is None
+    return record
+
+
 def test_an_adapter_rewritten_at_its_path_gets_a_new_key_space_in_a_fresh_engine(tmp_path):
     running = AdapterDigests()
-    v1 = running.digest(_adapter(tmp_path / "a", b"1" * 4096))
-    assert v1 is not None and running.digest(_adapter(tmp_path / "a", b"1" * 4096)) == v1
+    v1 = settled(running, _adapter(tmp_path / "a", b"1" * 4096))
+    assert v1 is not None and settled(running, _adapter(tmp_path / "a", b"1" * 4096)) == v1
     st = os.stat(tmp_path / "a" / "adapter_model.safetensors")
     _adapter(tmp_path / "a", b"2" * 4096)  # same name, path and size
     os.utime(tmp_path / "a" / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
-    v2 = AdapterDigests().digest(_adapter(tmp_path / "a", b"2" * 4096))  # a fresh engine: content
+    v2 = settled(AdapterDigests(), _adapter(tmp_path / "a", b"2" * 4096))  # a fresh engine: content
     assert v2 is not None and v2 != v1
-    assert AdapterDigests().digest(_adapter(tmp_path / "b", b"1" * 4096)) == v1  # not the path
+    assert settled(AdapterDigests(), _adapter(tmp_path / "b", b"1" * 4096)) == v1  # not the path
 
 
 def test_an_adapter_changed_while_the_engine_runs_stays_out_of_the_pool(tmp_path):
@@ -140,22 +159,22 @@ def test_an_adapter_changed_while_the_engine_runs_stays_out_of_the_pool(tmp_path
     v2's key space at once). Out of the pool until the engine restarts, said once."""
     changes: list[int] = []
     running = AdapterDigests(on_changed=lambda: changes.append(1))
-    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is not None
+    assert settled(running, _adapter(tmp_path / "a", b"1" * 4096)) is not None
     _adapter(tmp_path / "a", b"2" * 4096)
-    assert running.digest(_adapter(tmp_path / "a", b"2" * 4096)) is None
-    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is None  # even back to v1
+    assert settled(running, _adapter(tmp_path / "a", b"2" * 4096)) is None
+    assert settled(running, _adapter(tmp_path / "a", b"1" * 4096)) is None  # even back to v1
     assert changes == [1]
-    assert running.digest(_adapter(tmp_path / "b", b"1" * 4096)) is not None  # another path
+    assert settled(running, _adapter(tmp_path / "b", b"1" * 4096)) is not None  # another path
 
 
 def test_the_scheduler_keeps_a_changed_adapters_requests_out_and_counts_it(tmp_path):
     side = _side(tmp_path / "pool", world_size=1)
     first = make_request("a", 1000)
     first.lora_request = _adapter(tmp_path / "a", b"1" * 4096)
-    assert side.request_record(first).prefix not in (b"", PREFIX)
+    assert admitted(side, first).prefix not in (b"", PREFIX)
     later = make_request("b", 1000)
     later.lora_request = _adapter(tmp_path / "a", b"2" * 4096)
-    assert side.request_record(later).prefix == b""  # neither looked up nor saved
+    assert admitted(side, later).prefix == b""  # neither looked up nor saved
     assert side.num_matched(later, 0) == (0, False)
     assert side.stats.data["kvpool_lora_adapters_changed"] == {"": 1}
     side.close()
@@ -165,7 +184,7 @@ def test_the_scheduler_keeps_a_changed_adapters_requests_out_and_counts_it(tmp_p
 def test_an_in_place_rewrite_keeping_size_mtime_and_inode_is_seen(tmp_path):
     """`cp -p` / `rsync --inplace -t`: the same inode, size and mtime; the ctime moves."""
     running = AdapterDigests()
-    assert running.digest(_adapter(tmp_path / "a", b"1" * 4096)) is not None
+    assert settled(running, _adapter(tmp_path / "a", b"1" * 4096)) is not None
     weights = tmp_path / "a" / "adapter_model.safetensors"
     st = os.stat(weights)
     with open(weights, "r+b") as f:
@@ -173,21 +192,21 @@ def test_an_in_place_rewrite_keeping_size_mtime_and_inode_is_seen(tmp_path):
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     after = os.stat(weights)
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
-    assert running.digest(_request(tmp_path / "a")) is None
+    assert settled(running, _request(tmp_path / "a")) is None
 
 
 def test_only_the_files_vllm_loads_make_the_identity_and_a_huge_adapter_has_none(tmp_path, monkeypatch):
     from kvpool_connector.connector import adapters
 
-    v1 = AdapterDigests().digest(_adapter(tmp_path / "a", b"1" * 4096))
+    v1 = settled(AdapterDigests(), _adapter(tmp_path / "a", b"1" * 4096))
     (tmp_path / "a" / "README.md").write_text("notes")
     (tmp_path / "a" / "adapter_model.bin").write_bytes(b"not loaded: safetensors comes first")
-    assert AdapterDigests().digest(_request(tmp_path / "a")) == v1
+    assert settled(AdapterDigests(), _request(tmp_path / "a")) == v1
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "adapter_config.json").write_text('{"r": 8}')
-    assert AdapterDigests().digest(_request(tmp_path / "c")) is None  # no weights
+    assert settled(AdapterDigests(), _request(tmp_path / "c")) is None  # no weights
     monkeypatch.setattr(adapters, "MAX_BYTES", 1024)
-    assert AdapterDigests().digest(_request(tmp_path / "a")) is None
+    assert settled(AdapterDigests(), _request(tmp_path / "a")) is None
 
 
 def test_requests_of_an_adapter_use_its_prefix_and_an_unknown_one_stays_out(tmp_path):
@@ -198,13 +217,71 @@ def test_requests_of_an_adapter_use_its_prefix_and_an_unknown_one_stays_out(tmp_
     remote = make_request("h", 1000)
     remote.lora_request = SimpleNamespace(lora_name="hub", lora_path="org/adapter",
                                           lora_int_id=2)
-    rp, ra, rh = (side.request_record(r) for r in (plain, with_v1, remote))
-    assert rp.prefix == PREFIX and ra.prefix not in (b"", PREFIX) and rh.prefix == b""
     side.on_worker_meta(KVPoolWorkerMetadata(
         stored_keys=chunk_keys(PREFIX, plain.block_hashes, BPC)))
+    rp, ra, rh = (admitted(side, r) for r in (plain, with_v1, remote))
+    assert rp.prefix == PREFIX and ra.prefix not in (b"", PREFIX) and rh.prefix == b""
     assert side.num_matched(plain, 0)[0] == 768
     assert side.num_matched(with_v1, 0) == (0, False)  # the plain prompt's KV is not its
     assert side.num_matched(remote, 0) == (0, False)
+    side.close()
+    side.lower.close()
+
+
+def _slow_digest(monkeypatch):
+    """adapters._digest held until the returned Event is set; the threads it ran on."""
+    import threading
+
+    from kvpool_connector.connector import adapters
+
+    release, threads = threading.Event(), []
+    real = adapters._digest
+
+    def held(root, files):
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return real(root, files)
+
+    monkeypatch.setattr(adapters, "_digest", held)
+    return release, threads
+
+
+def test_an_adapters_files_are_digested_off_the_scheduler_thread(tmp_path, monkeypatch):
+    """A large adapter's digest used to run inside the engine core's scheduling step (every
+    request waited). Now its request is held back (its lookup is in flight) while the digest
+    thread reads the files, then looked up in the adapter's key space."""
+    release, threads = _slow_digest(monkeypatch)
+    side = _side(tmp_path / "pool", world_size=1)
+    req = make_request("a", 1000)
+    req.lora_request = _adapter(tmp_path / "a", b"1" * 4096)
+    record = side.request_record(req)
+    assert record.prefix == b"" and side.num_matched(req, 0) == (None, False)  # ask again
+    release.set()
+    assert side._adapters.wait(30)
+    assert side.num_matched(req, 0) == (0, False) and record.prefix not in (b"", PREFIX)
+    assert threads and all(t.startswith("kvpool-adapter-digest") for t in threads)
+    side.close()
+    side.lower.close()
+
+
+def test_a_request_whose_adapter_is_still_digested_after_the_wait_runs_without_the_pool(
+        tmp_path, monkeypatch):
+    from kvpool_connector.connector import scheduler
+
+    release, _ = _slow_digest(monkeypatch)
+    monkeypatch.setattr(scheduler, "ADAPTER_WAIT_S", 0.0)
+    side = _side(tmp_path / "pool", world_size=1)
+    req = make_request("a", 1000)
+    req.lora_request = _adapter(tmp_path / "a", b"1" * 4096)
+    record = side.request_record(req)
+    assert side.num_matched(req, 0) == (0, False)  # neither looked up nor, later, saved
+    assert record.prefix == b"" and side._isolated(record)
+    assert side.stats.data["kvpool_lora_digest_late"] == {"": 1}
+    release.set()
+    assert side._adapters.wait(30)
+    later = make_request("b", 1000)
+    later.lora_request = req.lora_request
+    assert side.request_record(later).prefix not in (b"", PREFIX)  # known now: at once
     side.close()
     side.lower.close()
 
