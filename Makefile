@@ -10,13 +10,16 @@ setup:
 	@bash scripts/setup.sh
 
 # Two pytest-xdist workers, each running one engine test module at a time (a module is one
-# xdist group, queued first; tests/conftest.py) on its own cores, then the short tests.
-# PYTEST_WORKERS=0 runs the suite in one process.
+# xdist group, queued first; tests/conftest.py) on its own cores, then the short tests; then
+# the tests marked `alone` (tensor-parallel engines: one rank per core) in one process, with
+# nothing beside them (exit 5, none selected by PYTEST_ARGS, is fine there).
+# PYTEST_WORKERS=0 runs the first phase in one process.
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 test: setup
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The edit-test loop: everything but the tests that start vLLM engines (marker `vllm`).
 test-fast: setup

@@ -7,6 +7,7 @@ loopback on free ports.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,10 +71,20 @@ def pytest_collection_modifyitems(config, items) -> None:
     long units (30-110 s each), so each worker starts on one and the short tests (operator,
     store, chart) fill in around them at the end. With one group for every engine test, one
     worker ran ~13 min of engines while the other finished the rest in ~5 and then idled.
+    Tests marked `alone` are deselected there: `make test` runs them after, in one process.
 
     tryfirst: xdist's own hook reads the group marks to route tests; a mark added after it
     does nothing, and engine modules (which share state between their tests) split across
     workers."""
+    if _loadgroup(config):  # `alone` tests need every core: never beside another worker's
+        crowded = [i for i in items if i.get_closest_marker("alone") is not None]
+        if crowded:
+            config.hook.pytest_deselected(items=crowded)
+            if not config.option.markexpr:  # with -m (make test: "not alone"), a choice made
+                warnings.warn(pytest.PytestWarning(
+                    f"{len(crowded)} tests marked `alone` deselected: they need every core, not an "
+                    "xdist worker beside others (make test runs them after, in one process)"), stacklevel=1)
+            items[:] = [i for i in items if i.get_closest_marker("alone") is None]
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(pytest.mark.xdist_group(engine_group(item)))
@@ -90,6 +101,7 @@ def pytest_collection_finish(session) -> None:
              and not i.nodeid.endswith("@" + engine_group(i))]
     if loose:
         raise pytest.UsageError(f"vllm tests not in their engine module's xdist group: {loose[:3]}")
+
 
 
 def pytest_report_header(config) -> str:

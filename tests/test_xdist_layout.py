@@ -24,3 +24,17 @@ def test_workers_engines_compute_on_disjoint_cores():
     assert worker_cores("", 1, [0, 1]) is None
     assert worker_cores("gw0", 1, [0, 1]) is None
     assert worker_cores("gw0", 2, [0]) is None
+
+
+def test_tests_needing_every_core_never_run_in_an_xdist_worker():
+    """A TP=2 engine (marker `alone`) beside another worker's engine starved both (Redis
+    answered a PING in 11 s): under xdist they are deselected, and said so; `make test` runs
+    them after the parallel phase."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+                           "-p", "no:cacheprovider", "tests/e2e/test_tensor_parallel.py"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 5, done.stdout[-2000:]  # nothing ran: no engine started
+    assert "3 tests marked `alone` deselected" in done.stdout
