@@ -49,11 +49,16 @@ class ModelPreset:
     max_position_embeddings: int
     vocab_size: int = 2048
     seed: int = 1234
+    # "llama", or "deepseek_v2": multi-head latent attention (MLA, one 512+64-wide latent KV
+    # vector per token, vLLM's CPU_MLA backend) with a small mixture of experts
+    architecture: str = "llama"
 
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset("tiny", 128, 2, 4, 2, 256, 32768),
     "bench": ModelPreset("bench", 1024, 8, 16, 4, 2816, 32768),
+    # kv_lora_rank 512 + rope 64: the head size vLLM's MLA kernels take (64 + 32 is refused)
+    "mla": ModelPreset("mla", 256, 2, 4, 4, 512, 32768, architecture="deepseek_v2"),
 }
 
 
@@ -87,12 +92,33 @@ def _train_tokenizer(vocab_size: int, out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
+def _deepseek_v2(preset: ModelPreset):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=128, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+        torch_dtype="bfloat16")
+    return DeepseekV2ForCausalLM(config)
+
+
 def _build(preset: ModelPreset, out_dir: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _train_tokenizer(preset.vocab_size, out_dir)
     torch.manual_seed(preset.seed)
+    if preset.architecture == "deepseek_v2":
+        _deepseek_v2(preset).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+        (out_dir / "kvpool-preset.json").write_text(json.dumps(asdict(preset), indent=2))
+        return
     config = LlamaConfig(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
