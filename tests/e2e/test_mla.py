@@ -126,3 +126,27 @@ def test_mla_objects_hold_the_latent_bytes_once(served):
     chunk_objects = [s for s in served["sizes"].values() if s >= payload]
     assert len(chunk_objects) == 2 * CHUNKS, sorted(served["sizes"].values())
     assert all(payload <= s < payload + 4096 for s in chunk_objects), (payload, chunk_objects)
+
+
+@pytest.mark.alone
+def test_mla_at_tp2_stores_one_copy_and_a_fresh_tp2_engine_hits_it(mla_model, tmp_path, mla_audit):
+    """Both tensor ranks hold the same latent KV (vLLM's kv_tp_replicas = 2): the shared tier
+    gets what a TP 1 engine stores (one object a chunk, the same bytes), written by rank 0,
+    and a fresh TP 2 engine loads it on both ranks, audit-exact."""
+    disk = tmp_path / "disk"
+    tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(disk), "size": "256Mi"}]
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    with connector_engine(mla_model, tiers, "mla-tp2", audit_dir=mla_audit.directory, max_model_len=4096,
+                          extra={"save_decode_tokens": False}, **tp2) as writer:
+        cold = writer.generate([PROMPTS["disk"]])[0]
+    sizes = sorted(p.stat().st_size for p in disk_files(disk))
+    payload = LAYERS * 256 * LATENT * 2
+    assert len(sizes) == CHUNKS + 1 and all(payload <= s < payload + 4096 for s in sizes[1:]), sizes
+    before = mla_audit.check()
+    with connector_engine(mla_model, tiers, "mla-tp2", audit_dir=mla_audit.directory, max_model_len=4096,
+                          extra={"save_decode_tokens": False}, **tp2) as reader:
+        warm = reader.generate([PROMPTS["disk"]])[0]
+    assert warm["num_cached_tokens"] >= CHUNKS * 256, warm
+    assert mla_audit.check() > before
+    check_logprobs_close([warm], [cold], names=["mla-tp2"], label="MLA TP 2 hit vs TP 2 recompute")
