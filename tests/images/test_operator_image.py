@@ -29,10 +29,13 @@ KUBECONFIG = "/var/run/kvpool-smoke/kubeconfig"
 
 async def test_operator_image_reconciles_a_pool_as_the_chart_runs_it(image, runtime, gateway, tmp_path: Path):
     ref = image("operator")
-    deployment = one(helm_template(), "Deployment")
+    # the chart watches only the namespaces it is given (namespaced mode, the default): the
+    # smoke pool's, as a user installs it for their pools (watch.namespaces)
+    deployment = one(helm_template({"watch": {"namespaces": [NS]}}), "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["image"] == ref, "the chart's default image is the one built"
+    assert f"--namespace={NS}" in container["args"], container["args"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     health = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
     publish = {health: free_port()}
@@ -63,6 +66,6 @@ async def test_operator_image_reconciles_a_pool_as_the_chart_runs_it(image, runt
             code = await asyncio.to_thread(ctr.stop, 30)
             logs = await asyncio.to_thread(ctr.logs, 400)
             ctr.remove()
-    print(logs[-5000:])  # shown when the test fails
+            print(logs[-5000:])  # shown when the test fails, a timeout above included
     assert code == 0, logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]

@@ -4,10 +4,10 @@
 
 `--bases local` (the default) builds without any registry:
 - the Python base is made here from Debian packages: mmdebstrap writes a minimal bookworm root
-  filesystem with python3 (cached as a tarball under .cache/images/), buildah imports it as
+  filesystem with python3 (cached as a tarball under ~/.cache/kvpool/images/, `cache_dir`), buildah imports it as
   `localhost/kvpool-debian-python:<suite>-<recipe hash>`, and the build gets it as PYTHON_IMAGE;
 - the Python packages are fetched on the host by `pip wheel` (with the host's pip configuration,
-  mirrors, proxy and CA bundle) into .cache/images/wheels, handed to the build as the `wheels`
+  mirrors, proxy and CA bundle) into ~/.cache/kvpool/images/wheels, handed to the build as the `wheels`
   context with PIP_NO_INDEX=1: no build step fetches a Python package itself, and nothing of the
   host's configuration ends up in a layer;
 - the CUDA target `connector` needs vllm/vllm-openai; it is built only when that image is already
@@ -38,7 +38,19 @@ from pathlib import Path
 from kvpool_dev.images import contents, dockerfile
 
 REPO = Path(__file__).resolve().parents[3]
-CACHE = REPO / ".cache" / "images"
+
+
+def cache_dir(env: dict[str, str] | None = None) -> Path:
+    """The base tarball and the fetched wheels, kept across checkouts on this machine (CI
+    builds from a fresh clone each time, as buildah's layer cache in its storage is kept):
+    KVPOOL_IMAGES_CACHE, else $XDG_CACHE_HOME/kvpool/images (~/.cache/kvpool/images)."""
+    env = dict(os.environ) if env is None else env
+    if env.get("KVPOOL_IMAGES_CACHE"):
+        return Path(env["KVPOOL_IMAGES_CACHE"])
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpool" / "images"
+
+
+CACHE = cache_dir()
 WHEELS = CACHE / "wheels"
 OUT = REPO / "out" / "images"
 MANIFEST = OUT / "build.json"
@@ -121,7 +133,7 @@ def ensure_base() -> tuple[str, str]:
         return ref, python
     tarball = CACHE / f"debian-{DEBIAN_SUITE}-python-{rid}.tar"
     if not tarball.exists():
-        log(f"mmdebstrap {DEBIAN_SUITE} (minbase + {', '.join(BASE_PACKAGES)}) -> {tarball.relative_to(REPO)}")
+        log(f"mmdebstrap {DEBIAN_SUITE} (minbase + {', '.join(BASE_PACKAGES)}) -> {tarball}")
         CACHE.mkdir(parents=True, exist_ok=True)
         partial = tarball.with_suffix(".partial")
         with open(partial, "wb") as out:
@@ -189,7 +201,7 @@ def ensure_wheels(python: str, requirements: list[list[str]]) -> None:
         if stamp.exists():
             log(f"wheels up to date: {shown}")
             continue
-        log(f"pip wheel {shown} -> {WHEELS.relative_to(REPO)}")
+        log(f"pip wheel {shown} -> {WHEELS}")
         run([python, "-m", "pip", "wheel", "-qq", "--wheel-dir", str(WHEELS),
              "--find-links", str(WHEELS), *reqs])
         stamp.touch()
