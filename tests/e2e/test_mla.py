@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool_dev.testbed.engine import OfflineEngine
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
 from tests.e2e.conftest import (
@@ -76,19 +75,18 @@ def _remove(names: set[str], tier: str, disk, redis_server, namespace) -> None:
 
 @pytest.fixture(scope="module")
 def served(mla_model, redis_server, namespace, mla_audit, tmp_path_factory) -> dict:
-    """The recompute (an engine without the connector), a writer saving both prompts in
+    """A writer computing both prompts (the recompute: the pool is empty) and saving them in
     every tier, then each prompt's objects left in one tier only ("disk" on disk, "redis"
     in Redis) for a fresh reader engine."""
     disk = tmp_path_factory.mktemp("mla-disk")
     tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(disk), "size": "256Mi"},
              redis_tier(redis_server)]
-    with OfflineEngine(mla_model, max_model_len=4096) as plain:
-        recompute = {n: plain.generate([p])[0] for n, p in PROMPTS.items()}
-    objects = {}
+    objects, recompute = {}, {}
     with _engine(mla_model, tiers, namespace, redis_server, mla_audit) as writer:
         for n, prompt in PROMPTS.items():
             before = _names(disk, redis_server, namespace)
-            writer.generate([prompt])
+            recompute[n] = writer.generate([prompt])[0]
+            assert recompute[n]["num_cached_tokens"] == 0
             new = wait_until(lambda b=before: (lambda now: {t: now[t] - b[t] for t in now} if all(
                 len(now[t] - b[t]) >= CHUNKS + 1 for t in now) else None)(
                 _names(disk, redis_server, namespace)), what=f"{n}'s objects in every tier")
@@ -129,22 +127,28 @@ def test_mla_objects_hold_the_latent_bytes_once(served):
 
 
 @pytest.mark.alone
-def test_mla_at_tp2_stores_one_copy_and_a_fresh_tp2_engine_hits_it(mla_model, tmp_path, mla_audit):
-    """Both tensor ranks hold the same latent KV (vLLM's kv_tp_replicas = 2): the shared tier
-    gets what a TP 1 engine stores (one object a chunk, the same bytes), written by rank 0,
-    and a fresh TP 2 engine loads it on both ranks, audit-exact."""
-    disk = tmp_path / "disk"
-    tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(disk), "size": "256Mi"}]
+def test_mla_at_tp2_stores_one_copy_and_a_fresh_tp2_engine_hits_it(mla_model, redis_server, mla_audit,
+                                                                   namespace):
+    """Both tensor ranks hold the same latent KV (vLLM's kv_tp_replicas = 2): Redis gets what a
+    TP 1 engine stores (one object a chunk, the same bytes as test_mla_objects_hold_the_latent_
+    bytes_once measures), written by rank 0, and a fresh TP 2 engine loads it on both ranks,
+    audit-exact."""
+    namespace += "-tp2"
+    tiers = [{"type": "cpu", "size": "64Mi"}, redis_tier(redis_server)]
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
-           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
-    with connector_engine(mla_model, tiers, "mla-tp2", audit_dir=mla_audit.directory, max_model_len=4096,
+           "env": {**redis_env(redis_server), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    with connector_engine(mla_model, tiers, namespace, audit_dir=mla_audit.directory, max_model_len=4096,
                           extra={"save_decode_tokens": False}, **tp2) as writer:
         cold = writer.generate([PROMPTS["disk"]])[0]
-    sizes = sorted(p.stat().st_size for p in disk_files(disk))
+    r = redis_client(redis_server)
+    try:
+        sizes = sorted(r.strlen(k) for k in redis_keys(redis_server, namespace))
+    finally:
+        r.close()
     payload = LAYERS * 256 * LATENT * 2
     assert len(sizes) == CHUNKS + 1 and all(payload <= s < payload + 4096 for s in sizes[1:]), sizes
     before = mla_audit.check()
-    with connector_engine(mla_model, tiers, "mla-tp2", audit_dir=mla_audit.directory, max_model_len=4096,
+    with connector_engine(mla_model, tiers, namespace, audit_dir=mla_audit.directory, max_model_len=4096,
                           extra={"save_decode_tokens": False}, **tp2) as reader:
         warm = reader.generate([PROMPTS["disk"]])[0]
     assert warm["num_cached_tokens"] >= CHUNKS * 256, warm

@@ -24,9 +24,14 @@ from tests.operator.test_render import engines
 # Runs as root, imports everything, then drops to the pod's ids (uid, gid, supplementary fsGroup
 # as the kubelet runs a container) before touching the node directory.
 CHILD = r"""
-import json, os, sys
+import json, os, sys, tempfile
 from tests.connector.store.helpers import build_store
 args = json.loads(sys.argv[1])
+# every module a store imports on first use, loaded while the checkout is still readable (a
+# fresh clone under a 0700 temp directory is not, to the pods' uids)
+warm = build_store("warm-up", {"type": "disk", "path": tempfile.mkdtemp(), "size": "16Mi"})
+warm.put(b"w" * 32, b"x" * 64)
+warm.close()
 os.setgroups([args["fs_group"]])
 os.setgid(args["gid"])
 os.setuid(args["uid"])
