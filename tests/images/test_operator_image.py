@@ -44,6 +44,10 @@ async def test_operator_image_reconciles_a_pool_as_the_chart_runs_it(image, runt
 
     server = apiserver_with_resources()
     async with server, http_server(server, host=gateway) as http:
+        # the namespace exists, as on a cluster: kopf lists namespaces to match --namespace
+        async with server.request("post", "/api/v1/namespaces",
+                                  json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}) as resp:
+            assert resp.status < 300, await resp.text()
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://{gateway}:{http.port}", NS)
         ctr = podman.Container(runtime, "kvpool-smoke-operator", spec,
                                extra=[f"--volume={kubeconfig}:{KUBECONFIG}:ro", f"--env=KUBECONFIG={KUBECONFIG}"])

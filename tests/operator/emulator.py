@@ -10,6 +10,9 @@ kmock stores plain JSON and merges patches. A real API server additionally:
   kubectl can run documented commands against the emulator);
 - creates the object when a server-side apply (application/apply-patch+yaml) names a missing one
   (added here as an upsert);
+- serves the cluster-scoped list and watch of namespaces, `/api/v1/namespaces` (kmock 0.8's path
+  parser takes the segment for a namespace and fails on it: fixed here, so kopf can run in the
+  chart's default namespaced mode, where it lists namespaces to match its `--namespace`);
 - tracks field ownership per field manager and removes fields a manager stopped applying,
   garbage-collects children through ownerReferences, runs admission, defaulting and CEL
   (NOT emulated: tests assert the request the operator sends instead, and say so).
@@ -28,7 +31,7 @@ from typing import Any
 
 import kmock
 from aiohttp.test_utils import RawTestServer
-from kmock._internal import dicts, k8s_views  # noqa: F401  (merge semantics of the emulator itself)
+from kmock._internal import dicts, k8s_views, parsing as kmock_parsing  # noqa: F401  (merge semantics of the emulator itself)
 
 from kvpool_operator import models
 from kvpool_operator.kinds import CHILD_KINDS
@@ -52,6 +55,19 @@ RESOURCES = {
 }
 for info in RESOURCES.values():
     info.verbs.update({"get", "list", "watch", "create", "patch", "update", "delete"})
+
+
+_kmock_parse_path = kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> kmock_parsing.ParsedPath:
+    """kmock's parser, plus the core group's cluster-scoped `namespaces` collection."""
+    if path.strip("/") == "api/v1/namespaces":
+        return kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces")
+    return _kmock_parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_path
 
 
 class ApiServer(kmock.KubernetesEmulator):

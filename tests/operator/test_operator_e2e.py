@@ -736,15 +736,17 @@ async def test_cli_run_subprocess_with_kubeconfig_and_liveness(server, tmp_path)
     import aiohttp
 
     kubeconfig = write_kubeconfig(server, tmp_path)
+    await send(server, "post", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                      "metadata": {"name": NS}})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVPOOL_CONNECTOR_IMAGE": "kvpool-vllm:cli",
            "KVPOOL_ALLOWED_HOST_PATH_PREFIXES": "/mnt"}
     proc = await asyncio.create_subprocess_exec(
-        # --all-namespaces: kmock 0.8 cannot parse GET /api/v1/namespaces, which kopf lists when
-        # given --namespace (to match patterns); a real cluster serves both modes.
-        sys.executable, "-m", "kvpool_operator.cli", "run", "--all-namespaces",
+        # the chart's default, namespaced mode: kopf lists and watches namespaces to match
+        # --namespace (the emulator serves /api/v1/namespaces; the namespace exists, as on a cluster)
+        sys.executable, "-m", "kvpool_operator.cli", "run", f"--namespace={NS}",
         "--liveness", f"http://127.0.0.1:{port}/healthz", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
