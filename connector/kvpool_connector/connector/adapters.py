@@ -37,6 +37,8 @@ from typing import Final
 
 import blake3
 
+from .keys import adapter_prefix
+
 log = logging.getLogger("kvpool.connector")
 
 READ_BYTES = 8 << 20  # per read while hashing (adapters are MBs to a few hundred MB)
@@ -144,6 +146,19 @@ class AdapterDigests:
         finally:
             with self._lock:
                 self._running.pop(path, None)
+
+    def prefix(self, engine_prefix: bytes, request) -> bytes | None:
+        """The key space prefix of a request's chunks: the engine's without an adapter, else
+        its adapter's content's (keys.py `adapter_prefix`), not its name and path; b"" when
+        the adapter has no digest here (the request stays out of the pool), None while its
+        files are being digested."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return engine_prefix
+        digest = self.digest(lora)
+        if digest is PENDING:
+            return None
+        return adapter_prefix(engine_prefix, digest) if isinstance(digest, bytes) else b""
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every digest in flight finished within `timeout` (tests, shutdown)."""

@@ -35,10 +35,10 @@ from .keys import KeySpace, model_config_hash, pipeline_partition
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .ranks import AllRanksLookup, RankedStore, reporting_workers
-from .scheduler import SchedulerSide, prewarm_objects
+from .scheduler import SchedulerSide
 from .stats import KVPoolConnectorStats, KVPoolPromMetrics
 from .tails import is_tail_key
-from .warm import manifest_key, prewarm_keys, read_manifest
+from .warm import manifest_key, prewarm_keys, prewarm_objects, read_manifest
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
             lower: Any = (open_store(lower_cfg, layout=self.spec_fingerprint)
                           if lower_cfg is not None else None)
+            unranked = lower  # the manifest: one object of no rank (warm.py)
             tags = self.keyspace.rank_tags()
             if lower is not None and len(tags) > 1:
                 lower = AllRanksLookup(lower, tags)  # a hit is every rank's part, or a miss
@@ -195,7 +196,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                                        is_async=not self.cfg.layerwise,
                                        load=transfer_config.is_kv_consumer,
                                        save=transfer_config.is_kv_producer,
-                                       manifest_store=self.manifest_store)
+                                       manifest_store=(self.manifest_store if self.manifest_store
+                                                       is not None else unranked))
             if kv_events_enabled(vllm_config):
                 self.sched.enable_events(chunk_bytes)
         else:

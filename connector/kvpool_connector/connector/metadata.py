@@ -80,7 +80,7 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         for r, n in other.copied_saves.items():
             copied[r] = copied.get(r, 0) + n
         # one entry per worker: a chunk is stored when every worker stored its part of it
-        # (tensor ranks' heads, pipeline stages' layers; scheduler.py _all_parts_stored)
+        # (tensor ranks' heads, pipeline stages' layers; ranks.py PartReports)
         keys = self.stored_keys + other.stored_keys
         dropped = list(dict.fromkeys(self.dropped_keys + other.dropped_keys))
         failed = {r: list(k) for r, k in self.failed_loads.items()}

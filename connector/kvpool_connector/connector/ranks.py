@@ -9,10 +9,13 @@ recompute the others' into a cache that mixes the two.
   the worker (its plans, reports, warm start, audit) deals in logical keys only.
 - `AllRanksLookup` wraps the scheduler's store of shared tiers: a key is present only when
   the objects of every rank tag are.
+- `PartReports` counts the workers' reports of their parts: a chunk is stored (and a hit in
+  the scheduler's index) once every worker reported its part.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +28,38 @@ def reporting_workers(parallel: Any) -> int:
     counts the data-parallel ranks too (other engines, which never report here), and the
     scheduler would wait for their reports forever."""
     return int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+
+
+class PartReports:
+    """Which chunks every worker of the engine has stored: each worker reports its own part of
+    a chunk (metadata.py), and a chunk counts as stored only at the last one. A part dropped by
+    any worker forgets the chunk's count, which then never completes (a miss, saved again by a
+    later request). Counts are kept for at most `keep` chunks (the oldest go first)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._parts: OrderedDict[bytes, int] = OrderedDict()  # chunk -> reports so far
+
+    def complete(self, reports: list[bytes], dropped: list[bytes], keep: int) -> list[bytes]:
+        """The chunks `reports` (one entry per worker and chunk) complete."""
+        if self.workers == 1:
+            return list(reports)
+        parts = self._parts
+        done = []
+        for k in reports:
+            n = parts.pop(k, 0) + 1
+            if n >= self.workers:
+                done.append(k)
+            else:
+                parts[k] = n
+        if dropped:
+            gone = set(dropped)
+            for k in gone:
+                parts.pop(k, None)
+            done = [k for k in done if k not in gone]
+        while len(parts) > keep:
+            parts.popitem(last=False)
+        return done
 
 
 class RankedStore:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
-from .adapters import PENDING, AdapterDigests
+from .adapters import AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
 from .handover import (
@@ -46,8 +46,9 @@ from .handover import (
     parse_handover,
     wants_handover,
 )
-from .keys import PREFIX_LEN, adapter_prefix, chunk_keys
+from .keys import PREFIX_LEN, chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+from .ranks import PartReports
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 from .tails import (
     part_candidates,
@@ -57,7 +58,7 @@ from .tails import (
     tail_candidates,
     tail_key,
 )
-from .warm import ManifestWriter, manifest_key, prewarm_keys, read_manifest
+from .warm import ManifestWriter, manifest_key, prewarm_keys, prewarm_objects, read_manifest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -137,12 +138,6 @@ class _RemoteAnswer:
     part_key: bytes | None = None
 
 
-def prewarm_objects(max_bytes: int, cpu_bytes: int, chunk_bytes: int) -> int:
-    """Chunks a warm start loads: within `max_bytes` and half the cpu tier (the rest stays
-    for what the engine computes)."""
-    return min(max_bytes, cpu_bytes // 2) // max(1, chunk_bytes)
-
-
 class KeyIndex:
     """Bounded LRU set of keys the workers stored in their local first tier (cpu or disk)."""
 
@@ -199,9 +194,9 @@ class SchedulerSide:
         # a local tier's config has a size (Tier.local), which TierConfigBase cannot declare
         local_bytes = cfg.tiers[0].size if first_local else 0  # type: ignore[attr-defined]
         self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
-        # a chunk enters the index once every worker reported its part stored: key -> the
-        # reports so far (bounded like the index; one rank's part alone is never a hit)
-        self._stored_parts: OrderedDict[bytes, int] = OrderedDict()
+        # a chunk enters the index once every worker reported its part stored (ranks.py; one
+        # rank's part alone is never a hit)
+        self._parts = PartReports(world_size)
         self._adapters = AdapterDigests(
             on_changed=lambda: self.stats.inc("kvpool_lora_adapters_changed"))
         # The index holds what the workers copied out and hand to a local first tier (cpu or
@@ -245,9 +240,9 @@ class SchedulerSide:
         self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], _RequestRecord]] = {}
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
-        # the warm start manifest's own tiers (connector._manifest_store_config), else lower's
-        self.manifests = (manifest_store if manifest_store is not None
-                          else getattr(lower_store, "store", lower_store))  # one object
+        # the warm start manifest's tiers (connector._manifest_store_config), else lower's: one
+        # object of no rank, so the connector hands the store before any rank wrapper
+        self.manifests = manifest_store if manifest_store is not None else lower_store
         if cfg.warm_start.enabled and lower_store is not None:
             self._warm_start(local_bytes, chunk_bytes)
 
@@ -291,7 +286,7 @@ class SchedulerSide:
     def request_record(self, request: Request) -> _RequestRecord:
         record = self.reqs.get(request.request_id)
         if record is None:
-            prefix = self._prefix_of(request)
+            prefix = self._adapters.prefix(self.prefix, request)
             record = self.reqs[request.request_id] = _RequestRecord(
                 request, prefix if prefix is not None else b"",
                 adapter_wait_since=time.monotonic() if prefix is None else None)
@@ -336,25 +331,13 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def _prefix_of(self, request: Request) -> bytes | None:
-        """The key space prefix of a request's chunks: its adapter's content decides, not
-        its name and path (adapters.py); b"" when the adapter has no digest here, None
-        while its files are being digested."""
-        lora = getattr(request, "lora_request", None)
-        if lora is None:
-            return self.prefix
-        digest = self._adapters.digest(lora)
-        if digest is PENDING:
-            return None
-        return adapter_prefix(self.prefix, digest) if isinstance(digest, bytes) else b""
-
     def _adapter_known(self, record: _RequestRecord) -> bool:
         """False while the request's adapter is being digested (ask again next step); after
         ADAPTER_WAIT_S the request goes on without the pool. Until then it has no prefix: it
         is neither looked up nor saved."""
         if record.adapter_wait_since is None:
             return True
-        prefix = self._prefix_of(record.request)
+        prefix = self._adapters.prefix(self.prefix, record.request)
         if prefix is None and time.monotonic() - record.adapter_wait_since < ADAPTER_WAIT_S:
             return False
         if prefix is None:
@@ -674,7 +657,8 @@ class SchedulerSide:
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
         if worker_meta is None:
             return
-        stored = self._all_parts_stored(worker_meta.stored_keys, worker_meta.dropped_keys)
+        stored = self._parts.complete(worker_meta.stored_keys, worker_meta.dropped_keys,
+                                      keep=self.index.capacity + len(self.inflight))
         for k in stored:
             if self.track_stored:
                 self.index.add(k)
@@ -697,29 +681,6 @@ class SchedulerSide:
                 self.delayed[req_id] -= n
                 if self.delayed[req_id] <= 0:
                     del self.delayed[req_id]
-
-    def _all_parts_stored(self, reports: list[bytes], dropped: list[bytes]) -> list[bytes]:
-        """The chunks whose every worker has now reported its part stored (`reports`: one
-        entry per worker and chunk, metadata.py); a part dropped by any worker forgets the
-        chunk's count, which then never completes (a miss, saved again by a later request)."""
-        if self.world_size == 1:
-            return list(reports)
-        parts = self._stored_parts
-        done = []
-        for k in reports:
-            n = parts.pop(k, 0) + 1
-            if n >= self.world_size:
-                done.append(k)
-            else:
-                parts[k] = n
-        if dropped:
-            gone = set(dropped)
-            for k in gone:
-                parts.pop(k, None)
-            done = [k for k in done if k not in gone]
-        while len(parts) > self.index.capacity + len(self.inflight):
-            parts.popitem(last=False)
-        return done
 
     def _load_failed(self, req_id: str, keys: list[bytes]) -> None:
         """Chunks that could not be loaded are recomputed: save them again afterwards."""

@@ -110,6 +110,12 @@ class ManifestWriter:
         self.refresh()
 
 
+def prewarm_objects(max_bytes: int, cpu_bytes: int, chunk_bytes: int) -> int:
+    """Chunks a warm start loads: within `max_bytes` and half the cpu tier (the rest stays
+    for what the engine computes)."""
+    return min(max_bytes, cpu_bytes // 2) // max(1, chunk_bytes)
+
+
 def prewarm_keys(manifest: Manifest | None, prefix: bytes, max_objects: int) -> list[bytes]:
     """This rank's keys of the manifest's top `max_objects` entries."""
     if manifest is None:
