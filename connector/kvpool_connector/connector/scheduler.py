@@ -27,10 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
@@ -38,9 +36,7 @@ from .adapters import AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
 from .handover import (
-    Handover,
     HandoverError,
-    HandoverObjects,
     build_handover,
     handover_objects,
     parse_handover,
@@ -49,6 +45,7 @@ from .handover import (
 from .keys import PREFIX_LEN, chunk_keys
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .ranks import PartReports
+from .requests import KeyIndex, RemoteAnswer, RequestRecord
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
 from .tails import (
     part_candidates,
@@ -78,92 +75,6 @@ ADAPTER_WAIT_S = 5.0  # a request waits this long for its LoRA adapter's digest,
 INLINE_BUDGET_WAITS = 2
 JOB_EWMA = 0.25  # weight of the latest job in the running mean of job durations
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
-
-
-@dataclass
-class _RequestRecord:
-    """What the scheduler side keeps about one live request."""
-
-    request: Any
-    # the key space prefix of its chunks: the engine's, or its LoRA adapter's (keys.py);
-    # b"": none (an adapter kvpool cannot identify): it neither reads nor writes the pool
-    prefix: bytes = b""
-    # its adapter's files were being digested when it arrived (adapters.py): held back until
-    # the digest is known (prefix set), for at most ADAPTER_WAIT_S from this time
-    adapter_wait_since: float | None = None
-    hit_chunks: int = 0             # leading chunks the store had at lookup
-    lookup: tuple[int, int, float] | None = None  # (n block hashes, hit chunks, time)
-    next_save: int = 0              # first chunk not yet planned for saving
-    pending_copies: int = 0         # save jobs whose block copy is not confirmed
-    load: LoadJob | None = None
-    hit_local_index: int = 0        # of hit_chunks, how many came from the KeyIndex
-    # a remote lookup in flight: (n block hashes, local hits, Future of a _RemoteAnswer)
-    pending: tuple[int, int, Future] | None = None
-    remote_tail: _RemoteAnswer | None = None  # the last remote lookup's, for _lookup_tail
-    local_tokens: int = 0           # tokens vLLM's prefix cache held at the latest lookup
-    admitted_cached: int = 0        # local + external tokens at the latest admission
-    tail_blocks: int = 0            # blocks of the tail object found after hit_chunks
-    tail_key: bytes | None = None
-    tail_local: bool = False        # the tail was found in the KeyIndex
-    part_tokens: int = 0            # tokens of the partial-block object after the tail
-    part_key: bytes | None = None
-    part_local: bool = False        # the partial-block object was found in the KeyIndex
-    load_async: bool = True         # the last match's load: between steps, or in the step
-    prompt_tail_done: bool = False  # the tail at prefill end was planned (or not needed)
-    # prefill/decode (handover.py). Prefill: saves are written through to the shared tiers
-    handover_out: bool = False
-    durable_pending: int = 0        # durable save jobs (x world size) not yet reported
-    durable_failed: set[bytes] | None = None  # their keys not written through
-    durable_bytes: int = 0          # written through so far (handover_max_bytes caps it)
-    durable_capped: bool = False    # past a cap: the rest is saved behind, not handed over
-    # decode: the handover it was given; "wait" until its objects are visible, then "ready"
-    # (loaded as a hit) or "off" (timed out, malformed, not this prompt: an ordinary lookup)
-    handover_in: Handover | None = None
-    handover_state: str = "off"
-    handover_keys: HandoverObjects | None = None
-    handover_deadline: float = 0.0
-    handover_check: Future | None = None
-    handover_checked_at: float = 0.0
-
-
-@dataclass
-class _RemoteAnswer:
-    """What a remote lookup found: `more` leading chunks after the local ones, then (when
-    tails were asked for) the longest tail present right after chunk `tail_at`."""
-
-    more: int
-    tail_at: int = -1
-    tail_key: bytes | None = None
-    part_at: int = -1               # the full blocks the partial-block candidates followed
-    part_key: bytes | None = None
-
-
-class KeyIndex:
-    """Bounded LRU set of keys the workers stored in their local first tier (cpu or disk)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = max(1, capacity)
-        self._d: OrderedDict[bytes, None] = OrderedDict()
-
-    def add(self, key: bytes) -> None:
-        self._d[key] = None
-        self._d.move_to_end(key)
-        while len(self._d) > self.capacity:
-            self._d.popitem(last=False)
-
-    def discard(self, key: bytes) -> None:
-        self._d.pop(key, None)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._d
-
-    def prefix_len(self, keys: list[bytes]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self._d:
-                break
-            n += 1
-        return n
 
 
 class SchedulerSide:
@@ -210,7 +121,7 @@ class SchedulerSide:
         # saves no partial block, so no such request's KV reaches them that way.
         self._parts_saved = not (cfg.require_cache_salt and not cfg.security.encrypt
                                  and any(tier_class(t.type).shared for t in cfg.tiers))
-        self.reqs: dict[str, _RequestRecord] = {}
+        self.reqs: dict[str, RequestRecord] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
@@ -237,7 +148,7 @@ class SchedulerSide:
         self.decode_keys = KeyIndex(max(self.index.capacity, DECODE_KEYS))
         # handovers returned this step whose write-through the workers report later in the
         # same update_from_output: req_id -> (the params returned, their objects, record)
-        self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], _RequestRecord]] = {}
+        self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], RequestRecord]] = {}
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
         # the warm start manifest's tiers (connector._manifest_store_config), else lower's: one
@@ -283,11 +194,11 @@ class SchedulerSide:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lookups -----------------------------------------------------------------------
-    def request_record(self, request: Request) -> _RequestRecord:
+    def request_record(self, request: Request) -> RequestRecord:
         record = self.reqs.get(request.request_id)
         if record is None:
             prefix = self._adapters.prefix(self.prefix, request)
-            record = self.reqs[request.request_id] = _RequestRecord(
+            record = self.reqs[request.request_id] = RequestRecord(
                 request, prefix if prefix is not None else b"",
                 adapter_wait_since=time.monotonic() if prefix is None else None)
             self._read_handover(record)
@@ -295,7 +206,7 @@ class SchedulerSide:
             record.request = request
         return record
 
-    def _read_handover(self, record: _RequestRecord) -> None:
+    def _read_handover(self, record: RequestRecord) -> None:
         """What the request's kv_transfer_params ask of the pool (handover.py)."""
         params = getattr(record.request, "kv_transfer_params", None)
         asked = wants_handover(params)
@@ -331,7 +242,7 @@ class SchedulerSide:
             n += self.index.prefix_len(keys[n:])
         return n, local
 
-    def _adapter_known(self, record: _RequestRecord) -> bool:
+    def _adapter_known(self, record: RequestRecord) -> bool:
         """False while the request's adapter is being digested (ask again next step); after
         ADAPTER_WAIT_S the request goes on without the pool. Until then it has no prefix: it
         is neither looked up nor saved."""
@@ -345,7 +256,7 @@ class SchedulerSide:
         record.prefix, record.adapter_wait_since = prefix or b"", None
         return True
 
-    def _isolated(self, record: _RequestRecord) -> bool:
+    def _isolated(self, record: RequestRecord) -> bool:
         """A request that neither reads nor writes the pool: require_cache_salt and no
         tenant salt, or an adapter kvpool cannot identify."""
         return not record.prefix or (self.cfg.require_cache_salt
@@ -379,18 +290,10 @@ class SchedulerSide:
         hit_tokens = self._hit_tokens(record)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        record.load_async = self.is_async and not (self.sync_local and self._all_local(record))
+        record.load_async = self.is_async and not (self.sync_local and record.all_local())
         return hit_tokens - num_computed_tokens, record.load_async
 
-    def _all_local(self, record: _RequestRecord) -> bool:
-        """Whether the match (chunks and tail) came from the KeyIndex: chunks the workers
-        hold in their own memory, copied in a memcpy each (if one was evicted meanwhile, its
-        blocks are load errors and vLLM recomputes them, as with any broken promise)."""
-        return (record.hit_local_index >= record.hit_chunks
-                and (record.tail_key is None or record.tail_local)
-                and (record.part_key is None or record.part_local))
-
-    def _lookup(self, record: _RequestRecord, hashes: list, now: float) -> int | None:
+    def _lookup(self, record: RequestRecord, hashes: list, now: float) -> int | None:
         """Leading chunks present; None while a remote part of the lookup is running."""
         t0 = time.perf_counter()
         if record.pending is not None:
@@ -401,7 +304,7 @@ class SchedulerSide:
             try:
                 answer = fut.result()
             except Exception:  # the store never raises; a broken pool is a miss
-                answer = _RemoteAnswer(0)
+                answer = RemoteAnswer(0)
             record.remote_tail = answer
             more = answer.more
             keys = chunk_keys(record.prefix, hashes[:n_hashes], self.blocks_per_chunk)
@@ -444,12 +347,12 @@ class SchedulerSide:
     def _remote_lookup(self, keys: list[bytes], local: int,
                        tails: Callable[..., list[tuple[int, bytes]]] | None,
                        parts: Callable[..., list[tuple[int, bytes]]] | None = None
-                       ) -> _RemoteAnswer:
+                       ) -> RemoteAnswer:
         """On the lookup pool: the leading chunks in the lower tiers, then the longest
         tail object after them, then the longest partial-block object after that (each
         set of candidates in one batch: one round trip on Redis)."""
         more = self._remote_prefix(keys)
-        answer = _RemoteAnswer(more)
+        answer = RemoteAnswer(more)
         if tails is not None:
             answer.tail_at = local + more
             cands = tails(full_chunks=answer.tail_at)
@@ -530,7 +433,7 @@ class SchedulerSide:
         if not record.handover_out:
             record.next_save = max(record.next_save, record.hit_chunks)
 
-    def _count_reused(self, record: _RequestRecord, num_external_tokens: int) -> None:
+    def _count_reused(self, record: RequestRecord, num_external_tokens: int) -> None:
         """The full chunks of the prompt that vLLM's prefix cache or the pool held: hits of
         the hot set (warm.py)."""
         assert self.hotset is not None
@@ -578,7 +481,7 @@ class SchedulerSide:
                                                   for r in self.reqs.values())
         return meta
 
-    def _plan_save(self, record: _RequestRecord, n_sched: int) -> SaveJob | None:
+    def _plan_save(self, record: RequestRecord, n_sched: int) -> SaveJob | None:
         if not self.save_enabled or self._isolated(record):
             return None
         req = record.request
@@ -630,11 +533,11 @@ class SchedulerSide:
             self._durable_step_left -= nbytes
         return SaveJob(req.request_id, out_keys, out_blocks, kinds, durable=durable)
 
-    def _durable(self, record: _RequestRecord) -> bool:
+    def _durable(self, record: RequestRecord) -> bool:
         """Whether the request's saves are written through now: a handover not capped."""
         return record.handover_out and not record.durable_capped
 
-    def _durable_room(self, record: _RequestRecord, n_chunks: int) -> int:
+    def _durable_room(self, record: RequestRecord, n_chunks: int) -> int:
         """How far (in chunks) a handover's saves may be written through: its caps are
         handover_max_bytes per request and handover_step_bytes per step (a write-through
         holds the whole step). Short of `n_chunks`, the request is capped: the chunks past the
@@ -724,7 +627,7 @@ class SchedulerSide:
         return self.finished(request, block_ids), params
 
     # -- prefill/decode through the pool (handover.py) -------------------------------------
-    def _handover_params(self, record: _RequestRecord) -> dict[str, Any] | None:
+    def _handover_params(self, record: RequestRecord) -> dict[str, Any] | None:
         """The handover of a finished prefill: what its saves wrote through of the prompt
         but its last token (the decode engine computes that one). The last step's
         write-through is reported by the workers after this call, in the same
@@ -754,7 +657,7 @@ class SchedulerSide:
         return out
 
     def _settle_handover(self, out: dict, objects: list[tuple[bytes, int]],
-                         record: _RequestRecord) -> None:
+                         record: RequestRecord) -> None:
         """Promise only the leading objects every shared tier confirmed."""
         failed = record.durable_failed or set()
         good = next((i for i, (k, _) in enumerate(objects) if k in failed), len(objects))
@@ -783,7 +686,7 @@ class SchedulerSide:
                 del self.handovers_out[req_id]
                 self._settle_handover(pending[0], pending[1], record)
 
-    def _handover_ready(self, record: _RequestRecord, now: float) -> bool | None:
+    def _handover_ready(self, record: RequestRecord, now: float) -> bool | None:
         """A decode request's handover: True once all its objects are visible in the shared
         tiers (loaded then as a hit), None while waiting (the request asks again next step),
         False when it is not this prompt's or the wait timed out (an ordinary lookup,
@@ -898,7 +801,7 @@ class SchedulerSide:
         return out
 
     # -- tail objects and decode KV (tails.py) ---------------------------------------------
-    def _options(self, record: _RequestRecord) -> tuple[bool, bool]:
+    def _options(self, record: RequestRecord) -> tuple[bool, bool]:
         """(save decode KV, use tails) for this request (config + kv_transfer_params)."""
         return request_options(record.request, self.cfg.save_decode_tokens,
                                self.cfg.tail_objects)
@@ -913,7 +816,7 @@ class SchedulerSide:
         """Blocks a hit may cover: never the last prompt token (vLLM computes it to sample)."""
         return (request.num_tokens - 1) // self.block_size
 
-    def _hit_tokens(self, record: _RequestRecord) -> int:
+    def _hit_tokens(self, record: RequestRecord) -> int:
         """Tokens of the last lookup's match: the full chunks, the tail, then the
         partial-block object (found only right after a match of whole blocks that ends
         within what the request may claim)."""
@@ -938,7 +841,7 @@ class SchedulerSide:
                 return n, key, in_index[i]
         return 0, None, False
 
-    def _lookup_tail(self, record: _RequestRecord, hit: int) -> None:
+    def _lookup_tail(self, record: RequestRecord, hit: int) -> None:
         """The longest tail object right after the `hit` leading full chunks, if any."""
         record.tail_blocks, record.tail_key, record.tail_local = 0, None, False
         record.part_tokens, record.part_key, record.part_local = 0, None, False
@@ -957,8 +860,8 @@ class SchedulerSide:
                                                                                    remote)
         self._lookup_part(record, hit * self.blocks_per_chunk + record.tail_blocks, answer)
 
-    def _lookup_part(self, record: _RequestRecord, n_blocks: int,
-                     answer: _RemoteAnswer | None) -> None:
+    def _lookup_part(self, record: RequestRecord, n_blocks: int,
+                     answer: RemoteAnswer | None) -> None:
         """The longest partial-block object right after the first `n_blocks` full blocks
         (the chunks and the tail found), if any."""
         request = record.request
@@ -970,7 +873,7 @@ class SchedulerSide:
         record.part_tokens, record.part_key, record.part_local = self._longest_present(cands,
                                                                                    remote)
 
-    def _load_tail(self, record: _RequestRecord, chunks: list[ChunkLoad],
+    def _load_tail(self, record: RequestRecord, chunks: list[ChunkLoad],
                    first_block: int, last_block: int, block_ids: list[int]) -> None:
         """Add the tail to a load plan (blocks [first_block, last_block) are to be loaded).
         Hits are counted by the workers, with the tier that served them."""
@@ -986,7 +889,7 @@ class SchedulerSide:
                                 n_blocks=record.tail_blocks,
                                 kind="decode_tail" if decode else "prompt_tail"))
 
-    def _load_part(self, record: _RequestRecord, chunks: list[ChunkLoad], first_block: int,
+    def _load_part(self, record: RequestRecord, chunks: list[ChunkLoad], first_block: int,
                    block_ids: list[int]) -> None:
         """Add the partial-block object to a load plan: one block, of which its first
         `part_tokens` tokens are the match (vLLM computes over the rest, which holds
@@ -1003,7 +906,7 @@ class SchedulerSide:
                                 kind="decode_tail" if decode else "prompt_tail",
                                 tokens=record.part_tokens))
 
-    def _part_job(self, record: _RequestRecord, n_tokens: int, block_ids: list[int],
+    def _part_job(self, record: RequestRecord, n_tokens: int, block_ids: list[int],
                   durable: bool = False) -> SaveJob | None:
         """A save of the block the first `n_tokens` tokens end inside (None when they end
         on a block boundary, the request's ids do not name its KV, or the pool has or is
@@ -1028,7 +931,7 @@ class SchedulerSide:
         return SaveJob(req.request_id, [key], [[block_ids[b]]],
                        ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
-    def _tail_job(self, record: _RequestRecord, n_blocks: int, block_ids: list[int],
+    def _tail_job(self, record: RequestRecord, n_blocks: int, block_ids: list[int],
                   durable: bool = False) -> SaveJob | None:
         """A save of the blocks past the last full chunk among the first `n_blocks` blocks
         (None when there are none, or the pool has or is saving that tail already)."""
@@ -1053,11 +956,11 @@ class SchedulerSide:
         return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])],
                        ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
-    def _tails_saved(self, record: _RequestRecord) -> bool:
+    def _tails_saved(self, record: RequestRecord) -> bool:
         return (self.save_enabled and not self._isolated(record)
                 and self._options(record)[1])
 
-    def _plan_prompt_tail(self, record: _RequestRecord, n_sched: int) -> list[SaveJob]:
+    def _plan_prompt_tail(self, record: RequestRecord, n_sched: int) -> list[SaveJob]:
         """At the step that ends the prompt's prefill: the prompt's tail (a concurrent or
         aborted request, or one preempted later, finds the prompt's whole blocks) and, for a
         handover, the partial block of all but its last token (the decode engine computes
@@ -1079,7 +982,7 @@ class SchedulerSide:
                 if record.handover_out else None]
         return [j for j in jobs if j is not None]
 
-    def _plan_finish_tail(self, record: _RequestRecord, block_ids: list[int]) -> None:
+    def _plan_finish_tail(self, record: RequestRecord, block_ids: list[int]) -> None:
         """A finished request: the tail of everything computed (the prompt and, with decode
         KV on, the answer but its last token, never computed), saved in the next step while
         its blocks stay allocated."""
