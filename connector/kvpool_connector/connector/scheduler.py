@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
@@ -43,6 +43,7 @@ from .handover import (
     wants_handover,
 )
 from .keys import PREFIX_LEN, chunk_keys
+from .lookups import LookupJobs
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .ranks import PartReports
 from .requests import KeyIndex, RemoteAnswer, RequestRecord
@@ -66,14 +67,6 @@ LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
 LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
 ADAPTER_WAIT_S = 5.0  # a request waits this long for its LoRA adapter's digest, then goes without the pool
-# A job on the lookup threads (a remote lookup, a handover's visibility check) is waited for
-# up to `lookup_wait_ms` when it is submitted, before the request is told to ask again next
-# step: a Redis lookup takes a few milliseconds, a step of waiting is tens to hundreds of the
-# request's TTFT. One scheduler step waits INLINE_BUDGET_WAITS such bounds at most however
-# many requests arrive in it; while the jobs' recent durations (JOB_EWMA) exceed the bound
-# (S3, a backend in trouble) nobody waits, and every answer comes off the step loop.
-INLINE_BUDGET_WAITS = 2
-JOB_EWMA = 0.25  # weight of the latest job in the running mean of job durations
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
 
@@ -132,14 +125,9 @@ class SchedulerSide:
                          else None)
         self._sampled_at = 0.0
         remote = any(tier_class(t.type).remote for t in cfg.tiers)
-        self._lookup_pool = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-lookup")
-                             if remote and lower_store is not None else None)
-        self.inline_wait_s = cfg.lookup_wait_ms / 1000  # per lookup job (see _answered)
-        self.inline_budget_s = INLINE_BUDGET_WAITS * self.inline_wait_s  # per step
-        self._inline_left = self.inline_budget_s  # what is left of this step's budget
+        self.jobs = LookupJobs(remote and lower_store is not None, cfg.lookup_wait_ms)
         self.chunk_bytes = chunk_bytes  # one rank's part of a chunk: what each worker writes
         self._durable_step_left = cfg.handover_step_bytes  # this step's write-through budget
-        self._job_s = 0.0  # running mean of the lookup jobs' durations (JOB_EWMA)
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
         # decode chunks, tails and partial blocks saved here (bounded): a later hit of one is
@@ -190,8 +178,7 @@ class SchedulerSide:
         self._adapters.close()
         if self.hotset is not None:
             self.hotset.close()  # the hits counted since the last refresh
-        if self._lookup_pool is not None:
-            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self.jobs.close()
 
     # -- lookups -----------------------------------------------------------------------
     def request_record(self, request: Request) -> RequestRecord:
@@ -315,7 +302,7 @@ class SchedulerSide:
         else:
             keys = chunk_keys(record.prefix, hashes, self.blocks_per_chunk)
             local = self.index.prefix_len(keys)
-            if self._lookup_pool is not None and local < len(keys):
+            if self.jobs.remote and local < len(keys):
                 rest = keys[local:]
                 tails = parts = None
                 if self._options(record)[1]:  # the tails that could follow what is found
@@ -328,9 +315,9 @@ class SchedulerSide:
                             part_candidates, record.prefix, list(hashes),
                             list(record.request.all_token_ids), block_size=self.block_size,
                             max_tokens=record.request.num_tokens - 1)
-                fut = self._submit(self._remote_lookup, rest, local, tails, parts)
+                fut = self.jobs.submit(self._remote_lookup, rest, local, tails, parts)
                 record.pending = (len(hashes), local, fut)
-                answered = self._answered(fut)
+                answered = self.jobs.answered(fut)
                 self.stats.inc("kvpool_lookup_seconds", time.perf_counter() - t0)
                 if answered:
                     return self._lookup(record, hashes, now)
@@ -452,7 +439,7 @@ class SchedulerSide:
     # -- per-step plan -----------------------------------------------------------------
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        self._inline_left = self.inline_budget_s  # the next step's lookups may wait again
+        self.jobs.new_step()  # the next step's lookups may wait again
         self._durable_step_left = self.cfg.handover_step_bytes  # this step's write-through budget
         self.handovers_out.clear()  # their outputs are gone: nothing left to amend
         for waiting in self.reqs.values():
@@ -715,9 +702,9 @@ class SchedulerSide:
         fut = record.handover_check
         if fut is None and now - record.handover_checked_at >= HANDOVER_POLL_S:
             record.handover_checked_at = now
-            if self._lookup_pool is not None:
-                fut = record.handover_check = self._submit(self._visible, objects)
-                self._answered(fut)  # waited for once, when asked; then polled
+            if self.jobs.remote:
+                fut = record.handover_check = self.jobs.submit(self._visible, objects)
+                self.jobs.answered(fut)  # waited for once, when asked; then polled
             else:  # every shared tier is local (disk): answered inline
                 fut = Future()
                 fut.set_result(self._visible(objects))
@@ -746,27 +733,6 @@ class SchedulerSide:
         self.stats.inc("kvpool_handover_timeouts")
         record.handover_state = "off"
         return False
-
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """fn on the lookup threads, its duration folded into the jobs' running mean."""
-        def timed() -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self._job_s += JOB_EWMA * (time.perf_counter() - t0 - self._job_s)
-        assert self._lookup_pool is not None
-        return self._lookup_pool.submit(timed)
-
-    def _answered(self, fut: Future) -> bool:
-        """Whether a lookup job just submitted is done, waiting for it up to inline_wait_s
-        within what is left of this step's inline_budget_s, unless recent jobs took longer
-        than that (then waiting would only delay the step)."""
-        if not fut.done() and self._inline_left > 0 and self._job_s <= self.inline_wait_s:
-            t0 = time.perf_counter()
-            wait([fut], timeout=min(self.inline_wait_s, self._inline_left))
-            self._inline_left -= time.perf_counter() - t0
-        return fut.done()
 
     def _visible(self, keys: list[bytes]) -> bool:
         """Every key in the shared tiers now (asked afresh: another engine just wrote them)."""
@@ -833,7 +799,7 @@ class SchedulerSide:
         inline, every candidate longer than the index's longest in one call."""
         in_index = [k in self.index for _, k in cands]
         lower_at = None
-        if self.lower is not None and self._lookup_pool is None:
+        if self.lower is not None and not self.jobs.remote:
             first = next((i for i, x in enumerate(in_index) if x), len(cands))
             lower_at = self.lower.first_present([k for _, k in cands[:first]]) if first else None
         for i, (n, key) in enumerate(cands):

@@ -16,7 +16,7 @@ from tests.connector.connector.helpers import BPC, BS, PREFIX
 
 @pytest.fixture(autouse=True)
 def no_inline_wait(monkeypatch):
-    """Lookup jobs are never waited for here (every SchedulerSide's inline_wait_s is 0,
+    """Lookup jobs are never waited for here (every SchedulerSide's jobs.wait_s is 0,
     whatever `lookup_wait_ms` says): whether a loopback Redis round trip beats a 5 ms bound
     depends on the machine's load, and a test must take one path. The tests of the wait set
     the bound on their side themselves."""
@@ -25,14 +25,14 @@ def no_inline_wait(monkeypatch):
     @functools.wraps(init)  # __wrapped__: the real one, for the test of the config key
     def without_wait(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.inline_wait_s = 0.0
+        self.jobs.wait_s = 0.0
 
     monkeypatch.setattr(SchedulerSide, "__init__", without_wait)
 
 
 def wait_inline(side: SchedulerSide, wait_s: float, budget_s: float) -> None:
     """Give `side` these bounds from its next step on, as `lookup_wait_ms` would."""
-    side.inline_wait_s, side.inline_budget_s = wait_s, budget_s
+    side.jobs.wait_s, side.jobs.budget_s = wait_s, budget_s
 
 
 @pytest.fixture

@@ -203,9 +203,9 @@ def test_lookup_wait_ms_sets_the_bound_and_the_step_budget(redis_tier, namespace
                         ({"lookup_wait_ms": 0}, 0.0)):
         s = scheduler_side(namespace, redis_tier, **keys)
         try:
-            assert (s.inline_wait_s, s.inline_budget_s) == pytest.approx((bound, 2 * bound))
+            assert (s.jobs.wait_s, s.jobs.budget_s) == pytest.approx((bound, 2 * bound))
             s.build_meta(scheduler_output({}))
-            assert s._inline_left == pytest.approx(2 * bound)
+            assert s.jobs.left == pytest.approx(2 * bound)
         finally:
             s.close()
             s.lower.close()
@@ -226,15 +226,15 @@ def test_the_wait_for_lookup_jobs_is_bounded_per_step(remote_side, monkeypatch):
         t0 = time.perf_counter()
         assert remote_side.num_matched(reqs[0], 0) == (None, False)
         assert time.perf_counter() - t0 >= 0.03  # it did wait (a timed wait never ends early)
-        assert remote_side._inline_left <= 0.05 - 0.03 + 1e-3
+        assert remote_side.jobs.left <= 0.05 - 0.03 + 1e-3
         assert remote_side.num_matched(reqs[1], 0) == (None, False)  # what was left of 0.05 s
-        assert remote_side._inline_left <= 0
-        spent = remote_side._inline_left
+        assert remote_side.jobs.left <= 0
+        spent = remote_side.jobs.left
         assert remote_side.num_matched(reqs[2], 0) == (None, False)
-        assert remote_side._inline_left == spent  # the budget is gone: no wait at all
+        assert remote_side.jobs.left == spent  # the budget is gone: no wait at all
         assert remote_side.stats.data["kvpool_lookups_deferred"] == {"": 3}  # a step each
         remote_side.build_meta(scheduler_output({}))
-        assert remote_side._inline_left == 0.05
+        assert remote_side.jobs.left == 0.05
     finally:
         gate.set()
     assert answered(remote_side, reqs[2]) == (0, False)
@@ -253,25 +253,25 @@ def test_nobody_waits_while_lookup_jobs_run_longer_than_the_bound(remote_side, m
     for i in range(2):  # the mean after two 60 ms jobs: >= 0.06 * (1 - 0.75 ** 2) = 26 ms
         remote_side.build_meta(scheduler_output({}))
         assert answered(remote_side, make_request(f"s{i}", 1000, seed=40 + i)) == (0, False)
-    assert remote_side._job_s > 0.02
+    assert remote_side.jobs.mean_s > 0.02
     remote_side.build_meta(scheduler_output({}))
     slow = make_request("s2", 1000, seed=42)
     assert remote_side.num_matched(slow, 0) == (None, False)
-    assert remote_side._inline_left == 30.0  # not waited for
+    assert remote_side.jobs.left == 30.0  # not waited for
     delay["s"] = 0.0
     assert answered(remote_side, slow) == (0, False)
     for i in range(20):  # fast jobs pull the mean down
-        if remote_side._job_s <= 0.02:
+        if remote_side.jobs.mean_s <= 0.02:
             break
         assert answered(remote_side, make_request(f"f{i}", 1000, seed=60 + i)) == (0, False)
-    assert remote_side._job_s <= 0.02
+    assert remote_side.jobs.mean_s <= 0.02
     gate = threading.Event()  # the next job held: whether the ask waits is then plain
     monkeypatch.setattr(lower, "contains_prefix", lambda ks: (gate.wait(10), real(ks))[1])
     try:
         remote_side.build_meta(scheduler_output({}))
         held = make_request("w", 1000, seed=90)
         assert remote_side.num_matched(held, 0) == (None, False)
-        assert remote_side._inline_left <= 30.0 - 0.02  # the wait is back
+        assert remote_side.jobs.left <= 30.0 - 0.02  # the wait is back
     finally:
         gate.set()
     assert answered(remote_side, held) == (0, False)
