@@ -207,3 +207,41 @@ def s3_keys(s3_server, namespace: str) -> list[str]:
 def disk_files(path: Path) -> list[Path]:
     """Stored objects of a disk tier (`<path>/<namespace>/<xx>/<key hex>.kv`)."""
     return sorted(Path(path).rglob("*.kv"))
+
+
+class SharedObjects:
+    """The object names a pool's disk tier and Redis hold (a disk file's stem is the name a
+    Redis key ends with): what a writer left where, and a prompt's objects removed from one
+    tier so that a fresh engine must find them in the other."""
+
+    def __init__(self, disk_root: Path, redis_server, namespace: str) -> None:
+        self.disk_root = Path(disk_root)
+        self.redis_server, self.namespace = redis_server, namespace
+
+    def names(self) -> dict[str, set[str]]:
+        return {"disk": {p.stem for p in disk_files(self.disk_root)},
+                "redis": {k.decode().rsplit(":", 1)[1]
+                          for k in redis_keys(self.redis_server, self.namespace)}}
+
+    def new_since(self, before: dict[str, set[str]], enough, what: str) -> dict[str, set[str]]:
+        """The names each tier gained since `before`, once `enough(count)` holds in every
+        tier (lower tiers are written behind the forward pass: waited for, never read once)."""
+        def gained():
+            now = self.names()
+            new = {t: now[t] - before[t] for t in now}
+            return new if all(enough(len(v)) for v in new.values()) else None
+        return wait_until(gained, what=what)
+
+    def remove(self, names: set[str], tier: str) -> None:
+        if tier == "disk":
+            for p in disk_files(self.disk_root):
+                if p.stem in names:
+                    p.unlink()
+            return
+        r = redis_client(self.redis_server)
+        try:
+            for k in redis_keys(self.redis_server, self.namespace):
+                if k.decode().rsplit(":", 1)[1] in names:
+                    r.delete(k)
+        finally:
+            r.close()

@@ -19,14 +19,13 @@ from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
 from tests.e2e.conftest import (
     Audit,
+    SharedObjects,
     connector_engine,
-    disk_files,
     redis_client,
     redis_env,
     redis_keys,
     redis_tier,
     token_prompt,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -53,26 +52,6 @@ def _engine(model, tiers, namespace, redis_server, audit: Audit):
                             extra={"save_decode_tokens": False})
 
 
-def _names(disk, redis_server, namespace) -> dict[str, set[str]]:
-    return {"disk": {p.stem for p in disk_files(disk)},
-            "redis": {k.decode().rsplit(":", 1)[1] for k in redis_keys(redis_server, namespace)}}
-
-
-def _remove(names: set[str], tier: str, disk, redis_server, namespace) -> None:
-    if tier == "disk":
-        for p in disk_files(disk):
-            if p.stem in names:
-                p.unlink()
-        return
-    r = redis_client(redis_server)
-    try:
-        for k in redis_keys(redis_server, namespace):
-            if k.decode().rsplit(":", 1)[1] in names:
-                r.delete(k)
-    finally:
-        r.close()
-
-
 @pytest.fixture(scope="module")
 def served(mla_model, redis_server, namespace, mla_audit, tmp_path_factory) -> dict:
     """A writer computing both prompts (the recompute: the pool is empty) and saving them in
@@ -81,15 +60,13 @@ def served(mla_model, redis_server, namespace, mla_audit, tmp_path_factory) -> d
     disk = tmp_path_factory.mktemp("mla-disk")
     tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(disk), "size": "256Mi"},
              redis_tier(redis_server)]
-    objects, recompute = {}, {}
+    shared, objects, recompute = SharedObjects(disk, redis_server, namespace), {}, {}
     with _engine(mla_model, tiers, namespace, redis_server, mla_audit) as writer:
         for n, prompt in PROMPTS.items():
-            before = _names(disk, redis_server, namespace)
+            before = shared.names()
             recompute[n] = writer.generate([prompt])[0]
             assert recompute[n]["num_cached_tokens"] == 0
-            new = wait_until(lambda b=before: (lambda now: {t: now[t] - b[t] for t in now} if all(
-                len(now[t] - b[t]) >= CHUNKS + 1 for t in now) else None)(
-                _names(disk, redis_server, namespace)), what=f"{n}'s objects in every tier")
+            new = shared.new_since(before, lambda k: k >= CHUNKS + 1, f"{n}'s objects in every tier")
             assert new["disk"] == new["redis"], new
             objects[n] = new["disk"]
     r = redis_client(redis_server)
@@ -97,8 +74,8 @@ def served(mla_model, redis_server, namespace, mla_audit, tmp_path_factory) -> d
         sizes = {k.decode().rsplit(":", 1)[1]: r.strlen(k) for k in redis_keys(redis_server, namespace)}
     finally:
         r.close()
-    _remove(objects["disk"], "redis", disk, redis_server, namespace)
-    _remove(objects["redis"], "disk", disk, redis_server, namespace)
+    shared.remove(objects["disk"], "redis")
+    shared.remove(objects["redis"], "disk")
     out = {}
     with _engine(mla_model, tiers, namespace, redis_server, mla_audit) as reader:
         for n, prompt in PROMPTS.items():

@@ -25,14 +25,11 @@ from kvpool_dev.testbed.oracle import check_logprobs_close
 from tests.conftest import POOL_KEY_ENV
 from tests.e2e.conftest import (
     Audit,
+    SharedObjects,
     connector_engine,
-    disk_files,
-    redis_client,
     redis_env,
-    redis_keys,
     redis_tier,
     token_prompt,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.alone]
@@ -92,36 +89,9 @@ def _engine(tiny_model, redis_server, namespace, tp_audit, tiers):
         extra={"handover_wait_seconds": 4.0, "save_decode_tokens": False, "handover_requests": True})
 
 
-class Objects:
-    """The object names each shared tier (disk, Redis) holds."""
-
-    def __init__(self, tiers, redis_server, namespace) -> None:
-        self.disk_root = Path(tiers[1]["path"])
-        self.redis_server, self.namespace = redis_server, namespace
-
-    def names(self) -> dict[str, set[str]]:
-        return {"disk": {p.stem for p in disk_files(self.disk_root)},
-                "redis": {k.decode().rsplit(":", 1)[1]
-                          for k in redis_keys(self.redis_server, self.namespace)}}
-
-    def remove(self, names: set[str], tier: str) -> None:
-        if tier == "disk":
-            for p in disk_files(self.disk_root):
-                if p.stem in names:
-                    p.unlink()
-        else:
-            r = redis_client(self.redis_server)
-            try:
-                for k in redis_keys(self.redis_server, self.namespace):
-                    if k.decode().rsplit(":", 1)[1] in names:
-                        r.delete(k)
-            finally:
-                r.close()
-
-
 @pytest.fixture(scope="module")
-def objects(tiers, redis_server, namespace) -> Objects:
-    return Objects(tiers, redis_server, namespace)
+def objects(tiers, redis_server, namespace) -> SharedObjects:
+    return SharedObjects(Path(tiers[1]["path"]), redis_server, namespace)
 
 
 def _saves(audit: Audit) -> set[tuple[str, str]]:
@@ -133,7 +103,7 @@ def _saves(audit: Audit) -> set[tuple[str, str]]:
     return out
 
 
-def _cold(writer, objects: Objects, name: str, prompt) -> tuple[dict, set[str]]:
+def _cold(writer, objects: SharedObjects, name: str, prompt) -> tuple[dict, set[str]]:
     """One prompt served by the writer, with the objects it left in every tier (waited for:
     lower tiers are written behind the forward pass)."""
     before = objects.names()
@@ -142,16 +112,13 @@ def _cold(writer, objects: Objects, name: str, prompt) -> tuple[dict, set[str]]:
     # (under one block: no objects of its own) makes that step
     writer.generate([FLUSH])
     try:
-        new = wait_until(lambda: (lambda now: now if all(
-            len(now[t] - before[t]) == OBJECTS for t in now) else None)(objects.names()),
-            what=f"{name}'s {OBJECTS} objects in every tier")
+        new = objects.new_since(before, lambda n: n == OBJECTS, f"{name}'s {OBJECTS} objects in every tier")
     except AssertionError as e:
         now = objects.names()
         raise AssertionError(f"{e}: {({t: len(now[t] - before[t]) for t in now})} new; "
                              f"writer log:\n{writer.log_tail(40)}") from None
-    sets = [new[t] - before[t] for t in new]
-    assert sets[0] == sets[1], f"{name}: the tiers hold different objects"
-    return o, sets[0]
+    assert new["disk"] == new["redis"], f"{name}: the tiers hold different objects"
+    return o, new["disk"]
 
 
 def _rank1_names(audit: Audit, before: set[tuple[str, str]]) -> set[str]:

@@ -347,14 +347,15 @@ def engine_uid(pool: Pool) -> int:
 def engine_pod_spec(pool: Pool) -> dict[str, Any]:
     """The engines' pod: non-root, no token, no service links, the wait for backends, placement."""
     volumes, mounts = engine_volumes(pool)
+    uid = engine_uid(pool)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": engine_uid(pool),
-            "runAsGroup": engine_uid(pool),
+            "runAsUser": uid,
+            "runAsGroup": uid,
             "fsGroup": pool.settings.engine_fs_group,  # shared: enters the kubelet's per-pool subPath directories
             "fsGroupChangePolicy": "OnRootMismatch",  # a large disk tier is not re-chowned at every start
             "seccompProfile": {"type": "RuntimeDefault"},
