@@ -35,7 +35,7 @@ def test_bench_e2e_quick_json(repo_root, tiny_model):
 
     assert [e["name"] for e in report["engines"]] == ["kvpool-seed", "kvpool-disk",
                                                       "native-seed"]
-    assert report["errors"] == {}
+    assert report["errors"] == {} and report["host_bytes"] == 256 << 20
     summary = report["summary"]
     assert summary["baseline"] == "kvpool-cold"
     assert [r["tokens"] for r in summary["rows"]] == report["sizes"] == [512, 2048]

@@ -51,7 +51,11 @@ ALL_CONFIGS = ("recompute", "cpu", "disk", "redis", "s3", "native-cpu", "native-
 QUICK_CONFIGS = ("cpu", "disk", "native-cpu")  # the smoke run: each kind of engine once
 KVPOOL_TIERS = ("cpu", "disk", "redis", "s3")
 NATIVE_CONFIGS = ("native-cpu", "native-redis")
-NATIVE_HOST_BYTES = 2 << 30  # vLLM's host tier in native engines: the kvpool cpu tier's size
+# each engine's host memory: kvpool's cpu tier and vLLM's host tier in native engines. The
+# quick run's prompts need a few MiB of it; a start commits all of it, and on a VM the first
+# touch of memory the guest had handed back costs ~10 s per GiB (2 GiB: a quarter of the run)
+HOST_BYTES = 2 << 30
+QUICK_HOST_BYTES = 256 << 20
 MAX_TOKENS = 4
 WARMUP_TOKENS = 600   # > 2 chunks of 256, so something is stored and loaded
 REDIS_PASSWORD_ENV = "KVPOOL_BENCH_REDIS_PASSWORD"
@@ -253,7 +257,8 @@ def _log(msg: str) -> None:
 class Backends:
     """The shared storage every kvpool engine of the run points at."""
 
-    def __init__(self, tiers: set[str], workdir: Path):
+    def __init__(self, tiers: set[str], workdir: Path, host_bytes: int = HOST_BYTES):
+        self.host_bytes = host_bytes
         self.namespace = f"bench-{uuid.uuid4().hex[:8]}"
         self.disk_path = workdir / "kvpool-disk"
         self.example_path = workdir / "example-connector"
@@ -270,7 +275,7 @@ class Backends:
 
     def tier(self, name: str) -> dict[str, Any]:
         if name == "cpu":
-            return kv_configs.cpu_tier("2Gi")
+            return kv_configs.cpu_tier(str(self.host_bytes))
         if name == "disk":
             return kv_configs.disk_tier(str(self.disk_path), "8Gi")
         if name == "redis":
@@ -326,7 +331,7 @@ def transfer_config(spec: EngineSpec, backends: Backends) -> dict[str, Any] | No
     if spec.kind == "native":
         secondary = [kv_configs.native_kvpool_tier([backends.tier(t) for t in spec.tiers],
                                                    backends.namespace)] if spec.tiers else None
-        return kv_configs.native_config(NATIVE_HOST_BYTES, secondary_tiers=secondary, timed=True)
+        return kv_configs.native_config(backends.host_bytes, secondary_tiers=secondary, timed=True)
     if spec.kind == "example":
         return kv_configs.example_config(str(backends.example_path), timed=True)
     return None
@@ -403,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         "TTFT on real engines: recompute vs a hit from each kvpool tier vs vLLM's native "
         "offloading (kvpool's spec) vs ExampleConnector"))
     ap.add_argument("--quick", action="store_true",
-                    help=f"tiny model, prompts of 512/2048 tokens, configs {','.join(QUICK_CONFIGS)}")
+                    help=f"tiny model, prompts of 512/2048 tokens, 256 MiB host tiers, "
+                         f"configs {','.join(QUICK_CONFIGS)}")
     ap.add_argument("--configs", default=None,
                     help=f"comma list from {','.join(ALL_CONFIGS)} (default: all; --quick: "
                          f"{','.join(QUICK_CONFIGS)})")
@@ -440,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     _log(f"{len(engines)} engines ({', '.join(e.name for e in engines)}), sizes {sizes}, "
          f"model {model.name}")
-    backends = Backends(backend_tiers(configs), workdir)
+    backends = Backends(backend_tiers(configs), workdir,
+                        QUICK_HOST_BYTES if args.quick else HOST_BYTES)
     backends.connector_keys = {"layerwise": True} if args.layerwise else {}
     results: list[Measurement] = []
     scheduler: dict[str, Any] = {}
@@ -464,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(results, sizes)
     report = {"model": model.name, "sizes": sizes, "max_tokens": MAX_TOKENS,
+              "host_bytes": backends.host_bytes,
               "repeat": args.repeat,
               "engines": [asdict(e) for e in engines], "summary": summary,
               "scheduler": scheduler, "errors": errors, "wall_s": time.monotonic() - t0,
