@@ -48,14 +48,8 @@ from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, 
 from .ranks import PartReports
 from .requests import KeyIndex, RemoteAnswer, RequestRecord
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
-from .tails import (
-    part_candidates,
-    part_key,
-    part_usable,
-    request_options,
-    tail_candidates,
-    tail_key,
-)
+from .tail_plans import SavedObjects, TailPlans
+from .tails import part_candidates, part_usable, request_options, tail_candidates
 from .warm import ManifestWriter, manifest_key, prewarm_keys, prewarm_objects, read_manifest
 
 if TYPE_CHECKING:
@@ -112,8 +106,8 @@ class SchedulerSide:
         # packed per ISA on CPU, leaves no token's bytes to zero). A pool that keeps
         # requests without a tenant salt out of the shared tiers and does not encrypt them
         # saves no partial block, so no such request's KV reaches them that way.
-        self._parts_saved = not (cfg.require_cache_salt and not cfg.security.encrypt
-                                 and any(tier_class(t.type).shared for t in cfg.tiers))
+        parts_saved = not (cfg.require_cache_salt and not cfg.security.encrypt
+                           and any(tier_class(t.type).shared for t in cfg.tiers))
         self.reqs: dict[str, RequestRecord] = {}
         self.inflight: set[bytes] = set()   # planned saves not yet reported stored
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
@@ -134,6 +128,12 @@ class SchedulerSide:
         # counted as such (the load plan's ChunkLoad.kind). Lower tiers outlast the first
         # tier's index, so it keeps at least DECODE_KEYS (~2.5 MB of keys)
         self.decode_keys = KeyIndex(max(self.index.capacity, DECODE_KEYS))
+        self.saved = SavedObjects(self.index, self.inflight, self.decode_keys, world_size)
+        # tails and partial blocks: a lower tier that is all local (disk) is asked inline
+        self.tails = TailPlans(self.saved, block_size, blocks_per_chunk, cfg.chunk_tokens,
+                               self._options, parts_saved,
+                               None if lower_store is None or self.jobs.remote
+                               else lower_store.first_present)
         # handovers returned this step whose write-through the workers report later in the
         # same update_from_output: req_id -> (the params returned, their objects, record)
         self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], RequestRecord]] = {}
@@ -173,6 +173,7 @@ class SchedulerSide:
                     if tier_class(t.type).local)
         self.events = KVEvents(types, self.block_size, self.blocks_per_chunk,
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
+        self.tails.events = self.events
 
     def close(self) -> None:
         self._adapters.close()
@@ -272,9 +273,9 @@ class SchedulerSide:
             if found is None:
                 return None, False  # a remote lookup is in flight: ask again next step
             hit = found
-            self._lookup_tail(record, hit)
+            self.tails.lookup(record, hit)
         record.hit_chunks = hit
-        hit_tokens = self._hit_tokens(record)
+        hit_tokens = self.tails.hit_tokens(record)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         record.load_async = self.is_async and not (self.sync_local and record.all_local())
@@ -309,7 +310,7 @@ class SchedulerSide:
                     tails = functools.partial(
                         tail_candidates, record.prefix, list(hashes),
                         blocks_per_chunk=self.blocks_per_chunk,
-                        max_blocks=self._claimable_blocks(record.request))
+                        max_blocks=self.tails.claimable_blocks(record.request))
                     if part_usable(record.request):
                         parts = functools.partial(
                             part_candidates, record.prefix, list(hashes),
@@ -390,7 +391,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
-        hit_tokens = self._hit_tokens(record)
+        hit_tokens = self.tails.hit_tokens(record)
         first_block = (hit_tokens - num_external_tokens) // self.block_size
         last_block = hit_tokens // self.block_size  # exclusive
         keys = chunk_keys(record.prefix, request.block_hashes, self.blocks_per_chunk,
@@ -404,8 +405,7 @@ class SchedulerSide:
             chunks.append(ChunkLoad(key, [b - c * self.blocks_per_chunk for b in range(lo, hi)],
                                     [block_ids[b] for b in range(lo, hi)],
                                     kind="decode" if key in self.decode_keys else "prompt"))
-        self._load_tail(record, chunks, first_block, last_block, block_ids)
-        self._load_part(record, chunks, first_block, block_ids)
+        self.tails.add_loads(record, chunks, first_block, last_block, block_ids)
         record.load = LoadJob(request.request_id, chunks, record.load_async)
         if self.events is not None:  # a lower-tier hit is promoted into the first tier
             for c, key in enumerate(keys):
@@ -495,7 +495,7 @@ class SchedulerSide:
         block_ids = self._block_ids(req.request_id)
         out_keys, out_blocks, kinds = [], [], []
         for i, key in enumerate(keys):
-            if (key in self.index or key in self.inflight) and not durable:
+            if self.saved.known(key) and not durable:
                 continue  # another request already stores this chunk
             c = first + i
             ids = block_ids[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]
@@ -626,7 +626,7 @@ class SchedulerSide:
                 or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
             return None
         tokens = req.num_prompt_tokens - 1
-        if not part_usable(req) or not self._parts_saved:  # no partial block: whole blocks
+        if not part_usable(req) or not self.tails.parts_saved:  # no partial block: whole blocks
             tokens -= tokens % self.block_size
         if not self._options(record)[1]:  # no tails: full chunks only
             tokens -= tokens % self.chunk_tokens
@@ -766,7 +766,7 @@ class SchedulerSide:
         out, self.stats = self.stats, KVPoolConnectorStats()
         return out
 
-    # -- tail objects and decode KV (tails.py) ---------------------------------------------
+    # -- tail objects and decode KV (tail_plans.py) ----------------------------------------
     def _options(self, record: RequestRecord) -> tuple[bool, bool]:
         """(save decode KV, use tails) for this request (config + kv_transfer_params)."""
         return request_options(record.request, self.cfg.save_decode_tokens,
@@ -774,198 +774,29 @@ class SchedulerSide:
 
     def _claimable(self, tokens: int, request: Request) -> bool:
         """Whether a handover of `tokens` fits the request: a partial block must end before
-        its last token (whole blocks are capped by `_hit_tokens`, as an earlier prefill
+        its last token (whole blocks are capped by `hit_tokens`, as an earlier prefill
         engine's handover of a prompt ending on a block boundary needs)."""
         return tokens < request.num_tokens or tokens % self.block_size == 0
-
-    def _claimable_blocks(self, request: Request) -> int:
-        """Blocks a hit may cover: never the last prompt token (vLLM computes it to sample)."""
-        return (request.num_tokens - 1) // self.block_size
-
-    def _hit_tokens(self, record: RequestRecord) -> int:
-        """Tokens of the last lookup's match: the full chunks, the tail, then the
-        partial-block object (found only right after a match of whole blocks that ends
-        within what the request may claim)."""
-        limit = self._claimable_blocks(record.request) * self.block_size
-        whole = min(record.hit_chunks * self.chunk_tokens + record.tail_blocks * self.block_size,
-                    limit)
-        return whole + record.part_tokens
-
-    def _longest_present(self, cands: list[tuple[int, bytes]], remote: bytes | None
-                         ) -> tuple[int, bytes | None, bool]:
-        """The longest candidate present, (size, key, in the KeyIndex), or (0, None, False):
-        in the KeyIndex, or the remote job's answer (`remote`: the longest it found in Redis
-        or S3, off the step loop), or, when the lower tiers are all local (disk), asked
-        inline, every candidate longer than the index's longest in one call."""
-        in_index = [k in self.index for _, k in cands]
-        lower_at = None
-        if self.lower is not None and not self.jobs.remote:
-            first = next((i for i, x in enumerate(in_index) if x), len(cands))
-            lower_at = self.lower.first_present([k for _, k in cands[:first]]) if first else None
-        for i, (n, key) in enumerate(cands):
-            if in_index[i] or key == remote or i == lower_at:
-                return n, key, in_index[i]
-        return 0, None, False
-
-    def _lookup_tail(self, record: RequestRecord, hit: int) -> None:
-        """The longest tail object right after the `hit` leading full chunks, if any."""
-        record.tail_blocks, record.tail_key, record.tail_local = 0, None, False
-        record.part_tokens, record.part_key, record.part_local = 0, None, False
-        answer, record.remote_tail = record.remote_tail, None
-        # the remote job's tail, if it asked after the same chunks (the KeyIndex may have
-        # extended the remote prefix: then only the index's tails count)
-        remote = answer.tail_key if answer is not None and answer.tail_at == hit else None
-        request = record.request
-        if not self._options(record)[1]:
-            return
-        # (also when the request has more full chunks than were found: the previous turn
-        # may have ended inside chunk `hit`, without the answer's KV)
-        cands = tail_candidates(record.prefix, request.block_hashes, hit, self.blocks_per_chunk,
-                                self._claimable_blocks(request))
-        record.tail_blocks, record.tail_key, record.tail_local = self._longest_present(cands,
-                                                                                   remote)
-        self._lookup_part(record, hit * self.blocks_per_chunk + record.tail_blocks, answer)
-
-    def _lookup_part(self, record: RequestRecord, n_blocks: int,
-                     answer: RemoteAnswer | None) -> None:
-        """The longest partial-block object right after the first `n_blocks` full blocks
-        (the chunks and the tail found), if any."""
-        request = record.request
-        if not part_usable(request):
-            return
-        remote = answer.part_key if answer is not None and answer.part_at == n_blocks else None
-        cands = part_candidates(record.prefix, request.block_hashes, request.all_token_ids,
-                                n_blocks, self.block_size, request.num_tokens - 1)
-        record.part_tokens, record.part_key, record.part_local = self._longest_present(cands,
-                                                                                   remote)
-
-    def _load_tail(self, record: RequestRecord, chunks: list[ChunkLoad],
-                   first_block: int, last_block: int, block_ids: list[int]) -> None:
-        """Add the tail to a load plan (blocks [first_block, last_block) are to be loaded).
-        Hits are counted by the workers, with the tier that served them."""
-        if record.tail_key is None:
-            return
-        start = record.hit_chunks * self.blocks_per_chunk
-        lo, hi = max(first_block, start), min(last_block, start + record.tail_blocks)
-        if lo >= hi:
-            return
-        decode = record.tail_key in self.decode_keys
-        chunks.append(ChunkLoad(record.tail_key, [b - start for b in range(lo, hi)],
-                                [block_ids[b] for b in range(lo, hi)],
-                                n_blocks=record.tail_blocks,
-                                kind="decode_tail" if decode else "prompt_tail"))
-
-    def _load_part(self, record: RequestRecord, chunks: list[ChunkLoad], first_block: int,
-                   block_ids: list[int]) -> None:
-        """Add the partial-block object to a load plan: one block, of which its first
-        `part_tokens` tokens are the match (vLLM computes over the rest, which holds
-        whatever an earlier request left in that block)."""
-        if record.part_key is None:
-            return
-        b = self._hit_tokens(record) // self.block_size
-        if b < first_block or b >= len(block_ids):  # not reached: vLLM allocates that block
-            log.error("kvpool: request %s: partial block %d outside its blocks %d..%d",
-                      record.request.request_id, b, first_block, len(block_ids))
-            return
-        decode = record.part_key in self.decode_keys
-        chunks.append(ChunkLoad(record.part_key, [0], [block_ids[b]], n_blocks=1,
-                                kind="decode_tail" if decode else "prompt_tail",
-                                tokens=record.part_tokens))
-
-    def _part_job(self, record: RequestRecord, n_tokens: int, block_ids: list[int],
-                  durable: bool = False) -> SaveJob | None:
-        """A save of the block the first `n_tokens` tokens end inside (None when they end
-        on a block boundary, the request's ids do not name its KV, or the pool has or is
-        saving that object already)."""
-        req = record.request
-        n_tokens = min(n_tokens, len(req.all_token_ids))
-        b, n = divmod(n_tokens, self.block_size)
-        if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
-                or not part_usable(req) or not self._parts_saved):
-            return None
-        key = part_key(record.prefix, req.block_hashes[b - 1],
-                       req.all_token_ids[b * self.block_size:n_tokens])
-        if (key in self.index or key in self.inflight or key == record.part_key) and not durable:
-            return None
-        self.inflight.add(key)
-        decode = n_tokens > req.num_prompt_tokens  # holds generated tokens
-        if decode:
-            self.decode_keys.add(key)
-        record.pending_copies += self.world_size
-        if durable:
-            record.durable_pending += self.world_size
-        return SaveJob(req.request_id, [key], [[block_ids[b]]],
-                       ["decode_tail" if decode else "prompt_tail"], durable=durable)
-
-    def _tail_job(self, record: RequestRecord, n_blocks: int, block_ids: list[int],
-                  durable: bool = False) -> SaveJob | None:
-        """A save of the blocks past the last full chunk among the first `n_blocks` blocks
-        (None when there are none, or the pool has or is saving that tail already)."""
-        req = record.request
-        n_blocks = min(n_blocks, len(req.block_hashes), len(block_ids))
-        start = n_blocks // self.blocks_per_chunk * self.blocks_per_chunk
-        count = n_blocks - start
-        if count <= 0:
-            return None
-        key = tail_key(record.prefix, req.block_hashes, start, count)
-        if (key in self.index or key in self.inflight or key == record.tail_key) and not durable:
-            return None
-        self.inflight.add(key)
-        if self.events is not None:
-            self.events.remember_blocks(req, start, n_blocks, key)
-        decode = n_blocks * self.block_size > req.num_prompt_tokens  # holds generated tokens
-        if decode:
-            self.decode_keys.add(key)
-        record.pending_copies += self.world_size
-        if durable:
-            record.durable_pending += self.world_size
-        return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])],
-                       ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
     def _tails_saved(self, record: RequestRecord) -> bool:
         return (self.save_enabled and not self._isolated(record)
                 and self._options(record)[1])
 
     def _plan_prompt_tail(self, record: RequestRecord, n_sched: int) -> list[SaveJob]:
-        """At the step that ends the prompt's prefill: the prompt's tail (a concurrent or
-        aborted request, or one preempted later, finds the prompt's whole blocks) and, for a
-        handover, the partial block of all but its last token (the decode engine computes
-        only that token; a chat's partial block is the one saved at finish)."""
+        """At the step that ends the prompt's prefill, once: its tail (tail_plans.py)."""
         req = record.request
         if record.prompt_tail_done or req.num_computed_tokens + n_sched < req.num_prompt_tokens:
             return []
         record.prompt_tail_done = True
         if not self._tails_saved(record):
             return []
-        ids = self._block_ids(req.request_id)
-        # a handover covers what a decode engine may claim, all but the last token; else the
-        # whole blocks of the prompt (its last token's block included, for a longer prompt)
-        claim = req.num_prompt_tokens - 1 if record.handover_out else req.num_prompt_tokens
-        jobs = [self._tail_job(record, claim // self.block_size, ids,
-                               durable=self._durable(record)),
-                self._part_job(record, req.num_prompt_tokens - 1, ids,
-                               durable=self._durable(record))
-                if record.handover_out else None]
-        return [j for j in jobs if j is not None]
+        return self.tails.prompt_tail_jobs(record, self._block_ids(req.request_id),
+                                           self._durable(record))
 
     def _plan_finish_tail(self, record: RequestRecord, block_ids: list[int]) -> None:
-        """A finished request: the tail of everything computed (the prompt and, with decode
-        KV on, the answer but its last token, never computed), saved in the next step while
-        its blocks stay allocated."""
-        req = record.request
-        status = getattr(getattr(req, "status", None), "name", "")
+        """A request that finished computing: its tail, saved in the next step."""
+        status = getattr(getattr(record.request, "status", None), "name", "")
         if status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):
             return  # aborted: what was computed is uncertain; preempted: nothing held
-        if not self._tails_saved(record):
-            return
-        # what the executed steps computed: with async scheduling (and speculative decoding)
-        # num_computed_tokens also counts a step in flight, whose tokens (drafts) may not be
-        # in all_token_ids yet (vLLM's own safe point for caching blocks)
-        done = min(req.num_computed_tokens - getattr(req, "num_output_placeholders", 0),
-                   len(req.all_token_ids))
-        if not self._options(record)[0]:
-            done = min(done, req.num_prompt_tokens)
-        for job in (self._tail_job(record, done // self.block_size, block_ids),
-                    self._part_job(record, done, block_ids)):
-            if job is not None:
-                self.finish_saves.append(job)
+        if self._tails_saved(record):
+            self.finish_saves.extend(self.tails.finish_jobs(record, block_ids))
