@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 INLINE_BUDGET_WAITS = 2
+LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
 JOB_EWMA = 0.25  # weight of the latest job in the running mean of job durations
 
 
@@ -65,3 +66,16 @@ class LookupJobs:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def remote_prefix(lower, keys: list[bytes]) -> int:
+    """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier (S3)
+    is found as long as each batch answers within the store's bound."""
+    n = 0
+    for start in range(0, len(keys), LOOKUP_BATCH):
+        part = keys[start:start + LOOKUP_BATCH]
+        found = lower.contains_prefix(part)
+        n += found
+        if found < len(part):
+            break
+    return n

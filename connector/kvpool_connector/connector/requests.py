@@ -37,7 +37,7 @@ class RequestRecord:
     hit_local_index: int = 0        # of hit_chunks, how many came from the KeyIndex
     # a remote lookup in flight: (n block hashes, local hits, Future of a RemoteAnswer)
     pending: tuple[int, int, Future] | None = None
-    remote_tail: RemoteAnswer | None = None  # the last remote lookup's, for _lookup_tail
+    remote_tail: RemoteAnswer | None = None  # the last remote lookup's, for TailPlans.lookup
     local_tokens: int = 0           # tokens vLLM's prefix cache held at the latest lookup
     admitted_cached: int = 0        # local + external tokens at the latest admission
     tail_blocks: int = 0            # blocks of the tail object found after hit_chunks

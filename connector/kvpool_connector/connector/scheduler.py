@@ -28,22 +28,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..store.tiers import tier_class
 from .adapters import AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
-from .handover import (
-    HandoverError,
-    build_handover,
-    handover_objects,
-    parse_handover,
-    wants_handover,
-)
+from .handover_flow import HandoverFlow
 from .keys import PREFIX_LEN, chunk_keys
-from .lookups import LookupJobs
+from .lookups import LookupJobs, remote_prefix
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .ranks import PartReports
 from .requests import KeyIndex, RemoteAnswer, RequestRecord
@@ -58,8 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.connector")
 
 LOOKUP_TTL_S = 1.0  # a waiting request asks every step; reuse a recent answer
-LOOKUP_BATCH = 16  # keys per remote presence check, each check with the store's time bound
-HANDOVER_POLL_S = 0.02  # a decode request waiting for a handover asks the tiers this often
 ADAPTER_WAIT_S = 5.0  # a request waits this long for its LoRA adapter's digest, then goes without the pool
 DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' kind label
 
@@ -113,7 +104,6 @@ class SchedulerSide:
         self.await_saves: set[str] = set()  # finished, blocks held for save copies
         self.delayed: dict[str, int] = {}   # finished req -> unconfirmed copies
         self.stats = KVPoolConnectorStats()
-        self._handover_refusal_logged = False  # one warning per engine (_read_handover)
         # the lower store's series (lookups' latencies, its health) go out with the stats
         self._sampler = (StoreSampler(lower_store) if lower_store is not None and cfg.metrics
                          else None)
@@ -121,7 +111,6 @@ class SchedulerSide:
         remote = any(tier_class(t.type).remote for t in cfg.tiers)
         self.jobs = LookupJobs(remote and lower_store is not None, cfg.lookup_wait_ms)
         self.chunk_bytes = chunk_bytes  # one rank's part of a chunk: what each worker writes
-        self._durable_step_left = cfg.handover_step_bytes  # this step's write-through budget
         self.events: KVEvents | None = None  # set by the connector when vLLM's KV events are on
         self.finish_saves: list[SaveJob] = []  # tails of finished requests, for the next step
         # decode chunks, tails and partial blocks saved here (bounded): a later hit of one is
@@ -134,9 +123,12 @@ class SchedulerSide:
                                self._options, parts_saved,
                                None if lower_store is None or self.jobs.remote
                                else lower_store.first_present)
-        # handovers returned this step whose write-through the workers report later in the
-        # same update_from_output: req_id -> (the params returned, their objects, record)
-        self.handovers_out: dict[str, tuple[dict, list[tuple[bytes, int]], RequestRecord]] = {}
+        # prefill/decode through the pool (handover_flow.py); handovers_out: those returned
+        # this step whose write-through the workers report later in the same step
+        self.handover = HandoverFlow(lower_store, self.jobs, block_size, blocks_per_chunk,
+                                     chunk_bytes, count=lambda *a: self.stats.inc(*a))
+        self.handover.new_step(cfg.handover_step_bytes)
+        self.handovers_out = self.handover.out
         self.hotset: ManifestWriter | None = None
         self._hotset_writes = 0
         # the warm start manifest's tiers (connector._manifest_store_config), else lower's: one
@@ -189,34 +181,10 @@ class SchedulerSide:
             record = self.reqs[request.request_id] = RequestRecord(
                 request, prefix if prefix is not None else b"",
                 adapter_wait_since=time.monotonic() if prefix is None else None)
-            self._read_handover(record)
+            self.handover.read(record, self.cfg, self.save_enabled, self.load_enabled)
         else:
             record.request = request
         return record
-
-    def _read_handover(self, record: RequestRecord) -> None:
-        """What the request's kv_transfer_params ask of the pool (handover.py)."""
-        params = getattr(record.request, "kv_transfer_params", None)
-        asked = wants_handover(params)
-        if asked and not (self.cfg.handover_requests or self.cfg.handover_always):
-            # not a prefill engine: a client must not force write-through on it
-            self.stats.inc("kvpool_handover_refused")
-            if not self._handover_refusal_logged:
-                self._handover_refusal_logged = True
-                log.warning("kvpool: handover requests (kv_transfer_params do_remote_decode or "
-                            "kvpool.handover) are ignored: this engine is not a prefill engine "
-                            "(connector key handover_requests); counted in "
-                            "kvpool_handover_refused_total")
-            asked = False
-        record.handover_out = self.save_enabled and (self.cfg.handover_always or asked)
-        try:
-            record.handover_in = parse_handover(params) if self.load_enabled else None
-        except HandoverError as e:
-            log.warning("kvpool: request %s: %s; ignored", record.request.request_id, e)
-            self.stats.inc("kvpool_handover_rejected")
-            return
-        if record.handover_in is not None:
-            record.handover_state = "wait"
 
     def _count_hits(self, keys: list[bytes]) -> tuple[int, int]:
         """(leading chunks present anywhere, of which leading ones in the KeyIndex)."""
@@ -260,7 +228,7 @@ class SchedulerSide:
         hashes = request.block_hashes
         now = time.monotonic()
         if record.handover_state != "off":
-            ready = self._handover_ready(record, now)
+            ready = self.handover.ready(record, now, self.cfg.handover_wait_seconds)
             if ready is None:
                 return None, False  # its objects are not all visible yet: ask again
         last = record.lookup
@@ -339,7 +307,7 @@ class SchedulerSide:
         """On the lookup pool: the leading chunks in the lower tiers, then the longest
         tail object after them, then the longest partial-block object after that (each
         set of candidates in one batch: one round trip on Redis)."""
-        more = self._remote_prefix(keys)
+        more = remote_prefix(self.lower, keys)
         answer = RemoteAnswer(more)
         if tails is not None:
             answer.tail_at = local + more
@@ -356,18 +324,6 @@ class SchedulerSide:
                 if j is not None:
                     answer.part_key = pcands[j][1]
         return answer
-
-    def _remote_prefix(self, keys: list[bytes]) -> int:
-        """Leading keys in the lower tiers, asked in batches: a long prompt on a slow tier
-        (S3) is found as long as each batch answers within the store's bound."""
-        n = 0
-        for start in range(0, len(keys), LOOKUP_BATCH):
-            part = keys[start:start + LOOKUP_BATCH]
-            found = self.lower.contains_prefix(part)
-            n += found
-            if found < len(part):
-                break
-        return n
 
     def after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         record = self.request_record(request)
@@ -440,8 +396,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output) -> KVPoolMetadata:
         meta = KVPoolMetadata()
         self.jobs.new_step()  # the next step's lookups may wait again
-        self._durable_step_left = self.cfg.handover_step_bytes  # this step's write-through budget
-        self.handovers_out.clear()  # their outputs are gone: nothing left to amend
+        self.handover.new_step(self.cfg.handover_step_bytes)  # its write-through budget
         for waiting in self.reqs.values():
             if waiting.load is not None:
                 meta.loads.append(waiting.load)
@@ -479,9 +434,9 @@ class SchedulerSide:
                        len(req.block_hashes) // self.blocks_per_chunk)
         if n_chunks <= record.next_save:
             return None
-        durable = self._durable(record)
+        durable = self.handover.durable(record)
         if durable:
-            cut = self._durable_room(record, n_chunks)
+            cut = self.handover.room(record, n_chunks, self.cfg.handover_max_bytes)
             durable = cut > record.next_save  # capped before its first chunk: all behind
             if durable:
                 n_chunks = cut  # the rest of the step's chunks: build_meta plans them behind
@@ -515,33 +470,8 @@ class SchedulerSide:
         record.pending_copies += self.world_size
         if durable:
             record.durable_pending += self.world_size
-            nbytes = len(out_keys) * self.chunk_bytes
-            record.durable_bytes += nbytes
-            self._durable_step_left -= nbytes
+            self.handover.wrote_through(record, len(out_keys) * self.chunk_bytes)
         return SaveJob(req.request_id, out_keys, out_blocks, kinds, durable=durable)
-
-    def _durable(self, record: RequestRecord) -> bool:
-        """Whether the request's saves are written through now: a handover not capped."""
-        return record.handover_out and not record.durable_capped
-
-    def _durable_room(self, record: RequestRecord, n_chunks: int) -> int:
-        """How far (in chunks) a handover's saves may be written through: its caps are
-        handover_max_bytes per request and handover_step_bytes per step (a write-through
-        holds the whole step). Short of `n_chunks`, the request is capped: the chunks past the
-        cap, and every later save, go behind the first tier, and its handover ends before the
-        first chunk not written through (the decode engine computes the rest)."""
-        room = min(self.cfg.handover_max_bytes - record.durable_bytes,
-                   self._durable_step_left) // max(1, self.chunk_bytes)
-        if n_chunks - record.next_save <= room:
-            return n_chunks
-        cut = record.next_save + max(0, room)
-        req = record.request
-        record.durable_capped = True
-        record.durable_failed = (record.durable_failed or set()) | set(
-            chunk_keys(record.prefix, req.block_hashes, self.blocks_per_chunk, start=cut,
-                       limit=cut + 1))
-        self.stats.inc("kvpool_handover_capped")
-        return cut
 
     # -- worker feedback ---------------------------------------------------------------
     def on_worker_meta(self, worker_meta: KVPoolWorkerMetadata | None) -> None:
@@ -562,7 +492,7 @@ class SchedulerSide:
         if self.events is not None:
             self.events.on_worker_meta(stored, worker_meta.dropped_keys,
                                        worker_meta.tier_events)
-        self._durable_reports(worker_meta)
+        self.handover.reports(worker_meta, self.reqs)
         for req_id, n in worker_meta.copied_saves.items():
             record = self.reqs.get(req_id)
             if record is not None:
@@ -613,13 +543,10 @@ class SchedulerSide:
         params = self._handover_params(record) if record is not None else None
         return self.finished(request, block_ids), params
 
-    # -- prefill/decode through the pool (handover.py) -------------------------------------
+    # -- prefill/decode through the pool (handover_flow.py) --------------------------------
     def _handover_params(self, record: RequestRecord) -> dict[str, Any] | None:
-        """The handover of a finished prefill: what its saves wrote through of the prompt
-        but its last token (the decode engine computes that one). The last step's
-        write-through is reported by the workers after this call, in the same
-        `update_from_output`: `_durable_reports` then shortens (or empties) the params
-        returned here before vLLM sends them."""
+        """The handover of a finished prefill asked for one: what its saves wrote through of
+        the prompt but its last token (the decode engine computes that one)."""
         req = record.request
         status = getattr(getattr(req, "status", None), "name", "")
         if (not record.handover_out or self.lower is None or self._isolated(record)
@@ -630,114 +557,7 @@ class SchedulerSide:
             tokens -= tokens % self.block_size
         if not self._options(record)[1]:  # no tails: full chunks only
             tokens -= tokens % self.chunk_tokens
-        objs = handover_objects(record.prefix, req.block_hashes, req.all_token_ids, tokens,
-                                self.block_size, self.blocks_per_chunk)
-        if objs is None:
-            return None
-        out = build_handover(tokens, self.lower.object_names([objs.last()])[0])
-        self.stats.inc("kvpool_handovers")
-        objects = objs.objects()
-        if record.durable_pending > 0:
-            self.handovers_out[req.request_id] = (out, objects, record)
-        else:
-            self._settle_handover(out, objects, record)
-        return out
-
-    def _settle_handover(self, out: dict, objects: list[tuple[bytes, int]],
-                         record: RequestRecord) -> None:
-        """Promise only the leading objects every shared tier confirmed."""
-        failed = record.durable_failed or set()
-        good = next((i for i, (k, _) in enumerate(objects) if k in failed), len(objects))
-        if good == len(objects):
-            return
-        self.stats.inc("kvpool_handover_write_failures", len(objects) - good)
-        if good == 0:
-            out.clear()  # nothing to hand over: the decode engine computes the prompt
-            return
-        inner = out["kvpool"]["handover"]
-        key, tokens = objects[good - 1]  # e.g. a failed tail leaves the full chunks
-        inner["tokens"] = tokens
-        inner["name"] = self.lower.object_names([key])[0].hex()
-
-    def _durable_reports(self, worker_meta: KVPoolWorkerMetadata) -> None:
-        for req_id, n in worker_meta.durable_done.items():
-            pending = self.handovers_out.get(req_id)
-            record = pending[2] if pending is not None else self.reqs.get(req_id)
-            if record is None:
-                continue
-            record.durable_pending -= n
-            failed = worker_meta.durable_failed.get(req_id)
-            if failed:
-                record.durable_failed = (record.durable_failed or set()) | set(failed)
-            if pending is not None and record.durable_pending <= 0:
-                del self.handovers_out[req_id]
-                self._settle_handover(pending[0], pending[1], record)
-
-    def _handover_ready(self, record: RequestRecord, now: float) -> bool | None:
-        """A decode request's handover: True once all its objects are visible in the shared
-        tiers (loaded then as a hit), None while waiting (the request asks again next step),
-        False when it is not this prompt's or the wait timed out (an ordinary lookup,
-        which may load a shorter prefix that is visible, authenticated like every hit)."""
-        if record.handover_state == "ready":
-            return True
-        h = record.handover_in
-        assert h is not None
-        request = record.request
-        if record.handover_keys is None:
-            objs = (handover_objects(record.prefix, request.block_hashes, request.all_token_ids,
-                                     h.tokens, self.block_size, self.blocks_per_chunk,
-                                     part_ok=part_usable(request))
-                    if self.lower is not None and self._claimable(h.tokens, request) else None)
-            if objs is None or self.lower.object_names([objs.last()])[0] != h.name:
-                log.warning("kvpool: request %s: its handover names objects this prompt does "
-                            "not have (another prompt, model, salt or pool key); ignored",
-                            request.request_id)
-                self.stats.inc("kvpool_handover_rejected")
-                record.handover_state = "off"
-                return False
-            record.handover_keys = objs
-            record.handover_deadline = now + self.cfg.handover_wait_seconds
-        objs = record.handover_keys
-        objects = [k for k, _ in objs.objects()]
-        fut = record.handover_check
-        if fut is None and now - record.handover_checked_at >= HANDOVER_POLL_S:
-            record.handover_checked_at = now
-            if self.jobs.remote:
-                fut = record.handover_check = self.jobs.submit(self._visible, objects)
-                self.jobs.answered(fut)  # waited for once, when asked; then polled
-            else:  # every shared tier is local (disk): answered inline
-                fut = Future()
-                fut.set_result(self._visible(objects))
-        if fut is None or not fut.done():
-            return None
-        record.handover_check = None
-        try:
-            visible = fut.result()
-        except Exception:  # the store never raises; a broken pool is "not yet"
-            visible = False
-        if visible:
-            record.handover_state = "ready"
-            record.hit_chunks, record.hit_local_index = len(objs.keys), 0
-            record.tail_blocks, record.tail_key, record.tail_local = (objs.tail_blocks,
-                                                                     objs.tail, False)
-            record.part_tokens, record.part_key, record.part_local = (objs.part_tokens,
-                                                                      objs.part, False)
-            record.lookup = (len(request.block_hashes), len(objs.keys), now)
-            self.stats.inc("kvpool_handover_hits")
-            return True
-        if now < record.handover_deadline:
-            return None
-        log.warning("kvpool: request %s: its handover's objects were not all visible within "
-                    "%.1f s; computing the prompt", request.request_id,
-                    self.cfg.handover_wait_seconds)
-        self.stats.inc("kvpool_handover_timeouts")
-        record.handover_state = "off"
-        return False
-
-    def _visible(self, keys: list[bytes]) -> bool:
-        """Every key in the shared tiers now (asked afresh: another engine just wrote them)."""
-        self.lower.forget_absent(keys)
-        return self._remote_prefix(keys) == len(keys)
+        return self.handover.params(record, tokens)
 
     def hit_sources(self, request: Request) -> tuple[int, int]:
         """(chunks from the workers' local first tier, chunks from lower tiers) of the last
@@ -772,12 +592,6 @@ class SchedulerSide:
         return request_options(record.request, self.cfg.save_decode_tokens,
                                self.cfg.tail_objects)
 
-    def _claimable(self, tokens: int, request: Request) -> bool:
-        """Whether a handover of `tokens` fits the request: a partial block must end before
-        its last token (whole blocks are capped by `hit_tokens`, as an earlier prefill
-        engine's handover of a prompt ending on a block boundary needs)."""
-        return tokens < request.num_tokens or tokens % self.block_size == 0
-
     def _tails_saved(self, record: RequestRecord) -> bool:
         return (self.save_enabled and not self._isolated(record)
                 and self._options(record)[1])
@@ -791,7 +605,7 @@ class SchedulerSide:
         if not self._tails_saved(record):
             return []
         return self.tails.prompt_tail_jobs(record, self._block_ids(req.request_id),
-                                           self._durable(record))
+                                           self.handover.durable(record))
 
     def _plan_finish_tail(self, record: RequestRecord, block_ids: list[int]) -> None:
         """A request that finished computing: its tail, saved in the next step."""
