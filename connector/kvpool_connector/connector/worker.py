@@ -5,7 +5,7 @@ layers) into one pooled chunk buffer (buffers.py): a memcpy on CPU, an async cop
 pinned host memory on a dedicated CUDA stream. A saver thread then hands the buffers to
 `store.put_many` (cpu tier synchronously, lower tiers through the store's bounded queues),
 so the forward pass never waits on disk, Redis or S3. A store that is only this
-process's memory (one cpu tier) takes the chunks in the step instead (`_save_now`), and
+process's memory (one cpu tier) takes the chunks in the step instead (saves.py), and
 async loads from this process's memory run in the step too (`submit_loads`): no second
 Python thread contends for the GIL with the forward. A full save queue or an exhausted
 save pool drops the save (a future miss, counted): host memory stays within
@@ -28,7 +28,6 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +39,13 @@ from ..store.metrics import tier_deltas
 from .audit import KVAudit
 from .buffers import BufferPool
 from .layout import KVLayout
-from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob
+from .saves import PendingSaves, SaveReports, Saves
 from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler, kind_tier
 from .warm import Prewarmer, PrewarmResult
 
 log = logging.getLogger("kvpool.connector")
 
-SAVE_QUEUE = 64  # save batches waiting for the store before new ones are dropped
 SHUTDOWN_FLUSH_S = 10.0  # bound on waiting for lower-tier writes at shutdown
 LOAD_BATCH_CHUNKS = 8  # chunks per store read, each read with its own time bound
 # An idle step (nothing scheduled: the requests wait for their loads) waits this long for an
@@ -55,20 +54,6 @@ LOAD_BATCH_CHUNKS = 8  # chunks per store read, each read with its own time boun
 # after every copy, then waited a switch interval (5 ms) per copy. Measured with a 16k-token
 # hit on the tiny model: 45,000 empty steps and a 5 s load; a new request waits at most this.
 IDLE_WAIT_S = 0.02
-
-
-@dataclass
-class _PendingSave:
-    job: SaveJob
-    bufs: list[torch.Tensor]  # one pooled buffer per chunk
-    event: Any  # torch.cuda.Event of the gather, None on CPU (copy already done)
-    queued: bool = True   # False: the save queue was full, the save is dropped
-    sizes: list[int] | None = None  # bytes per object when some are tails (shorter)
-
-    def chunks(self) -> list[torch.Tensor]:
-        if self.sizes is None:
-            return self.bufs
-        return [b[:n] for b, n in zip(self.bufs, self.sizes, strict=True)]
 
 
 @dataclass
@@ -99,57 +84,46 @@ class WorkerSide:
             store.enable_events()
         self.audit = audit
         self.staging_bytes = staging_bytes
-        self._save_pool: BufferPool | None = None
         self._load_pool: BufferPool | None = None
         self.blocks_per_chunk = blocks_per_chunk
         self.layerwise = layerwise
         self.layout: KVLayout | None = None
         self.cuda = False
         self.copy_stream: Any = None  # torch.cuda.Stream once registered on CUDA
-        self._lock = threading.Lock()
-        self._save_q: queue.Queue = queue.Queue(SAVE_QUEUE)
         self._load_q: queue.Queue = queue.Queue()
-        self._uncopied: list[_PendingSave] = []        # CUDA gathers in flight
-        self._copies_by_req: dict[str, int] = defaultdict(int)  # save jobs not yet copied
-        self._copied: dict[str, int] = defaultdict(int)          # to report to scheduler
-        self._await: set[str] = set()                  # finished reqs awaiting copies
-        self._stored: list[bytes] = []
-        # chunk key -> (its save, index): copied out of the paged cache, not yet in the store
-        self._pending: dict[bytes, tuple[_PendingSave, int]] = {}
-        self._dropped: list[bytes] = []
+        # saves (saves.py): what they report to the scheduler, the chunks on their way to
+        # the store (loads read them from their save buffers meanwhile), the saving itself
+        self.reports = SaveReports(self._inc, self._first_tier)
+        self._pending = PendingSaves()
+        self.saves = Saves(store, self.reports, self._pending, blocks_per_chunk, audit)
         self._async_loads: dict[str, _Load] = {}
         self._sync_loads: list[_Load] = []
         self._load_errors: set[int] = set()
         self._failed_keys: dict[str, list[bytes]] = {}
-        self._durable_done: dict[str, int] = {}  # handover save jobs written through
-        self._durable_failed: dict[str, list[bytes]] = {}  # and their keys that were not
         self._stats = KVPoolConnectorStats()
         self._stats_lock = threading.Lock()
         self._store_stats_prev: dict = {}
         self._store_stats_at = 0.0
         self._sample_store = False
-        self._save_in_step = False  # set in register: a memory-only store saves in the step
         self._stop = False
         self._prewarmed: set[bytes] = set()  # keys the warm start put in the cpu tier
         self._prewarmer: Prewarmer | None = None
-        self._threads = [threading.Thread(target=self._saver, name="kvpool-saver", daemon=True),
-                         threading.Thread(target=self._loader, name="kvpool-loader", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._loader_thread = threading.Thread(target=self._loader, name="kvpool-loader",
+                                               daemon=True)
+        self._loader_thread.start()
 
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
-        memory_only = getattr(self.store, "memory_only", None)
-        self._save_in_step = not self.cuda and bool(memory_only and memory_only())
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device=layout.device)
         chunk = layout.chunk_nbytes(self.blocks_per_chunk)
         # loads: one batch in flight on the loader thread and one in the step (in-memory
         # loads, submit_loads); saves: the rest of the budget
         self._load_pool = BufferPool(chunk, 2 * LOAD_BATCH_CHUNKS, self.cuda)
-        self._save_pool = BufferPool(chunk, max(1, self.staging_bytes // chunk
-                                                - 2 * LOAD_BATCH_CHUNKS), self.cuda)
+        self.saves.register(layout, BufferPool(chunk, max(1, self.staging_bytes // chunk
+                                                          - 2 * LOAD_BATCH_CHUNKS), self.cuda),
+                            self.copy_stream)
 
     # -- warm start (warm.py) ----------------------------------------------------------
     def prewarm(self, keys: list[bytes], max_bytes: int, max_seconds: float) -> PrewarmResult:
@@ -158,8 +132,7 @@ class WorkerSide:
         scheduler like saved ones (its KeyIndex) and their later hits counted."""
         def loaded(batch: list[bytes], nbytes: int) -> None:
             self._prewarmed.update(batch)
-            with self._lock:
-                self._stored.extend(batch)
+            self.reports.stored(batch)
             self._inc("kvpool_prewarm_objects", len(batch))
             self._inc("kvpool_prewarm_bytes", nbytes)
 
@@ -202,217 +175,11 @@ class WorkerSide:
 
     def submit_saves(self, meta: KVPoolMetadata) -> None:
         with self._in_step("save"):
-            self._submit_saves(meta)
-
-    def _submit_saves(self, meta: KVPoolMetadata) -> None:
-        assert self.layout is not None and self._save_pool is not None
-        layout = self.layout
-        for job in meta.saves:
-            n = len(job.keys)
-            with self._lock:
-                self._copies_by_req[job.req_id] += 1
-            if self._save_in_step and not job.durable and self._save_in_place(job):
-                continue
-            bufs = self._save_pool.take(n)
-            if bufs is None:  # the staging budget is in use by saves still on their way
-                self._drop(job.keys)
-                self._mark_copied(_PendingSave(job, [], None, queued=False))
-                if job.durable:
-                    self._durable_result(job, [False] * n)
-                continue
-            event = None
-            if self.cuda:
-                # Order after this step's forward, copy on our own stream, never sync here.
-                self.copy_stream.wait_stream(torch.cuda.current_stream(layout.device))
-                with torch.cuda.stream(self.copy_stream):
-                    for buf, ids in zip(bufs, job.block_ids, strict=True):
-                        layout.gather(torch.tensor(ids, dtype=torch.long), buf)
-                    event = torch.cuda.Event()
-                    event.record(self.copy_stream)
-            else:
-                for buf, ids in zip(bufs, job.block_ids, strict=True):
-                    layout.gather(torch.tensor(ids, dtype=torch.long), buf)
-            pending = _PendingSave(job, bufs, event)
-            if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
-                pending.sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
-            if job.durable:  # a handover: in the shared tiers before the step's output
-                if event is not None:
-                    event.synchronize()
-                self._save_now(pending)
-                continue
-            if event is None and self._save_in_step:
-                self._save_now(pending)
-                continue
-            # Loads find the chunk in its save buffer until the store holds it; registered
-            # before the saver can see the job, so it can never outlive the saver's put.
-            with self._lock:
-                for i, key in enumerate(job.keys):
-                    self._pending[key] = (pending, i)
-            try:
-                self._save_q.put_nowait(pending)
-            except queue.Full:
-                pending.queued = False
-                self._unregister(pending)
-                self._drop(job.keys)
-            if event is None:
-                self._mark_copied(pending)
-            else:
-                self._uncopied.append(pending)
-
-    def _save_now(self, p: _PendingSave) -> None:
-        """A store that is only this process's memory takes the chunks here, in the step:
-        a memcpy each. Handing them to the saver thread instead cost the forward far more
-        than the copies: the saver holds the GIL while the forward's OpenMP threads spin
-        on both cores, so each GIL handoff waited for the OS to preempt a spinning thread
-        (see docs/connector.md, Hot path)."""
-        job, objects = p.job, p.chunks()  # tails are shorter than a chunk
-        assert self.layout is not None and self._save_pool is not None  # set by register()
-        durable = [False] * len(job.keys)
-        try:
-            if job.durable:
-                landed, durable = self.store.put_many_through(job.keys, objects)
-            else:
-                landed = self.store.put_many(job.keys, objects)
-        except Exception:  # a failing store degrades service, never the engine
-            log.exception("kvpool: save of %d chunks failed", len(job.keys))
-            landed = [False] * len(job.keys)
-        if job.durable:
-            self._durable_result(job, durable)
-        ok = [bool(x) for x in landed]
-        if self.audit is not None and any(ok):
-            self.audit.saved(self.layout, [k for k, good in zip(job.keys, ok, strict=True) if good],
-                             [o for o, good in zip(objects, ok, strict=True) if good],
-                             [len(ids) for ids, good in zip(job.block_ids, ok, strict=True)
-                              if good])
-        self._saved(job, ok, [o.numel() for o in objects])
-        self._save_pool.give(p.bufs)
-
-    def _save_in_place(self, job: SaveJob) -> bool:
-        """A store that is only this process's memory: each chunk gathered out of the paged
-        cache straight into its slot in the cpu tier (store.write_in_place), one copy where
-        a gather into a staging buffer and put_many's copy of it made two. False: the store
-        cannot take this job so (a chunk larger than its slots): the staging path saves it."""
-        layout = self.layout
-        write = getattr(self.store, "write_in_place", None)
-        if write is None or layout is None or not layout.host_flat:
-            return False
-        sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
-        audit = self.audit
-
-        def fill(i: int, view: memoryview) -> bool:
-            out = torch.frombuffer(view, dtype=torch.uint8)
-            layout.gather(torch.tensor(job.block_ids[i], dtype=torch.long), out)
-            if audit is not None:  # the bytes the tier now holds, as a load will read them
-                audit.saved(layout, [job.keys[i]], [out], [len(job.block_ids[i])])
-            return True
-
-        try:
-            landed = write(job.keys, sizes, fill)
-        except Exception:  # a failing store degrades service, never the engine
-            log.exception("kvpool: save of %d chunks failed", len(job.keys))
-            landed = [False] * len(job.keys)
-        if landed is None:
-            return False
-        self._saved(job, [bool(x) for x in landed], sizes)
-        return True
-
-    def _saved(self, job: SaveJob, ok: list[bool], sizes: list[int]) -> None:
-        """A save done in the step: report the job copied, its landed keys stored (the
-        rest dropped), and count them."""
-        stored = [k for k, good in zip(job.keys, ok, strict=True) if good]
-        with self._lock:
-            self._copies_by_req[job.req_id] -= 1
-            if self._copies_by_req[job.req_id] <= 0:
-                del self._copies_by_req[job.req_id]
-            self._copied[job.req_id] += 1
-            self._stored.extend(stored)
-        if len(stored) < len(job.keys):
-            self._drop([k for k, good in zip(job.keys, ok, strict=True) if not good])
-        if stored:
-            self._inc("kvpool_saved_chunks", len(stored))
-            self._inc("kvpool_saved_bytes",
-                      sum(n for n, good in zip(sizes, ok, strict=True) if good))
-            for kind, good in zip(job.kinds, ok, strict=False):  # kinds may be unset
-                if good:
-                    self._inc("kvpool_saved_objects", 1, kind_tier(kind, self._first_tier))
-
-    def _durable_result(self, job: SaveJob, durable: list[bool]) -> None:
-        """Report a handover's write-through to the scheduler (worker metadata)."""
-        with self._lock:
-            self._durable_done[job.req_id] = self._durable_done.get(job.req_id, 0) + 1
-            bad = [k for k, ok in zip(job.keys, durable, strict=True) if not ok]
-            if bad:
-                self._durable_failed.setdefault(job.req_id, []).extend(bad)
-
-    def _unregister(self, p: _PendingSave) -> None:
-        """Forget p's save buffers as a source for loads (only entries that are still p's)."""
-        with self._lock:
-            for key in p.job.keys:
-                entry = self._pending.get(key)
-                if entry is not None and entry[0] is p:
-                    del self._pending[key]
-
-    def _drop(self, keys: list[bytes]) -> None:
-        with self._lock:
-            self._dropped.extend(keys)
-        self._inc("kvpool_save_dropped_chunks", len(keys))
-
-    def _mark_copied(self, p: _PendingSave) -> None:
-        """The chunk left the paged KV cache: its blocks may be reused, and (served from its
-        save buffer until the store holds it) it counts as stored right away."""
-        assert self.layout is not None and self._save_pool is not None  # saves follow register()
-        if self.audit is not None and p.queued:
-            self.audit.saved(self.layout, p.job.keys, p.chunks(),
-                             [len(ids) for ids in p.job.block_ids])
-        with self._lock:
-            self._copies_by_req[p.job.req_id] -= 1
-            if self._copies_by_req[p.job.req_id] <= 0:
-                del self._copies_by_req[p.job.req_id]
-            self._copied[p.job.req_id] += 1
-            if p.queued:
-                self._stored.extend(p.job.keys)
-        if p.queued:
-            self._inc("kvpool_saved_chunks", len(p.job.keys))
-            self._inc("kvpool_saved_bytes", sum(b.numel() for b in p.chunks()))
-            for kind in p.job.kinds:
-                self._inc("kvpool_saved_objects", 1, kind_tier(kind, self._first_tier))
-        elif p.bufs:  # copied, but not going anywhere
-            self._save_pool.give(p.bufs)
-
-    def _poll_copies(self, wait: bool = False) -> None:
-        still = []
-        for p in self._uncopied:
-            if wait:
-                p.event.synchronize()
-            if p.event.query():
-                self._mark_copied(p)
-            else:
-                still.append(p)
-        self._uncopied = still
-
-    def _saver(self) -> None:
-        while not self._stop:
-            p = self._save_q.get()
-            if p is None:
-                return
-            try:
-                if p.event is not None:
-                    p.event.synchronize()  # background thread: the hot path never waits
-                self.store.put_many(p.job.keys, p.chunks())
-            except Exception:  # a failing backend degrades service, never the engine
-                log.exception("kvpool: save of %d chunks failed", len(p.job.keys))
-                with self._lock:
-                    self._dropped.extend(p.job.keys)
-                self._inc("kvpool_save_dropped_chunks", len(p.job.keys))
-            finally:
-                self._unregister(p)  # loads copy from _pending under the lock: safe to reuse
-                assert self._save_pool is not None  # saves follow register()
-                self._save_pool.give(p.bufs)
+            self.saves.submit(meta)
 
     def preempted(self, req_ids: set[str]) -> None:
         """Blocks of preempted requests are reused next: finish their copies now."""
-        if self.cuda and self._uncopied and any(p.job.req_id in req_ids for p in self._uncopied):
-            self._poll_copies(wait=True)
+        self.saves.preempted(req_ids)
 
     # -- loads -------------------------------------------------------------------------
     def submit_loads(self, meta: KVPoolMetadata) -> None:
@@ -448,8 +215,7 @@ class WorkerSide:
         keys = [c.key for c in job.chunks]
         if not keys:
             return True
-        with self._lock:
-            rest = [k for k in keys if k not in self._pending]
+        rest = self._pending.absent(keys)
         try:
             return not rest or bool(self.store.in_memory(rest))
         except Exception:  # a hint only: the loader thread reads it the usual way
@@ -520,8 +286,8 @@ class WorkerSide:
         read_in_place = getattr(self.store, "read_in_place", None)
         if self.cuda or layout is None or not layout.host_flat or read_in_place is None:
             return []
-        with self._lock:
-            todo = [c for c in part if c.key not in self._pending]
+        absent = set(self._pending.absent([c.key for c in part]))
+        todo = [c for c in part if c.key in absent]
         if not todo:
             return []
 
@@ -552,20 +318,10 @@ class WorkerSide:
         """(chunk, buffer) of the chunks of `part` that arrived whole and verified, each
         counted as a hit of its kind and of the tier that served it (a chunk still in its
         save buffer: the first tier, where it counts as stored already)."""
-        got: list[int | None] = [None] * len(part)
-        tiers: list[str | None] = [None] * len(part)
-        with self._lock:  # chunks still on their way to the store: copy the save buffer
-            for i, c in enumerate(part):
-                entry = self._pending.get(c.key)
-                if entry is None:
-                    continue
-                p, j = entry
-                if p.event is not None:
-                    p.event.synchronize()  # its gather may still be on the copy stream
-                src = p.chunks()[j]
-                if src.numel() == self._nbytes(c):
-                    bufs[i][:src.numel()].copy_(src)
-                    got[i], tiers[i] = src.numel(), self._first_tier
+        # chunks still on their way to the store: copied from their save buffers
+        got = self._pending.copy_into([c.key for c in part], bufs,
+                                      [self._nbytes(c) for c in part])
+        tiers: list[str | None] = [None if n is None else self._first_tier for n in got]
         rest = [i for i, n in enumerate(got) if n is None]
         if rest:
             served_by: list[str | None] = [None] * len(rest)
@@ -657,25 +413,18 @@ class WorkerSide:
     # -- per-step reports --------------------------------------------------------------
     def get_finished(self, meta: KVPoolMetadata | None) -> tuple[set[str], set[str]]:
         if self.cuda:
-            self._poll_copies()
-        if meta is not None:
-            self._await.update(meta.await_saves)
-            if meta.idle:
-                if meta.handover_waiting and not self._async_loads:
-                    time.sleep(IDLE_WAIT_S)  # nothing to compute until a handover lands
-                self._wait_for_a_load(IDLE_WAIT_S)
+            self.saves.poll_copies()
+        if meta is not None and meta.idle:
+            if meta.handover_waiting and not self._async_loads:
+                time.sleep(IDLE_WAIT_S)  # nothing to compute until a handover lands
+            self._wait_for_a_load(IDLE_WAIT_S)
         recving = set()
         for req_id, load in list(self._async_loads.items()):
             if load.done.is_set():
                 del self._async_loads[req_id]
                 self._account(load)
                 recving.add(req_id)
-        sending = set()
-        with self._lock:
-            for req_id in list(self._await):
-                if self._copies_by_req.get(req_id, 0) <= 0:
-                    sending.add(req_id)
-                    self._await.discard(req_id)
+        sending = self.reports.finished_sending(meta.await_saves if meta is not None else set())
         return sending, recving
 
     def _wait_for_a_load(self, timeout: float) -> None:
@@ -690,12 +439,7 @@ class WorkerSide:
         return errs
 
     def worker_meta(self) -> KVPoolWorkerMetadata | None:
-        with self._lock:
-            stored, self._stored = self._stored, []
-            dropped, self._dropped = self._dropped, []
-            copied, self._copied = dict(self._copied), defaultdict(int)
-            done, self._durable_done = self._durable_done, {}
-            dfailed, self._durable_failed = self._durable_failed, {}
+        stored, dropped, copied, done, dfailed = self.reports.take()
         failed, self._failed_keys = self._failed_keys, {}
         tier_events = self.store.take_events() if self.events else []
         if not (stored or dropped or copied or failed or tier_events or done):
@@ -734,11 +478,10 @@ class WorkerSide:
         self._stop = True
         if self._prewarmer is not None:
             self._prewarmer.stop()
-        for q in (self._save_q, self._load_q):
-            with contextlib.suppress(queue.Full):
-                q.put(None, timeout=1)
-        for t in self._threads:
-            t.join(timeout=5)
+        self.saves.close()
+        with contextlib.suppress(queue.Full):
+            self._load_q.put(None, timeout=1)
+        self._loader_thread.join(timeout=5)
         try:
             self.store.flush(timeout=SHUTDOWN_FLUSH_S)
         except Exception:  # shutting down: a failing backend only loses queued saves
