@@ -21,8 +21,6 @@ CONNECTOR_KEYS = ("chunk_tokens", "config_file", "layerwise", "sync_local_loads"
                   "save_decode_tokens", "tail_objects", "require_cache_salt", "staging_bytes",
                   "handover_wait_seconds", "handover_always", "handover_requests",
                   "handover_max_bytes", "handover_step_bytes", "lookup_wait_ms", "warm_start")
-# tier types whose objects other engines of the pool read: where the hot set manifest lives
-WARM_START_TIERS = ("redis", "s3", "disk")
 
 
 class ConnectorConfigError(ValueError):
@@ -127,11 +125,16 @@ class ConnectorConfig(StoreConfig):
         """A field validator, so the error names the field (the tiers come first)."""
         tiers = info.data.get("tiers")
         if warm.enabled and tiers:  # invalid tiers are reported by themselves
+            # here, not at the top: the operator reads this module, and its image has
+            # none of the store's dependencies (numpy) that the tier registry's package loads
+            from ..store.tiers import tier_class
+
             types = [t.type for t in tiers]
-            if types[0] != "cpu" or not any(t in WARM_START_TIERS for t in types[1:]):
+            if (not tier_class(types[0]).process_memory
+                    or not any(tier_class(t).shared for t in types[1:])):
                 raise ValueError("enabled: warm start loads the pool's hot set from a shared "
-                                 "tier (redis, s3 or disk) into a cpu first tier; the tiers "
-                                 f"are {types}")
+                                 "tier (redis, s3 or disk) into a first tier in the engine's "
+                                 f"own memory (cpu); the tiers are {types}")
         if warm.enabled and info.data.get("promote") is False:
             raise ValueError("enabled: warm start puts the hot set into the cpu tier by "
                              "promoting what the shared tier serves, and promote is false")

@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..amx import ask_for_amx_tiles
 from ..config import StoreConfig
 from ..store import open_store
-from ..store.tiers import tier_class
+from ..store.tiers import local_size, tier_class
 from .audit import KVAudit
 from .config import (
     ConnectorConfig,
@@ -109,7 +109,7 @@ def _chunk_slots(cfg: StoreConfig | None, chunk_bytes: int) -> StoreConfig | Non
     if cfg is None:
         return None
     tiers = [t.model_copy(update={"slot_size": -(-chunk_bytes // 4096) * 4096})
-             if t.type == "cpu" and getattr(t, "slot_size", 0) is None else t for t in cfg.tiers]
+             if getattr(t, "slot_size", 0) is None else t for t in cfg.tiers]
     return cfg.model_copy(update={"tiers": tiers})
 
 
@@ -247,7 +247,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         vLLM's engine is up for at most warm_start.max_seconds, the rest in the background."""
         assert self.worker is not None
         ws = self.cfg.warm_start
-        cpu_bytes = self.cfg.tiers[0].size  # type: ignore[attr-defined]  # cpu first: validated
+        cpu_bytes = local_size(self.cfg.tiers[0])  # the engine's own memory: validated
         manifest_cfg = _manifest_store_config(self.cfg)
         if manifest_cfg is None:
             return

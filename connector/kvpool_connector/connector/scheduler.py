@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..store.tiers import tier_class
+from ..store.tiers import local_size, tier_class
 from .adapters import AdapterDigests
 from .config import ConnectorConfig
 from .events import KVEvents
@@ -80,8 +80,7 @@ class SchedulerSide:
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
         first_local = tier_class(cfg.tiers[0].type).local
-        # a local tier's config has a size (Tier.local), which TierConfigBase cannot declare
-        local_bytes = cfg.tiers[0].size if first_local else 0  # type: ignore[attr-defined]
+        local_bytes = local_size(cfg.tiers[0])
         self.index = KeyIndex(local_bytes // max(1, chunk_bytes) if local_bytes else 1)
         # a chunk enters the index once every worker reported its part stored (ranks.py; one
         # rank's part alone is never a hit)
@@ -161,8 +160,7 @@ class SchedulerSide:
         types = [t.type for t in self.cfg.tiers]
         if not tier_class(types[0]).local:
             return
-        local = sum(t.size for t in self.cfg.tiers  # type: ignore[attr-defined]  # as above
-                    if tier_class(t.type).local)
+        local = sum(local_size(t) for t in self.cfg.tiers)
         self.events = KVEvents(types, self.block_size, self.blocks_per_chunk,
                                capacity_chunks=local // max(1, chunk_bytes) + 1024)
         self.tails.events = self.events

@@ -508,7 +508,7 @@ class TieredStore:
     def memory_only(self) -> bool:
         """One tier, the process's own memory (cpu): a write is a memcpy under the tier's
         lock, never a network or disk round trip."""
-        return (len(self.runners) == 1 and self.runners[0].tier.type == "cpu"
+        return (len(self.runners) == 1 and self.runners[0].tier.process_memory
                 and not self.runners[0].tier.blocking and not self.runners[0].tier.shared)
 
     def in_memory(self, keys: Sequence[bytes]) -> bool:
@@ -517,7 +517,7 @@ class TieredStore:
         in between): it is only a hint for where to run the read."""
         first = self.runners[0] if self.runners else None
         if first is None or self._closed or first.tier.shared or first.tier.blocking \
-                or first.tier.type != "cpu" or not first.read_health.available():
+                or not first.tier.process_memory or not first.read_health.available():
             return False
         keys = self._check_keys(keys)
         return all(first.tier.contains_many(self.object_names(keys)))

@@ -46,6 +46,9 @@ def register_tier(type_name: str, tier: type[Tier] | str,
                                           and tier.type == type_name):
         raise ValueError(f"tier type {type_name!r}: {tier!r} is not a Tier subclass whose "
                          f"`type` is {type_name!r}")
+    if not isinstance(tier, str) and tier.local and "size" not in config_model.model_fields:
+        raise ValueError(f"tier type {type_name!r}: a local tier's config model needs a "
+                         "`size` field (its bytes)")
     register_tier_config(type_name, config_model)
     _REGISTRY[type_name] = tier
 
@@ -67,9 +70,16 @@ def tier_class(type_name: str) -> type[Tier]:
     return target
 
 
+def local_size(cfg: TierConfigBase) -> int:
+    """The bytes a local tier's config bounds it to (its `size`, which every local tier's
+    config has: register_tier checks); 0 for a tier that is not local."""
+    return int(getattr(cfg, "size", 0)) if tier_class(cfg.type).local else 0
+
+
 register_tier("cpu", "kvpool_connector.store.tiers.cpu:CpuTier", CpuTierConfig)
 register_tier("disk", "kvpool_connector.store.tiers.disk:DiskTier", DiskTierConfig)
 register_tier("redis", "kvpool_connector.store.tiers.redis:RedisTier", RedisTierConfig)
 register_tier("s3", "kvpool_connector.store.tiers.s3:S3Tier", S3TierConfig)
 
-__all__ = ["Tier", "TierConfigBase", "register_tier", "registered_types", "tier_class"]
+__all__ = ["Tier", "TierConfigBase", "local_size", "register_tier", "registered_types",
+           "tier_class"]

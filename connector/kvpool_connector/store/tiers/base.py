@@ -39,7 +39,8 @@ class Tier(abc.ABC):
     type: ClassVar[str] = ""
     #: node-local (cpu, disk): writes run in the caller's thread (the connector's saver);
     #: what it holds tells a router where a prefix is (vLLM KV events); as a first tier,
-    #: the scheduler tracks what the workers stored in it. Its config has a `size` (bytes).
+    #: the scheduler tracks what the workers stored in it. Its config has a `size` (bytes:
+    #: register_tier checks; `local_size` reads it).
     local: ClassVar[bool] = False
     #: shared with other hosts (Redis, S3): lookups may take a network round trip, so the
     #: scheduler runs them off its step loop
@@ -49,6 +50,10 @@ class Tier(abc.ABC):
     #: and the connector's scheduler process opens it for lookups. An unshared tier (cpu)
     #: lives in one process's memory only.
     shared: ClassVar[bool] = True
+    #: the engine process's own memory (cpu): a read or write is a memcpy under the tier's
+    #: lock, never a disk or network round trip. A store of only such a tier takes saves in
+    #: the step, loads from it run in the step, and warm start fills such a first tier.
+    process_memory: ClassVar[bool] = False
     #: where vLLM reports a hit served by this tier (a `CacheHitSource` value: "host",
     #: "disk", "external_unspecified"), in the connector's hit metrics
     hit_source: ClassVar[str] = "external_unspecified"

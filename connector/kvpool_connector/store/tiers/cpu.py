@@ -75,6 +75,7 @@ class CpuTier(Tier):
     type = "cpu"
     local = True
     shared = False  # the arena lives in the engine's own process
+    process_memory = True
     hit_source = "host"
     needs_blob = False
     answers_each = True  # its index, in memory

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from kvpool_connector.config import (
+    PositiveSize,
     StoreConfig,
     TierConfigBase,
     load_store_config,
@@ -25,7 +26,13 @@ from kvpool_connector.connector.config import (
 )
 from kvpool_connector.store.format import Status, open_blob
 from kvpool_connector.store.sealing import PoolKey
-from kvpool_connector.store.tiers import Tier, register_tier, registered_types, tier_class
+from kvpool_connector.store.tiers import (
+    Tier,
+    local_size,
+    register_tier,
+    registered_types,
+    tier_class,
+)
 from tests.conftest import SECURITY
 from tests.connector.store.helpers import build_store
 from tests.connector.store.tiers.dict_tier import DictTier, DictTierConfig
@@ -36,12 +43,12 @@ DICT_MODULE = DictTier.__module__  # what an entry point names
 
 def test_builtin_tiers_declare_their_capabilities():
     caps = {t: (tier_class(t).local, tier_class(t).remote, tier_class(t).shared,
-                tier_class(t).hit_source) for t in BUILTIN}
+                tier_class(t).hit_source, tier_class(t).process_memory) for t in BUILTIN}
     assert caps == {
-        "cpu": (True, False, False, "host"),
-        "disk": (True, False, True, "disk"),
-        "redis": (False, True, True, "external_unspecified"),
-        "s3": (False, True, True, "external_unspecified"),
+        "cpu": (True, False, False, "host", True),
+        "disk": (True, False, True, "disk", False),
+        "redis": (False, True, True, "external_unspecified", False),
+        "s3": (False, True, True, "external_unspecified", False),
     }
     assert all(issubclass(tier_class(t), Tier) and tier_class(t).type == t
                for t in registered_types())
@@ -220,3 +227,53 @@ def test_a_tier_package_is_found_through_its_entry_point(tmp_path, repo_root):
     assert broken.returncode == 1 and not broken.stderr, broken.stderr
     assert ("kv_connector_extra_config.tiers.0: Value error, tier plugin 'dict' "
             "(no_such_module) cannot be loaded: ModuleNotFoundError") in broken.stdout
+
+
+# -- a local tier of another package: capabilities, not type names --------------------------
+
+
+class RamTierConfig(TierConfigBase):
+    type: Literal["ram"] = "ram"
+    size: PositiveSize
+
+
+class RamTier(DictTier):
+    """The engine's own memory, as another package might offer it (a dict stands in)."""
+
+    type = "ram"
+    local, remote, shared, process_memory = True, False, False, True
+
+
+register_tier("ram", RamTier, RamTierConfig)
+
+
+def test_a_local_tier_of_another_package_is_sized_and_warm_started_like_cpu():
+    """Its config's size is what the connector reads of any local tier, and as the first
+    tier in the engine's own memory it is a warm start target: the connector asks the tiers
+    what they can do, never their type names."""
+    cfg = load_connector_config({"tiers": [{"type": "ram", "size": "1Mi"},
+                                           {"type": "redis", "url": "redis://h:6379"}],
+                                 "warm_start": {"enabled": True}})
+    assert cfg.warm_start.enabled
+    assert [local_size(t) for t in cfg.tiers] == [1 << 20, 0]
+    assert local_size(load_connector_config({"tiers": [
+        {"type": "disk", "path": "/d", "size": "2Mi"}]}).tiers[0]) == 2 << 20
+    # a shared first tier (disk) is not the engine's own memory
+    with pytest.raises(ConnectorConfigError, match=r"warm_start: .*first tier in the engine's "
+                                                   r"own memory \(cpu\); the tiers are "
+                                                   r"\['disk', 'redis'\]"):
+        load_connector_config({"tiers": [{"type": "disk", "path": "/d", "size": "1Mi"},
+                                         {"type": "redis", "url": "redis://h:6379"}],
+                               "warm_start": {"enabled": True}})
+
+
+def test_a_local_tiers_config_must_declare_its_size():
+    class SizelessConfig(TierConfigBase):
+        type: Literal["sizeless"] = "sizeless"
+
+    class SizelessTier(RamTier):
+        type = "sizeless"
+
+    with pytest.raises(ValueError, match="a local tier's config model needs a `size` field"):
+        register_tier("sizeless", SizelessTier, SizelessConfig)
+    assert "sizeless" not in registered_types() and "sizeless" not in tier_config_models()
