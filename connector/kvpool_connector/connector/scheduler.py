@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..store.metrics import StoreSampler
 from ..store.tiers import local_size, tier_class
 from .adapters import AdapterDigests
 from .config import ConnectorConfig
@@ -40,7 +41,7 @@ from .lookups import LookupJobs, remote_prefix
 from .metadata import ChunkLoad, KVPoolMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from .ranks import PartReports
 from .requests import KeyIndex, RemoteAnswer, RequestRecord
-from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler
+from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats
 from .tail_plans import SavedObjects, TailPlans
 from .tails import part_candidates, part_usable, request_options, tail_candidates
 from .warm import ManifestWriter, manifest_key, prewarm_keys, prewarm_objects, read_manifest

@@ -29,8 +29,6 @@ for shared ones.
 
 from __future__ import annotations
 
-import itertools
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +37,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ..store.metrics import BUCKETS, DOCS, EVENTS, OPS, TIER_METRICS
+from ..store.metrics import (
+    BUCKETS,
+    DOCS,
+    EVENTS,
+    GAUGE_METRICS,
+    LATENCY,
+    OPS,
+    STATE,
+    STORE_COUNTERS,
+    TIER_METRICS,
+    combine_state,
+)
 
 KIND_TIER = ("kind", "tier")
 
@@ -124,16 +133,6 @@ def kind_tier(kind: str, tier: str) -> str:
 
 STORE_STATS_EVERY_S = 0.5  # how often a process samples its store for the stats
 
-STATE = "kvpool_store_state"
-# store counters: payload key -> the label of their innermost level
-STORE_COUNTERS = {"kvpool_store_events": "event", "kvpool_store_bytes": "direction"}
-LATENCY = "kvpool_store_op_seconds"
-GAUGES = ("healthy", "queue_depth", "used_bytes", "shared")
-GAUGE_METRICS = {"healthy": "kvpool_store_tier_healthy",
-                 "queue_depth": "kvpool_store_queue_depth",
-                 "used_bytes": "kvpool_store_tier_used_bytes"}
-
-
 def _add(into: dict, other: dict) -> None:
     """Add `other`'s numbers into `into`, level by level ([count, sum] lists elementwise)."""
     for k, v in other.items():
@@ -157,87 +156,6 @@ def _any_nonzero(d: Any) -> bool:
         return any(_any_nonzero(v) for v in d)
     return bool(d)
 
-
-def combine_state(sources: dict[str, dict]) -> dict[tuple[str, str], dict[str, float]]:
-    """The gauges of every (store, tier) over the latest samples of all sources: healthy
-    only if healthy everywhere, queue depths summed (each process has its own queue), bytes
-    held summed for a tier of each process's own memory (cpu) and the largest report for a
-    shared one (a disk directory every worker and the scheduler see whole); bytes only where
-    some source's tier is capped."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
-    for sample in sources.values():
-        for tier, g in (sample.get("tiers") or {}).items():
-            cur = out.setdefault((sample.get("store", ""), tier),
-                                 {"healthy": 1, "queue_depth": 0})
-            cur["healthy"] = min(cur["healthy"], 1 if g.get("healthy") else 0)
-            cur["queue_depth"] += g.get("queue_depth") or 0
-            used = g.get("used_bytes")
-            if used is not None:
-                before = cur.get("used_bytes", 0)
-                cur["used_bytes"] = max(before, used) if g.get("shared") else before + used
-    return out
-
-
-def store_delta(prev: dict | None, now: dict) -> dict:
-    """The payload (store counters and latency buckets) of what a store's `telemetry()`
-    counted between two samples; `prev` None: everything since it opened. Pure."""
-    store = now.get("store", "")
-    prev_tiers = (prev or {}).get("tiers", {})
-    events: dict = {}
-    nbytes: dict = {}
-    latency: dict = {}
-    for tier, t in now.get("tiers", {}).items():
-        p = prev_tiers.get(tier, {})
-        for key, into in (("events", events), ("bytes", nbytes)):
-            before = p.get(key, {})
-            d = {k: v - before.get(k, 0) for k, v in t.get(key, {}).items()
-                 if v - before.get(k, 0) > 0}
-            if d:
-                into[tier] = d
-        for op, buckets in t.get("latency", {}).items():
-            before = p.get("latency", {}).get(op) or [[0, 0.0]] * len(buckets)
-            d = {str(i): [c - bc, s - bs] for i, ((c, s), (bc, bs))
-                 in enumerate(zip(buckets, before, strict=True)) if c - bc > 0}
-            if d:
-                latency.setdefault(tier, {})[op] = d
-    out: dict = {}
-    for key, val in (("kvpool_store_events", events), ("kvpool_store_bytes", nbytes),
-                     (LATENCY, latency)):
-        if val:
-            out[key] = {store: val}
-    return out
-
-
-def store_state(now: dict) -> dict:
-    """A store's gauges from its `telemetry()`: `{"store", "tiers": {tier: gauges}}`."""
-    return {"store": now.get("store", ""),
-            "tiers": {tier: {g: t.get(g) for g in GAUGES}
-                      for tier, t in now.get("tiers", {}).items()}}
-
-
-class StoreSampler:
-    """Turns one store's `telemetry()` into stats payloads: what it counted since the last
-    sample, and its gauges when they changed (first sample: always)."""
-
-    def __init__(self, store) -> None:
-        self.store = store
-        self.source = uuid.uuid4().hex[:16]  # this store in this process, across hosts
-        self._seq = itertools.count(1)
-        self._prev: dict | None = None
-        self._state: dict | None = None
-
-    def sample(self) -> dict:
-        try:
-            now = self.store.telemetry()
-        except Exception:  # a store that cannot report leaves the metrics where they are
-            return {}
-        out = store_delta(self._prev, now)
-        self._prev = now
-        state = store_state(now)
-        if state != self._state:
-            self._state = state
-            out[STATE] = {self.source: {"seq": next(self._seq), **state}}
-        return out
 
 
 @dataclass

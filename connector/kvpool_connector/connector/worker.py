@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store.metrics import tier_deltas
+from ..store.metrics import StoreSampler, tier_deltas
 from .audit import KVAudit
 from .buffers import BufferPool
 from .layout import KVLayout
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata, LoadJob
 from .saves import PendingSaves, SaveReports, Saves
-from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, StoreSampler, kind_tier
+from .stats import STORE_STATS_EVERY_S, KVPoolConnectorStats, kind_tier
 from .warm import Prewarmer, PrewarmResult
 
 log = logging.getLogger("kvpool.connector")

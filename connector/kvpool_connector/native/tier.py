@@ -83,6 +83,25 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
+from ..connector.config import ConnectorConfigError, check_hash_algo, load_connector_config
+from ..connector.keys import model_config_hash, pipeline_partition
+from ..store import open_store
+from ..store.metrics import (
+    BUCKETS,
+    DOCS,
+    EVENTS,
+    GAUGE_METRICS,
+    LATENCY,
+    STATE,
+    STORE_COUNTERS,
+    TIER_METRICS,
+    StoreSampler,
+    combine_state,
+    tier_deltas,
+)
+from ..store.tiers import tier_class
+from .contract import engine_vllm_config
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -103,8 +122,6 @@ def engine_identity(vllm_config: VllmConfig | None) -> dict[str, Any]:
     version, and the pipeline's layer partition with pipeline parallelism (vLLM's
     `FileMapper`, parallel-agnostic here, leaves it out). Without the engine's config (a
     tier built outside vLLM's connector) the first two are None: a key space of its own."""
-    from ..connector.keys import model_config_hash, pipeline_partition
-
     if vllm_config is None:
         return {"model_config_hash": None, "hash_algo": None, "vllm_version": vllm.__version__}
     identity = {"model_config_hash": model_config_hash(vllm_config.model_config),
@@ -146,16 +163,12 @@ def secondary_tier_store_config(options: dict[str, Any]):
     chunk here), so the operator mounts one file for both modes. Raises ValueError naming the
     field, which fails engine start.
     """
-    from ..connector.config import ConnectorConfigError, load_connector_config
-
     try:
         connector_config = load_connector_config(options)
     except ConnectorConfigError as exc:  # only the config's own errors, named for this tier
         raise ValueError(f"secondary_tiers (kvpool tier): {exc}") from None
     cfg = connector_config.as_store_config()
     assert cfg is not None  # the connector config requires at least one tier
-    from ..store.tiers import tier_class
-
     for i, tier in enumerate(cfg.tiers):
         if tier_class(tier.type).hit_source == "host":
             raise ValueError(
@@ -222,11 +235,6 @@ class KVPoolTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from ..connector.config import check_hash_algo
-        from ..connector.stats import StoreSampler
-        from ..store import open_store
-        from .contract import engine_vllm_config
-
         self.locality = Locality(locality) if locality is not None else None
         self.config = secondary_tier_store_config(options)
         vllm_config = engine_vllm_config()
@@ -426,8 +434,6 @@ class KVPoolTier(SecondaryTierManager):
         """Per store tier counters, named as the kvpool connector names them, and the store's
         own series (`kvpool_store_*`, as the connector exports them), so one dashboard
         serves both modes."""
-        from ..store.metrics import TIER_METRICS
-
         out: dict[str, OffloadingMetricMetadata] = {
             name: OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
             for name, doc in sorted(TIER_METRICS.items())}
@@ -437,8 +443,6 @@ class KVPoolTier(SecondaryTierManager):
         """Store counter increases since the last call (hits, misses, corrupt, drops...) and
         the store's series: this tier runs in vLLM's engine-core process, and only what
         travels in these stats reaches the API server's /metrics."""
-        from ..store.metrics import tier_deltas
-
         snapshot = self.store.stats()
         deltas = tier_deltas(self._last_stats, snapshot)
         self._last_stats = snapshot
@@ -453,9 +457,6 @@ class KVPoolTier(SecondaryTierManager):
 
 def store_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """The store's series as vLLM's OffloadingConnector declares metrics."""
-    from ..connector.stats import GAUGE_METRICS, LATENCY, STORE_COUNTERS
-    from ..store.metrics import BUCKETS, DOCS
-
     out: dict[str, OffloadingMetricMetadata] = {
         name: OffloadingCounterMetadata(documentation=DOCS[name],
                                         labelnames=("store", "tier", label))
@@ -470,13 +471,10 @@ def store_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 def add_store_sample(stats: OffloadingConnectorStats, sample: dict,
                      reported: set[tuple[str, str]]) -> None:
-    """A StoreSampler payload (connector/stats.py) as OffloadingConnectorStats: counters
+    """A StoreSampler payload (store/metrics.py) as OffloadingConnectorStats: counters
     as increases, a latency bucket's calls at their mean (buckets and sum exact), gauges
     as set; a tier's event and direction series start at 0 on its first report (`reported`
     remembers them). One store per tier object, so its gauges need no combining."""
-    from ..connector.stats import GAUGE_METRICS, LATENCY, STATE, STORE_COUNTERS, combine_state
-    from ..store.metrics import EVENTS
-
     for (store, tier), gauges in combine_state(sample.get(STATE, {})).items():
         if (store, tier) not in reported:
             reported.add((store, tier))

@@ -84,8 +84,11 @@ from vllm.v1.metrics.stats import SchedulerStats  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from kvpool_connector.connector.connector import KVPoolConnector  # noqa: E402
-from kvpool_connector.connector.stats import STATE, StoreSampler  # noqa: E402
-from kvpool_connector.store.metrics import BUCKETS  # noqa: E402
+from kvpool_connector.store.metrics import (  # noqa: E402
+    BUCKETS,
+    STATE,
+    StoreSampler,
+)
 from tests.connector.store.helpers import build_store  # noqa: E402
 
 
