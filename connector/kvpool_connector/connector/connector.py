@@ -20,6 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..amx import ask_for_amx_tiles
 from ..config import StoreConfig
+from ..identity import model_config_hash, pipeline_partition
 from ..store import open_store
 from ..store.tiers import local_size, tier_class
 from .audit import KVAudit
@@ -31,7 +32,7 @@ from .config import (
     load_connector_config,
 )
 from .events import kv_events_enabled
-from .keys import KeySpace, model_config_hash, pipeline_partition
+from .keys import KeySpace
 from .layout import KVLayout, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .ranks import AllRanksLookup, RankedStore, reporting_workers

@@ -28,8 +28,6 @@ own prefix (`adapter_prefix`), derived from a digest of the adapter's files (ada
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,32 +37,6 @@ KEY_FORMAT = "kvpool-chunk-v3"  # bump when the key derivation or the payload la
 PREFIX_LEN = 16  # bytes of the key space prefix at the front of every key
 
 
-def model_config_hash(model_config) -> str:
-    """Everything of vLLM's model config that can change the KV of the same tokens.
-
-    vLLM's `compute_hash()` covers the model, revision, quantization, dtype and the rest of
-    the computation graph's factors, but ignores `hf_overrides` (which can change rope
-    scaling, head counts, ...): both go in."""
-    overrides = getattr(model_config, "hf_overrides", None)
-    try:
-        overrides_text = json.dumps(overrides, sort_keys=True, default=repr)
-    except TypeError:  # a callable override: its name is the best stable identity
-        overrides_text = repr(getattr(overrides, "__qualname__", overrides))
-    text = f"{model_config.compute_hash()}|{overrides_text}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def pipeline_partition(vllm_config) -> str:
-    """The pipeline's layer partition ("0-14,14-28"; "" without pipeline parallelism): two
-    engines that split the layers differently store different layers under one stage."""
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp == 1:
-        return ""
-    from vllm.distributed.utils import get_pp_indices
-    n = vllm_config.model_config.get_total_num_hidden_layers()
-    return ",".join("{}-{}".format(*get_pp_indices(n, r, pp)) for r in range(pp))
-
-
 @dataclass(frozen=True)
 class KeySpace:
     """What, besides the tokens, makes two engines' chunks interchangeable. The same in the
@@ -72,7 +44,7 @@ class KeySpace:
 
     namespace: str
     model: str
-    model_hash: str  # model_config_hash(): revision, quantization, overrides, ...
+    model_hash: str  # identity.model_config_hash(): revision, quantization, overrides, ...
     vllm_version: str
     dtype: str  # the model's dtype / the KV cache dtype (auto, fp8, ...)
     layout: str  # fingerprint of the paged KV layout (see layout.py)

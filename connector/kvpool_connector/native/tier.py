@@ -84,7 +84,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 from ..connector.config import ConnectorConfigError, check_hash_algo, load_connector_config
-from ..connector.keys import model_config_hash, pipeline_partition
+from ..identity import model_config_hash, pipeline_partition
 from ..store import open_store
 from ..store.metrics import (
     BUCKETS,

@@ -79,7 +79,7 @@ def test_revision_quantization_or_overrides_give_a_new_key_space(tiny_model):
     never load KV computed before it: the model hash (vLLM's real ModelConfig) changes."""
     from vllm.config import ModelConfig
 
-    from kvpool_connector.connector.keys import model_config_hash
+    from kvpool_connector.identity import model_config_hash
 
     path = str(tiny_model)
     base = model_config_hash(ModelConfig(model=path))

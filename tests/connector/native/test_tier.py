@@ -210,7 +210,7 @@ def test_the_engine_identity_tells_revisions_and_overrides_apart(redis_options, 
     import vllm
     from vllm.config import ModelConfig
 
-    from kvpool_connector.connector.keys import model_config_hash
+    from kvpool_connector.identity import model_config_hash
 
     keys, data = chunk_keys("revision", 3), payloads(3)
     with RowEngine(redis_options, engine_model=tiny_model) as a:
