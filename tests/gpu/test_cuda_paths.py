@@ -232,7 +232,7 @@ def test_layerwise_loads_land_layer_by_layer_on_cuda(gpu_pool_key):
     with torch.cuda.stream(side.copy_stream):  # the copies queued behind a busy stream:
         torch.cuda._sleep(SLOW)                # wait_layer must order the reads after them
     side.submit_loads(KVPoolMetadata(loads=[load]))
-    assert side._sync_loads and side._sync_loads[0].layer_done  # layer by layer, in flight
+    assert side.loads.sync_loads and side.loads.sync_loads[0].layer_done  # layer by layer, in flight
     for i, name in enumerate(caches):
         side.wait_layer(name)
         got = caches[name][:, 6:8].clone()  # on the compute stream, as attention reads

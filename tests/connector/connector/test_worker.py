@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvpool_connector.connector import worker as worker_module
+from kvpool_connector.connector import loads as loads_module
 from kvpool_connector.connector.layout import KVLayout
 from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob, SaveJob
 from kvpool_connector.connector.worker import WorkerSide
@@ -66,12 +66,12 @@ def test_a_busy_step_never_waits_for_a_load():
     side, store, _ = worker_with_one_stored_chunk()
     t0 = time.monotonic()
     assert side.get_finished(KVPoolMetadata(idle=False)) == (set(), set())
-    assert time.monotonic() - t0 < worker_module.IDLE_WAIT_S  # the gate is still shut
+    assert time.monotonic() - t0 < loads_module.IDLE_WAIT_S  # the gate is still shut
     store.gate.set()
 
 
 def test_an_idle_step_waits_for_the_load_and_reports_it(monkeypatch):
-    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
+    monkeypatch.setattr(loads_module, "IDLE_WAIT_S", 30.0)
     side, store, caches = worker_with_one_stored_chunk()
     t0 = time.monotonic()  # before the timer starts: it opens the gate >= 0.05 s after t0
     threading.Timer(0.05, store.gate.set).start()
@@ -85,7 +85,7 @@ def test_an_idle_step_waits_a_bounded_time():
     side, store, _ = worker_with_one_stored_chunk()
     t0 = time.monotonic()
     assert side.get_finished(KVPoolMetadata(idle=True)) == (set(), set())
-    assert time.monotonic() - t0 >= worker_module.IDLE_WAIT_S * 0.9
+    assert time.monotonic() - t0 >= loads_module.IDLE_WAIT_S * 0.9
     store.gate.set()
 
 
@@ -158,7 +158,7 @@ def test_a_missing_chunk_goes_to_the_loader_thread_and_fails_there():
     load = LoadJob("req2", [ChunkLoad(b"m" * 16, rows=[0, 1], block_ids=[3, 4])],
                    is_async=True)
     side.submit_loads(KVPoolMetadata(loads=[load]))
-    assert side._async_loads["req2"].done.wait(5)
+    assert side.loads.async_loads["req2"].done.wait(5)
     assert store.readers[-1] is not threading.current_thread()
     assert side.get_finished(KVPoolMetadata(idle=False))[1] == {"req", "req2"}
     assert side.take_load_errors() == {3, 4}
@@ -257,7 +257,7 @@ def test_hits_are_counted_by_kind_and_the_tier_that_served_them(tmp_path):
                          ChunkLoad(tail, rows=[0], block_ids=[6], n_blocks=1,
                                    kind="decode_tail")], is_async=True)
     side.submit_loads(KVPoolMetadata(loads=[load]))
-    assert side._async_loads["q"].done.wait(10)
+    assert side.loads.async_loads["q"].done.wait(10)
     assert side.get_finished(KVPoolMetadata())[1] == {"q"}
     data = side.take_stats().data
     assert data["kvpool_hit_objects"] == {"prompt/ram": 1, "decode_tail/ssd": 1}
@@ -277,7 +277,7 @@ def test_a_missing_object_is_no_hit_and_rank_one_counts_no_tokens(tmp_path):
                          ChunkLoad(b"m" * 16, rows=[0, 1], block_ids=[6, 7], kind="prompt")],
                    is_async=True)
     side.submit_loads(KVPoolMetadata(loads=[load]))
-    assert side._async_loads["q"].done.wait(10)
+    assert side.loads.async_loads["q"].done.wait(10)
     side.get_finished(KVPoolMetadata())
     data = side.take_stats().data
     assert data["kvpool_hit_objects"] == {"decode/ram": 1}
