@@ -318,7 +318,7 @@ class Loads:
             self._failed_keys[load.job.req_id] = failed
         self._inc("kvpool_load_error_chunks", len(failed))
         self._inc("kvpool_loaded_chunks", load.chunks_ok)
-        self._sample_store = True  # tier hits of this load go out with this step's stats
+        self.sample_store = True  # tier hits of this load go out with this step's stats
         self._inc("kvpool_loaded_bytes", load.nbytes)
 
     def _wait_for_a_load(self, timeout: float) -> None:

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from kvpool_connector.connector import loads as loads_module
+from kvpool_connector.connector import loads as loads_module, worker as worker_module
 from kvpool_connector.connector.layout import KVLayout
 from kvpool_connector.connector.metadata import ChunkLoad, KVPoolMetadata, LoadJob, SaveJob
+from kvpool_connector.connector.stats import KVPoolConnectorStats
 from kvpool_connector.connector.worker import WorkerSide
 from kvpool_connector.store import open_store
 from tests.conftest import SECURITY
@@ -285,6 +286,26 @@ def test_a_missing_object_is_no_hit_and_rank_one_counts_no_tokens(tmp_path):
     assert side.take_load_errors() == {6, 7}
     side.shutdown()
 
+
+
+def test_a_finished_load_sends_the_stores_counts_in_that_steps_stats(tmp_path, monkeypatch):
+    """The store's series are sampled every STORE_STATS_EVERY_S, and at once after a load:
+    an engine that goes idle after a request (no more steps, no more stats) still reports
+    the hits that served it."""
+    monkeypatch.setattr(worker_module, "STORE_STATS_EVERY_S", 3600.0)  # no periodic sample
+    side, store, _ = _two_tier_worker(tmp_path)
+    side.submit_saves(KVPoolMetadata(saves=[SaveJob("r", [b"c" * 16], [[0, 1]], ["prompt"])]))
+    _saved(side, store)
+    side.take_stats()  # the first call samples the store
+    assert "kvpool_store_events" not in (side.take_stats() or KVPoolConnectorStats()).data
+    load = LoadJob("q", [ChunkLoad(b"c" * 16, rows=[0, 1], block_ids=[4, 5], kind="prompt")],
+                   is_async=True)
+    side.submit_loads(KVPoolMetadata(loads=[load]))
+    assert side.loads.async_loads["q"].done.wait(10)
+    assert side.get_finished(KVPoolMetadata())[1] == {"q"}
+    events = side.take_stats().data["kvpool_store_events"]
+    assert any(tier.get("ram", {}).get("hits") for tier in events.values()), events
+    side.shutdown()
 
 
 def test_a_partial_block_loads_whole_and_counts_only_its_tokens():
