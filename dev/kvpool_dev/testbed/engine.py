@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool_dev.testbed import process
+from kvpool_dev.testbed import process, zygote
 from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.process import Service, free_port, wait_healthy
 
@@ -189,6 +189,12 @@ class OfflineEngine(ReleasesHostRegions):
     def launch(self) -> OfflineEngine:
         """Start the process without waiting: several engines can boot at the same time."""
         refuse_unmarked_test()
+        if zygote.enabled():  # forked from a process that imported vLLM already (zygote.py)
+            base = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+            if zygote.compatible(base, self.env):
+                self.proc = zygote.zygote(base, ENGINE_START_TIMEOUT).fork(
+                    self.args, self.env, self.log_path)  # type: ignore[assignment]
+                return self
         self.proc = process.start(
             [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
             self.log_path, new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -215,8 +221,9 @@ class OfflineEngine(ReleasesHostRegions):
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
             if ready:
                 line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{self.log_tail()}")
+                if not line:  # its stdout closed: it is exiting (its code, when it has one)
+                    raise RuntimeError(f"engine exited ({self._exit_code()}); log tail:\n"
+                                       f"{self.log_tail()}")
                 if line.startswith("KVPOOL_REPLY "):
                     msg = json.loads(line[len("KVPOOL_REPLY "):])
                     if "error" in msg:
@@ -224,6 +231,13 @@ class OfflineEngine(ReleasesHostRegions):
                     return msg
             elif self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
+
+    def _exit_code(self, timeout: float = 10.0) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def generate(self, prompts: list, max_tokens: int = 16, timeout: float = 900,
                  logprobs: int = TOP_LOGPROBS) -> list[dict]:

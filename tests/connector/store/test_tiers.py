@@ -4,6 +4,7 @@ namespace isolation, restart of the disk tier, processes sharing one directory."
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import subprocess
@@ -346,30 +347,42 @@ def test_layout_per_call_overrides_default(tier_cfgs, namespace):
     s.close()
 
 
+# Run in a fresh interpreter: measured inside a pytest worker, the resident size also moved
+# with what earlier tests of that worker left behind (it grew 300 MB during one soak there).
+SOAK = """
+import json, os, sys
+import numpy as np
+from kvpool_connector.store import open_store
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+s = open_store({"namespace": sys.argv[1], "metrics": False,
+                "tiers": [{"type": "cpu", "size": "4Mi", "slot_size": "64Ki"}]}, layout=b"L")
+keys = [os.urandom(32) for _ in range(256)]
+payload = np.random.bytes(60_000)
+out = bytearray(64 * 1024)
+def cycle():
+    for i in range(0, len(keys), 8):
+        s.put_many(keys[i:i + 8], [payload] * 8)
+        s.get_many(keys[max(0, i - 32):i + 8])
+        s.get_into(keys[i], out)
+for _ in range(3):
+    cycle()
+before = rss()
+for _ in range(40):
+    cycle()
+print(json.dumps({"grew": rss() - before, "used": s.stats()["tiers"]["cpu"]["used_bytes"]}))
+s.close()
+"""
+
+
 def test_cpu_soak_keeps_memory_flat(namespace):
     """Thousands of puts and gets through a 4 MiB arena: resident memory stays put."""
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    s = build(namespace, {"type": "cpu", "size": "4Mi", "slot_size": "64Ki"}, metrics=False)
-    keys = rand_keys(256)
-    payload = np.random.bytes(60_000)
-    out = bytearray(64 * 1024)
-
-    def cycle():
-        for i in range(0, len(keys), 8):
-            s.put_many(keys[i:i + 8], [payload] * 8)
-            s.get_many(keys[max(0, i - 32):i + 8])
-            s.get_into(keys[i], out)
-    for _ in range(3):
-        cycle()
-    before = rss()
-    for _ in range(40):
-        cycle()
-    assert rss() - before < 8 << 20
-    assert s.stats()["tiers"]["cpu"]["used_bytes"] <= 4 << 20
-    s.close()
+    proc = subprocess.run([sys.executable, "-c", SOAK, namespace], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["grew"] < 8 << 20 and result["used"] <= 4 << 20, result
 
 
 def test_prometheus_series_and_several_stores(tier_cfgs, namespace):
