@@ -50,10 +50,8 @@ class WorkerSide:
         self.events = events  # vLLM KV events on: report the local tiers' stores/evictions
         if events:
             store.enable_events()
-        self.audit = audit
         self.staging_bytes = staging_bytes
         self.blocks_per_chunk = blocks_per_chunk
-        self.layerwise = layerwise
         self.layout: KVLayout | None = None
         self.cuda = False
         self.copy_stream: Any = None  # torch.cuda.Stream once registered on CUDA

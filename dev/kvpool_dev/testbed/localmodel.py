@@ -49,9 +49,12 @@ class ModelPreset:
     max_position_embeddings: int
     vocab_size: int = 2048
     seed: int = 1234
-    # "llama", or "deepseek_v2": multi-head latent attention (MLA, one 512+64-wide latent KV
-    # vector per token, vLLM's CPU_MLA backend) with a small mixture of experts
+    # "llama"; "deepseek_v2": multi-head latent attention (MLA, one 512+64-wide latent KV
+    # vector per token, vLLM's CPU_MLA backend) with a small mixture of experts; "gemma3":
+    # sliding-window layers beside full-attention ones (vLLM's hybrid KV cache manager
+    # makes one KV cache group of each), `sliding_window` tokens wide
     architecture: str = "llama"
+    sliding_window: int = 0
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -59,6 +62,10 @@ PRESETS: dict[str, ModelPreset] = {
     "bench": ModelPreset("bench", 1024, 8, 16, 4, 2816, 32768),
     # kv_lora_rank 512 + rope 64: the head size vLLM's MLA kernels take (64 + 32 is refused)
     "mla": ModelPreset("mla", 256, 2, 4, 4, 512, 32768, architecture="deepseek_v2"),
+    # Gemma-3-style: three sliding-window layers (a 256-token window: 2 of vLLM's 128-token
+    # CPU blocks) and one full-attention layer
+    "hybrid": ModelPreset("hybrid", 128, 4, 4, 2, 256, 32768, architecture="gemma3",
+                          sliding_window=256),
 }
 
 
@@ -109,14 +116,33 @@ def _deepseek_v2(preset: ModelPreset):
     return DeepseekV2ForCausalLM(config)
 
 
+def _gemma3(preset: ModelPreset):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = preset.hidden_size // preset.num_attention_heads
+    layers = preset.num_hidden_layers
+    config = Gemma3TextConfig(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, num_hidden_layers=layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads, head_dim=head_dim,
+        query_pre_attn_scalar=head_dim, max_position_embeddings=preset.max_position_embeddings,
+        sliding_window=preset.sliding_window,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                     for i in range(layers)],
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, torch_dtype="bfloat16")
+    return Gemma3ForCausalLM(config)
+
+
 def _build(preset: ModelPreset, out_dir: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _train_tokenizer(preset.vocab_size, out_dir)
     torch.manual_seed(preset.seed)
-    if preset.architecture == "deepseek_v2":
-        _deepseek_v2(preset).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    if preset.architecture in ("deepseek_v2", "gemma3"):
+        build = _deepseek_v2 if preset.architecture == "deepseek_v2" else _gemma3
+        build(preset).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
         (out_dir / "kvpool-preset.json").write_text(json.dumps(asdict(preset), indent=2))
         return
     config = LlamaConfig(
