@@ -5,6 +5,7 @@ runs in its own session with its own log, and ends, fails and is stopped like a 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -59,3 +60,31 @@ def test_a_forked_engine_that_fails_exits_with_its_error_in_its_log(tmp_path, mo
         engine.start()
     assert engine.proc is None  # stopped
     assert "no-such-model" in str(err.value)  # the log tail names what failed
+
+
+@pytest.mark.vllm
+def test_a_forked_api_server_serves_and_ends_with_its_whole_group(tiny_model, monkeypatch):
+    """`python -m vllm.entrypoints.openai.api_server`, run in a child of the zygote."""
+    import json
+    import urllib.request
+
+    from kvpool_dev.testbed import process
+    from kvpool_dev.testbed.engine import VllmServer
+
+    monkeypatch.setenv(zygote.ENV, "1")
+    server = VllmServer(tiny_model, max_model_len=2048, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    with server:
+        assert isinstance(server.proc, zygote.ForkedProcess)
+        group = server.proc.pid
+        body = json.dumps({"model": "local", "prompt": [5, 6, 7], "max_tokens": 3,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(server.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 3
+        assert process.group_pids(group)  # its own process group
+    # stopped whole: the group's other processes (the engine core) got the signal too
+    deadline = time.monotonic() + 30
+    while process.group_pids(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.group_pids(group) == []

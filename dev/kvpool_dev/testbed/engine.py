@@ -68,6 +68,15 @@ def metric_total(samples: list[dict], name: str, **labels: str) -> float:
                and all(s["labels"].get(k) == v for k, v in labels.items()))
 
 
+def _zygote_for(env: dict[str, str]) -> zygote.Zygote | None:
+    """This process's zygote (a process that imported vLLM once, zygote.py) when the test
+    suite asked for one and an engine with `env` can be forked from it; else None."""
+    if not zygote.enabled():
+        return None
+    base = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return zygote.zygote(base, ENGINE_START_TIMEOUT) if zygote.compatible(base, env) else None
+
+
 NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native offloading host region
 
 
@@ -91,8 +100,12 @@ class ReleasesHostRegions(Service):
         super().stop()
 
 
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 class VllmServer(ReleasesHostRegions):
-    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
+    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port (forked from
+    the test process's zygote under the test suite, zygote.py)."""
 
     stop_timeout = 30.0
 
@@ -115,7 +128,7 @@ class VllmServer(ReleasesHostRegions):
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        cmd = [sys.executable, "-m", SERVER_MODULE,
                "--model", self.model, "--served-model-name", "local",
                "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(self.max_model_len), "--seed", "0",
@@ -133,7 +146,13 @@ class VllmServer(ReleasesHostRegions):
     def launch(self) -> VllmServer:
         """Start the process without waiting: several servers can boot at the same time."""
         refuse_unmarked_test()
-        self.proc = process.start(self.command(), self.log_path, new_session=True, env=self.env)
+        cmd = self.command()
+        forks = _zygote_for(self.env) if cmd[:3] == [sys.executable, "-m", SERVER_MODULE] else None
+        if forks is not None:
+            self.proc = forks.run_module(SERVER_MODULE, cmd[3:], self.env,  # type: ignore[assignment]
+                                         self.log_path)
+            return self
+        self.proc = process.start(cmd, self.log_path, new_session=True, env=self.env)
         return self
 
     def wait_ready(self) -> VllmServer:
@@ -189,12 +208,10 @@ class OfflineEngine(ReleasesHostRegions):
     def launch(self) -> OfflineEngine:
         """Start the process without waiting: several engines can boot at the same time."""
         refuse_unmarked_test()
-        if zygote.enabled():  # forked from a process that imported vLLM already (zygote.py)
-            base = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-            if zygote.compatible(base, self.env):
-                self.proc = zygote.zygote(base, ENGINE_START_TIMEOUT).fork(
-                    self.args, self.env, self.log_path)  # type: ignore[assignment]
-                return self
+        forks = _zygote_for(self.env)
+        if forks is not None:
+            self.proc = forks.fork(self.args, self.env, self.log_path)  # type: ignore[assignment]
+            return self
         self.proc = process.start(
             [sys.executable, "-m", "kvpool_dev.testbed.engine_worker", json.dumps(self.args)],
             self.log_path, new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -1,15 +1,18 @@
-"""Offline engines forked from a process that imported vLLM once (the test suite's engines).
+"""vLLM engines forked from a process that imported vLLM once (the test suite's engines).
 
 Why: an `OfflineEngine` child spent ~6 of its ~9.5 s start importing vLLM and torch, and the
 suite starts dozens of them on 2 cores. A zygote imports them once (per test process) and
-forks each engine worker from that state: a start took 1.7 s here. Only the import is
+forks each engine worker from that state: a start took 1.7 s here (an API server with 1 GiB
+of KV cache: 9.9 s to /health instead of 18.5 s). Only the import is
 shared; every engine still builds its own `vllm.LLM` from scratch in its own process, with
 its own environment, session (process group), stdin/stdout pipes and log.
 
 Protocol: one SOCK_SEQPACKET connection per request on a Unix socket (message boundaries
-kept, file descriptors passed with SCM_RIGHTS): `{"fork": args, "env", "cwd"}` with the
-child's stdin, stdout and log descriptors answers `{"pid"}`; `{"wait": pid}` answers the
-child's exit code once it ended (the zygote is its parent and reaps it).
+kept, file descriptors passed with SCM_RIGHTS): `{"fork": args, "env", "cwd"}` (an
+engine worker) or `{"run_module": name, "argv", "env", "cwd"}` (`python -m name argv...`: a
+vLLM API server, its module imported by the zygote first) with the child's stdin, stdout
+and stderr descriptors answers `{"pid"}`; `{"wait": pid}` answers the child's exit code
+once it ended (the zygote is its parent and reaps it).
 
 An engine whose environment differs from the zygote's in a variable that vLLM, torch or the
 C runtimes read at import (logging, threads, allocators: IMPORT_TIME_PREFIXES) would not get
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -96,6 +102,9 @@ def serve(path: str) -> None:
                         pass
                 conn.send(json.dumps({"code": codes.pop(pid, None)}).encode())
                 continue
+            if "run_module" in req:  # imported here once: every later fork has it
+                importlib.import_module(req["run_module"])
+                gc.freeze()
             pid = os.fork()
             if pid == 0:
                 _child(listener, conn, fds, req)  # never returns
@@ -121,9 +130,13 @@ def _child(listener: socket.socket, conn: socket.socket, fds: list[int], req: di
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdio
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        from kvpool_dev.testbed import engine_worker
+        if "run_module" in req:  # as `python -m MODULE ARGV...` runs it
+            sys.argv = [req["run_module"], *req["argv"]]
+            runpy.run_module(req["run_module"], run_name="__main__", alter_sys=True)
+        else:
+            from kvpool_dev.testbed import engine_worker
 
-        engine_worker.main(req["fork"])
+            engine_worker.main(req["fork"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -137,6 +150,11 @@ def _child(listener: socket.socket, conn: socket.socket, fds: list[int], req: di
 
 
 # -- the caller's side ------------------------------------------------------------------------
+
+
+def _open_log(path: Path) -> int:
+    """The log as process.start opens it (created or truncated)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
 
 class Zygote:
@@ -171,7 +189,7 @@ class Zygote:
         its stderr `log_path`."""
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        log = _open_log(log_path)
         try:
             pid = int(self._request({"fork": args, "env": env, "cwd": os.getcwd()},
                                     [stdin_r, stdout_w, log])["pid"])
@@ -184,6 +202,19 @@ class Zygote:
                 os.close(fd)
         return ForkedProcess(self, pid, open(stdin_w, "w", buffering=1),  # noqa: SIM115
                              open(stdout_r))  # noqa: SIM115
+
+    def run_module(self, module: str, argv: list[str], env: dict[str, str],
+                   log_path: Path) -> ForkedProcess:
+        """`python -m module *argv` with `env`, its stdout and stderr `log_path`, no stdin."""
+        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        log = _open_log(log_path)
+        try:
+            pid = int(self._request({"run_module": module, "argv": argv, "env": env,
+                                     "cwd": os.getcwd()}, [devnull, log, log])["pid"])
+        finally:
+            os.close(devnull)
+            os.close(log)
+        return ForkedProcess(self, pid, None, None)
 
     def exit_code(self, pid: int) -> int:
         try:
