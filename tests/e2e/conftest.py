@@ -43,7 +43,11 @@ def dev_tool_env() -> dict[str, str]:
     production) and test_connector's SEPARATE_PROCESSES engine."""
     import os
 
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    from kvpool_dev.testbed.engine import shared_zygote_env
+
+    # and their engines fork from this test process's zygote (testbed/zygote.py): each tool
+    # importing vLLM for a zygote of its own cost what its forks saved
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **shared_zygote_env()}
 
 
 def token_prompt(n: int, seed: int) -> list[int]:

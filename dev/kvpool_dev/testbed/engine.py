@@ -73,8 +73,17 @@ def _zygote_for(env: dict[str, str]) -> zygote.Zygote | None:
     suite asked for one and an engine with `env` can be forked from it; else None."""
     if not zygote.enabled():
         return None
-    base = engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    return zygote.zygote(base, ENGINE_START_TIMEOUT) if zygote.compatible(base, env) else None
+    forks = zygote.zygote(engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), ENGINE_START_TIMEOUT)
+    return forks if zygote.compatible(forks.env, env) else None
+
+
+def shared_zygote_env() -> dict[str, str]:
+    """What a child process (a dev tool the tests run) needs in its environment to fork its
+    engines from this process's zygote: {} without one."""
+    if not zygote.enabled():
+        return {}
+    forks = zygote.zygote(engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), ENGINE_START_TIMEOUT)
+    return {zygote.ENV: forks.path}
 
 
 NATIVE_REGION_GLOB = "vllm_offload_*.mmap"  # vLLM's native offloading host region

@@ -11,7 +11,8 @@ Protocol: one SOCK_SEQPACKET connection per request on a Unix socket (message bo
 kept, file descriptors passed with SCM_RIGHTS): `{"fork": args, "env", "cwd"}` (an
 engine worker) or `{"run_module": name, "argv", "env", "cwd"}` (`python -m name argv...`: a
 vLLM API server, its module imported by the zygote first) with the child's stdin, stdout
-and stderr descriptors answers `{"pid"}`; `{"wait": pid}` answers the child's exit code
+and stderr descriptors answers `{"pid"}`; `{"started_with": true}` answers `{"env"}`, the environment it started
+with (what a process attaching to it compares an engine's with); `{"wait": pid}` answers the child's exit code
 once it ended (the zygote is its parent and reaps it).
 
 An engine whose environment differs from the zygote's in a variable that vLLM, torch or the
@@ -41,7 +42,9 @@ from typing import Any
 
 from kvpool_dev.testbed import process
 
-ENV = "KVPOOL_DEV_ENGINE_FORK"  # "1": OfflineEngine forks from a zygote (set by the test suite)
+# "1": engines fork from a zygote (set by the test suite); a socket path: from that one (a
+# dev tool the tests run uses the test process's zygote: tests/e2e/conftest.py dev_tool_env)
+ENV = "KVPOOL_DEV_ENGINE_FORK"
 MAX_MESSAGE = 1 << 20
 # Read when vLLM, torch and the C runtimes are imported or initialize, so fixed in a zygote;
 # VLLM_* variables are read lazily (vllm.envs) except these and logging's.
@@ -52,7 +55,8 @@ IMPORT_TIME_PREFIXES = ("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING", "VLLM_TARGET_D
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    value = os.environ.get(ENV, "")
+    return value == "1" or value.startswith("/")
 
 
 def compatible(base: dict[str, str], env: dict[str, str]) -> bool:
@@ -87,11 +91,15 @@ def serve(path: str) -> None:
     listener.bind(path + ".new")
     listener.listen(8)
     os.rename(path + ".new", path)  # the path appears ready: a connect never races the listen
+    started_with = dict(os.environ)
     while True:
         conn, _ = listener.accept()
         with conn:
             msg, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
             req = json.loads(msg)
+            if "started_with" in req:  # what a process attaching to this zygote compares with
+                conn.send(json.dumps({"env": started_with}).encode())
+                continue
             if "wait" in req:
                 pid = int(req["wait"])
                 if pid not in codes:
@@ -158,7 +166,10 @@ def _open_log(path: Path) -> int:
 
 
 class Zygote:
-    """A zygote process of this process's (see the module docstring)."""
+    """A zygote process: this process's own (started with `env`), or with `attach` one that
+    a parent process shares (see the module docstring)."""
+
+    proc: subprocess.Popen | None
 
     def __init__(self, env: dict[str, str], start_timeout: float) -> None:
         self.env = dict(env)
@@ -175,6 +186,14 @@ class Zygote:
                                    f"{process.log_tail(self.log_path)}")
             time.sleep(0.1)
 
+    @classmethod
+    def attach(cls, path: str) -> Zygote:
+        """The zygote listening on `path` (a parent process's; it stops it, not us)."""
+        self = cls.__new__(cls)
+        self.path, self.proc, self.dir = path, None, ""
+        self.env = dict(self._request({"started_with": True})["env"])
+        return self
+
     def _request(self, msg: dict, fds: list[int] | None = None) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.connect(self.path)
@@ -182,7 +201,7 @@ class Zygote:
             return dict(json.loads(s.recv(MAX_MESSAGE)))
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return os.path.exists(self.path) if self.proc is None else self.proc.poll() is None
 
     def fork(self, args: dict, env: dict[str, str], log_path: Path) -> ForkedProcess:
         """An engine worker (engine_worker.main(args)) with `env`, its stdout a pipe to us,
@@ -224,6 +243,8 @@ class Zygote:
         return 255 if code is None else int(code)
 
     def stop(self) -> None:
+        if self.proc is None:  # attached: its owner stops it
+            return
         process.stop(self.proc, timeout=5)
         Path(self.path).unlink(missing_ok=True)
         os.rmdir(self.dir)
@@ -281,10 +302,16 @@ _zygote: Zygote | None = None
 
 
 def zygote(base_env: dict[str, str], start_timeout: float) -> Zygote:
-    """This process's zygote, started on first use with `base_env` (one per test process;
-    stopped at exit)."""
+    """This process's zygote: the one a parent shares (ENV holds its socket's path: a dev
+    tool the tests run), else its own, started on first use with `base_env` (one per test
+    process; stopped at exit)."""
     global _zygote
     if _zygote is None or not _zygote.alive():
+        shared = os.environ.get(ENV, "")
+        if shared.startswith("/"):
+            with contextlib.suppress(OSError, ValueError):
+                _zygote = Zygote.attach(shared)
+                return _zygote
         _zygote = Zygote(base_env, start_timeout)
         atexit.register(_zygote.stop)
     return _zygote
