@@ -13,8 +13,11 @@ chunk is `tp_size` objects. What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from tests.e2e.conftest import (
     Audit,
     SharedObjects,
     connector_engine,
+    redis_client,
     redis_env,
     redis_tier,
     token_prompt,
@@ -89,6 +93,50 @@ def _engine(tiny_model, redis_server, namespace, tp_audit, tiers):
         extra={"handover_wait_seconds": 4.0, "save_decode_tokens": False, "handover_requests": True})
 
 
+class RedisLatency:
+    """Redis PING round trips every 0.1 s while this module runs, and when its engines came
+    up: a load from Redis that timed out here (loopback servers stalled for 10-30 s with a
+    TP=2 engine up, once in five runs; cause not found) then says how long Redis answered
+    nothing, and at which point of the scenario."""
+
+    def __init__(self, redis_server) -> None:
+        self.client = redis_client(redis_server)
+        self.t0 = time.monotonic()
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, round trip)
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="redis-latency", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            t = time.monotonic()
+            with contextlib.suppress(Exception):  # a failed PING: timed as the stall it is
+                self.client.ping()
+            self.samples.append((t - self.t0, time.monotonic() - t))
+
+    def mark(self, what: str) -> None:
+        self.marks.append((time.monotonic() - self.t0, what))
+
+    def report(self) -> str:
+        worst = sorted(self.samples, key=lambda s: -s[1])[:5]
+        return (f"\nRedis PING, slowest of {len(self.samples)} (at s: took s): "
+                f"{[(round(a, 1), round(d, 3)) for a, d in worst]}; "
+                f"marks: {[(round(a, 1), w) for a, w in self.marks]}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def latency(redis_server):
+    probe = RedisLatency(redis_server)
+    yield probe
+    probe.close()
+
+
 @pytest.fixture(scope="module")
 def objects(tiers, redis_server, namespace) -> SharedObjects:
     return SharedObjects(Path(tiers[1]["path"]), redis_server, namespace)
@@ -129,13 +177,15 @@ def _rank1_names(audit: Audit, before: set[tuple[str, str]]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, redis_server, namespace, tp_audit, tiers, objects) -> dict:
+def served(tiny_model, redis_server, namespace, tp_audit, tiers, objects, latency) -> dict:
     """The module's scenario, one TP=2 engine at a time (see `_engine`): the writer serves
     every prompt cold (the TP=2 recompute) and prefills the handover prompt, then goes;
     each prompt's objects are left where its test says; a fresh reader serves them all.
     Returns {name: (writer's output, reader's output, blocks the reader loaded, detail)}."""
     cold, detail = {}, {}
+    latency.mark("writer starting")
     with _engine(tiny_model, redis_server, namespace, tp_audit, tiers) as writer:
+        latency.mark("writer up")
         for n in ("disk", "redis"):
             cold[n] = _cold(writer, objects, n, PROMPTS[n])
         seen = _saves(tp_audit)
@@ -151,7 +201,9 @@ def served(tiny_model, redis_server, namespace, tp_audit, tiers, objects) -> dic
     for tier in ("disk", "redis"):
         objects.remove(detail["partial"], tier)
     out = {}
+    latency.mark("reader starting")
     with _engine(tiny_model, redis_server, namespace, tp_audit, tiers) as reader:
+        latency.mark("reader up")
         for n in ("disk", "redis", "partial", "handover"):
             prompt = PROMPTS[n] if n != "handover" else {
                 "prompt_token_ids": PROMPTS[n],
@@ -159,7 +211,7 @@ def served(tiny_model, redis_server, namespace, tp_audit, tiers, objects) -> dic
             before = tp_audit.check()
             o = reader.generate([prompt])[0]
             out[n] = (cold[n][0], o, tp_audit.check() - before)
-        out["log"] = reader.log_tail(60)
+        out["log"] = reader.log_tail(60) + latency.report()
     return out
 
 
