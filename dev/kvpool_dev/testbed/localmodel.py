@@ -1,4 +1,5 @@
-"""Generate small Llama-architecture models with random weights, fully offline.
+"""Generate small models with random weights, fully offline (Llama; DeepSeek-V2-style MLA;
+Gemma-3-style sliding-window + full attention).
 
 The demo, the benchmarks and the tests need a model vLLM can serve with text prompts,
 and they must run offline, without a model hub. A random-weight model is
@@ -195,7 +196,8 @@ def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> P
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvpool model", description="Generate a local random-weight Llama model")
+    ap = argparse.ArgumentParser(prog="kvpool model", description="Generate a local random-weight "
+                                 "model: tiny/bench Llama, mla DeepSeek-V2-style, hybrid Gemma-3-style")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
