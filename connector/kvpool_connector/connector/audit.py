@@ -33,13 +33,31 @@ AUDIT_ENV = "KVPOOL_KV_AUDIT_DIR"
 
 
 def block_digests(layout: KVLayout, payload: torch.Tensor, n_blocks: int) -> list[str]:
-    """Digest of each block of a chunk payload (all layers of block j, in layer order)."""
-    hashers = [hashlib.blake2b(digest_size=16) for _ in range(n_blocks)]
-    for layer_kv, segment in layout._segments(payload, n_blocks):
-        for j, h in enumerate(hashers):
+    """Digest of each block of a chunk payload (all layers of block j, in layer order), per
+    KV cache group group-major (row g * n_blocks + j: the group's layers at position j)."""
+    hashers = [hashlib.blake2b(digest_size=16) for _ in range(n_blocks * len(layout.groups))]
+    for i, (layer_kv, segment) in enumerate(layout._segments(payload, n_blocks)):
+        base = layout.group_of(i) * n_blocks
+        for j in range(n_blocks):
             block = segment.select(layer_kv.block_dim, j).contiguous().view(torch.uint8)
-            h.update(block.numpy().tobytes())
+            hashers[base + j].update(block.cpu().numpy().tobytes())
     return [h.hexdigest() for h in hashers]
+
+
+def paged_digests(layout: KVLayout, rows: list[int], block_ids: list[int],
+                  n_in_src: int) -> list[str]:
+    """Digest of what the paged cache holds at each loaded block, as block_digests names a
+    payload's rows: the layers of row's group at that block."""
+    out = []
+    for row, b in zip(rows, block_ids, strict=True):
+        g = row // n_in_src
+        h = hashlib.blake2b(digest_size=16)
+        for i, layer_kv in enumerate(layout.layers):
+            if layout.group_of(i) == g:
+                block = layer_kv.tensor.select(layer_kv.block_dim, b).contiguous()
+                h.update(block.view(torch.uint8).cpu().numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
 
 
 class KVAudit:
@@ -70,11 +88,12 @@ class KVAudit:
                       "d": block_digests(layout, c, n)}
                      for k, c, n in zip(keys, chunks, counts, strict=True)])
 
-    def loaded(self, layout: KVLayout, key: bytes, rows: list[int], paged: torch.Tensor) -> None:
-        """`paged`: the destination blocks gathered back out of the paged cache after the load."""
+    def loaded(self, layout: KVLayout, key: bytes, rows: list[int], block_ids: list[int],
+               n_in_src: int) -> None:
+        """What the paged cache holds at a load's destination blocks, after the load."""
         self._write([{"e": "load", "key": key.hex(), "r": self.rank, "rows": list(rows),
                       "t": time.time(),
-                      "d": block_digests(layout, paged, len(rows))}])
+                      "d": paged_digests(layout, rows, block_ids, n_in_src)}])
 
 
 def check_audit(directory: str | Path) -> tuple[int, list[str]]:

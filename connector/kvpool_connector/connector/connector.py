@@ -15,6 +15,8 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -84,6 +86,35 @@ def check_parallel_layout(parallel_config) -> None:
                 f"share of every token's KV); start vLLM with {option} 1")
 
 
+# KV cache group specs a hybrid model's groups may have (vLLM's class names): a chunk holds
+# each group's blocks of its positions, and a sliding-window group's blocks out of the window
+# are null (block_groups.py). Others (Mamba state, cross attention, middle-gap windows) hold
+# something else than one block of KV per position, and are refused.
+HYBRID_GROUP_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+
+
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig, block_size: int) -> None:
+    """Refuse what the chunk objects cannot describe: with several KV cache groups (vLLM's
+    hybrid KV cache manager), a group of another kind than full or sliding-window attention,
+    or of another block size."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) <= 1:
+        return
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
+        for s in (inner.values() if isinstance(inner, dict) and inner else [spec]):
+            kind = type(s).__name__
+            if kind not in HYBRID_GROUP_SPECS:
+                raise ConnectorConfigError(
+                    f"KVPoolConnector does not support KV cache group {i} of kind {kind} "
+                    f"(supported with several groups: {', '.join(HYBRID_GROUP_SPECS)})")
+            if getattr(s, "block_size", block_size) != block_size:
+                raise ConnectorConfigError(
+                    f"KVPoolConnector needs one block size in every KV cache group; group "
+                    f"{i} has {s.block_size}, the engine {block_size}")
+
+
 def tp_replicas(kv_cache_config: KVCacheConfig) -> int:
     """vLLM's `kv_cache_config.kv_tp_replicas`: how many consecutive tensor ranks hold
     identical KV for every layer, which vLLM derives from each layer's spec (MLA's one latent
@@ -133,8 +164,9 @@ def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
         return "unknown"
 
 
-class KVPoolConnector(KVConnectorBase_V1):
-    """Tiered (cpu / disk / Redis / S3) prefix cache for vLLM, on CPU and CUDA."""
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered (cpu / disk / Redis / S3) prefix cache for vLLM, on CPU and CUDA; hybrid
+    models (full and sliding-window attention groups) with vLLM's hybrid KV cache manager."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
@@ -144,12 +176,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         transfer_config = self._kv_transfer_config
         self.cfg: ConnectorConfig = load_connector_config(transfer_config.kv_connector_extra_config)
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConnectorConfigError(
-                f"KVPoolConnector supports one KV cache group, this model has {len(groups)}; "
-                "start vLLM with --disable-hybrid-kv-cache-manager")
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = check_block_size(self.cfg, self.block_size)
+        check_kv_cache_groups(kv_cache_config, self.block_size)
+        if len(groups) > 1 and self.cfg.layerwise:
+            raise ConnectorConfigError(
+                "KVPoolConnector: layerwise loads need one KV cache group; set layerwise: "
+                "false or start vLLM with --disable-hybrid-kv-cache-manager")
         if getattr(transfer_config, "kv_load_failure_policy", "fail") != "recompute":
             log.warning("KVPoolConnector: kv_load_failure_policy is %r; set it to 'recompute' "
                         "so a chunk that cannot be loaded is recomputed instead of failing "
@@ -176,8 +209,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.manifest_store = None  # the warm start manifest's tiers (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
-            spec = groups[0].kv_cache_spec
-            chunk_bytes = spec.page_size_bytes * len(groups[0].layer_names) * self.blocks_per_chunk
+            chunk_bytes = self.blocks_per_chunk * sum(
+                g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
             lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
@@ -195,6 +228,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                        chunk_bytes, reporting_workers(parallel), lower,
                                        self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
+                                       groups=len(groups),
                                        load=transfer_config.is_kv_consumer,
                                        save=transfer_config.is_kv_producer,
                                        manifest_store=(self.manifest_store if self.manifest_store
@@ -215,9 +249,11 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ==== worker side ==================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]):
         kv_cache_config = self._kv_cache_config
-        names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        names = [n for g in groups for n in g]
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
-        layout = KVLayout(kv_caches, names, kv_cache_config.num_blocks, backend)
+        layout = KVLayout(kv_caches, groups if len(groups) > 1 else names,
+                          kv_cache_config.num_blocks, backend)
         ask_for_amx_tiles(layout.device.type)  # before a first step that is a full hit (amx.py)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
         store: Any = open_store(_chunk_slots(_unexported(self.cfg.as_store_config()),
@@ -295,6 +331,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         sending, recving = self.worker.get_finished(self._meta())
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """get_finished's sets, and the loads that failed by request (several KV cache
+        groups: vLLM recomputes those requests; loads.py fail_by_request)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker is not None:
+            results.failed_recving = self.worker.loads.take_failed_requests()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
@@ -320,9 +364,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self.manifest_store.close()
 
     # ==== scheduler side ===============================================================
-    def _request_block_ids(self, req_id: str) -> list[int]:
+    def _request_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         assert self._kv_cache_manager is not None
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return self._kv_cache_manager.get_block_ids(req_id)
 
     def on_new_request(self, request: Request) -> None:
         if self.sched is not None:
@@ -380,6 +424,12 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.finish(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA: every group's blocks (a sliding window's out of it: null)."""
         assert self.sched is not None
         return self.sched.finish(request, block_ids)
 

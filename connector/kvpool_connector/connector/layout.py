@@ -11,6 +11,14 @@ and shapes still go into the fingerprint so one layout is never read as another.
 
 A chunk's payload is one contiguous buffer: for each layer in order, that layer's blocks of
 the chunk (`index_select` output). All layers of a chunk are one object: one large transfer.
+
+Hybrid models (vLLM's hybrid KV cache manager: one KV cache group per attention type, e.g.
+sliding-window beside full attention) give each group its own block ids in one shared block
+pool, and layers of different groups share one tensor. A payload then holds, group after
+group, each group's layers at that group's blocks; the block ids of a chunk's n positions
+are passed group-major (n ids of group 0, then n of group 1, ...) and a load's rows count
+group-major too (row g * n + j: position j of group g), so one list of ints still names
+them. A group that is one layer in a single-group model keeps today's bytes exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,22 +102,39 @@ def _flat_view(t: torch.Tensor, block_dim: int) -> torch.Tensor | None:
 _ROW_COPY_BYTES = 8 << 10
 
 
-class KVLayout:
-    """Gather/scatter of whole chunks between the paged caches and flat byte buffers."""
+def _as_groups(layer_names: Sequence[str] | Sequence[Sequence[str]]) -> list[list[str]]:
+    """One group of names, or a list of groups (vLLM's kv_cache_groups' layer names)."""
+    if layer_names and not isinstance(layer_names[0], str):
+        return [list(g) for g in layer_names]
+    return [list(layer_names)]  # type: ignore[arg-type]
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
+
+class KVLayout:
+    """Gather/scatter of whole chunks between the paged caches and flat byte buffers.
+    `layer_names`: the layers of the one KV cache group, or a list of groups' layers
+    (hybrid models; see the module's docstring)."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor],
+                 layer_names: Sequence[str] | Sequence[Sequence[str]],
                  num_blocks: int, backend: str = "unknown"):
-        names = [n for n in layer_names if n in kv_caches] or list(kv_caches)
-        # Layers sharing one tensor (cross-layer KV sharing) are stored once.
-        seen: dict[int, str] = {}
-        self.layers: list[LayerView] = []
-        for n in names:
-            t = kv_caches[n]
-            key = t.data_ptr()
-            if key in seen:
-                continue
-            seen[key] = n
-            self.layers.append(layer_view(n, t, num_blocks))
+        groups = _as_groups(layer_names)
+        if len(groups) == 1:
+            groups = [[n for n in groups[0] if n in kv_caches] or list(kv_caches)]
+        self.groups: list[list[LayerView]] = []
+        for names in groups:
+            # Layers sharing one tensor within a group (cross-layer KV sharing) are stored
+            # once; across groups a shared tensor is the hybrid manager's: other blocks.
+            seen: set[int] = set()
+            views = []
+            for n in names:
+                if n not in kv_caches or kv_caches[n].data_ptr() in seen:
+                    continue
+                seen.add(kv_caches[n].data_ptr())
+                views.append(layer_view(n, kv_caches[n], num_blocks))
+            self.groups.append(views)
+        self.layers: list[LayerView] = [v for g in self.groups for v in g]
+        # the group of each layer of self.layers, in order
+        self._group_of = [g for g, views in enumerate(self.groups) for _ in views]
         if not self.layers:
             raise ValueError("no KV cache tensors registered")
         self.num_blocks = num_blocks
@@ -124,6 +150,8 @@ class KVLayout:
         two pipeline stages with alike layers hold different ones)."""
         names = hashlib.sha256("\n".join(v.name for v in self.layers).encode()).hexdigest()
         parts = [f"backend={self.backend}", f"layers={names[:32]}"]
+        if len(self.groups) > 1:  # a single group keeps its fingerprint (stored objects)
+            parts.append("groups=" + ",".join(str(len(g)) for g in self.groups))
         for layer_kv in self.layers:
             shape = "x".join(map(str, layer_kv.block_shape))
             parts.append(f"{layer_kv.tensor.dtype}:{layer_kv.block_dim}:{shape}")
@@ -133,7 +161,25 @@ class KVLayout:
         return self._index.get(name)
 
     def chunk_nbytes(self, n_blocks: int) -> int:
+        """Bytes of a payload of `n_blocks` positions (every group's blocks at each)."""
         return self.block_bytes * n_blocks
+
+    def positions(self, n_ids: int) -> int:
+        """Positions (blocks per group) named by `n_ids` group-major block ids."""
+        return n_ids // len(self.groups)
+
+    def by_group(self, rows: Sequence[int], block_ids: Sequence[int], n_in_src: int
+                 ) -> list[tuple[list[int], list[int]]]:
+        """(rows within the group, block ids) of each group, from group-major rows."""
+        out: list[tuple[list[int], list[int]]] = [([], []) for _ in self.groups]
+        for row, b in zip(rows, block_ids, strict=True):
+            g, j = divmod(row, n_in_src)
+            if g >= len(self.groups):
+                raise IndexError(f"row {row} outside the payload's {len(self.groups)} groups "
+                                 f"of {n_in_src} blocks")
+            out[g][0].append(j)
+            out[g][1].append(b)
+        return out
 
     def _segments(self, buf: torch.Tensor, n: int):
         """Per-layer typed views of a flat uint8 buffer holding `n` blocks per layer."""
@@ -143,6 +189,10 @@ class KVLayout:
             typed = buf[off:off + nbytes].view(layer_kv.tensor.dtype)
             yield layer_kv, typed.view(layer_kv.gathered_shape(n))
             off += nbytes
+
+    def group_of(self, layer: int) -> int:
+        """The KV cache group of layer `layer` (an index into self.layers)."""
+        return self._group_of[layer]
 
     @property
     def host_flat(self) -> bool:
@@ -161,20 +211,32 @@ class KVLayout:
             yield layer_kv, raw[off:off + nbytes].view(layer_kv.flat_np.dtype).reshape(n, -1)
             off += nbytes
 
+    def _ids_by_group(self, block_ids: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+        """(positions, each group's ids) of group-major block ids."""
+        n = self.positions(len(block_ids))
+        if len(block_ids) != n * len(self.groups):
+            raise ValueError(f"{len(block_ids)} block ids for {len(self.groups)} KV cache "
+                             "groups: not a whole number per group")
+        return n, [block_ids[g * n:(g + 1) * n] for g in range(len(self.groups))]
+
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy blocks (all layers) into `out`, a flat uint8 buffer of chunk_nbytes(n).
+        """Copy blocks (all layers) into `out`, a flat uint8 buffer of chunk_nbytes(n);
+        `block_ids`: n per group, group-major.
 
         Host caches copy with numpy, one single-threaded memcpy per layer (a slice when the
         blocks are adjacent, else `take`): torch's index_select hands every copy to the
         intra-op thread pool the forward pass keeps busy, ~2x slower per chunk on 2 shared
         cores, ~7x for the per-block copies of scatter."""
-        n = len(block_ids)
+        n, per_group = self._ids_by_group(block_ids)
         if out.device.type == "cpu" and self.host_flat:
-            ids = block_ids.numpy()
-            first = int(ids[0]) if n else 0
-            adjacent = n > 0 and bool((ids == np.arange(first, first + n)).all())
-            rows = ids.tolist()
-            for layer_kv, dst in self._np_segments(out, n):
+            plans = []
+            for ids_t in per_group:
+                ids = ids_t.numpy()
+                first = int(ids[0]) if n else 0
+                adjacent = n > 0 and bool((ids == np.arange(first, first + n)).all())
+                plans.append((ids, first, adjacent, ids.tolist()))
+            for i, (layer_kv, dst) in enumerate(self._np_segments(out, n)):
+                ids, first, adjacent, rows = plans[self._group_of[i]]
                 src = layer_kv.flat_np
                 if adjacent:
                     np.copyto(dst, src[first:first + n])
@@ -184,37 +246,47 @@ class KVLayout:
                 else:
                     np.take(src, ids, axis=0, out=dst)
             return
-        idx = block_ids.to(self.device, non_blocking=True)
-        for layer_kv, segment in self._segments(out, n):
+        idx = [ids.to(self.device, non_blocking=True) for ids in per_group]
+        for i, (layer_kv, segment) in enumerate(self._segments(out, n)):
+            g_idx = idx[self._group_of[i]]
             if layer_kv.flat is not None and segment.device == layer_kv.flat.device:
-                torch.index_select(layer_kv.flat, 0, idx,
+                torch.index_select(layer_kv.flat, 0, g_idx,
                                    out=segment.view(layer_kv.flat.dtype).view(n, -1))
             elif layer_kv.flat is not None:  # device cache -> pinned host buffer
                 segment.view(layer_kv.flat.dtype).view(n, -1).copy_(
-                    layer_kv.flat.index_select(0, idx), non_blocking=True)
+                    layer_kv.flat.index_select(0, g_idx), non_blocking=True)
             else:
-                segment.copy_(layer_kv.tensor.index_select(layer_kv.block_dim, idx),
+                segment.copy_(layer_kv.tensor.index_select(layer_kv.block_dim, g_idx),
                               non_blocking=True)
+
+    def _parts(self, rows: Sequence[int], block_ids: Sequence[int], n_in_src: int
+               ) -> list[tuple[list[int], list[int]]]:
+        if len(self.groups) == 1:
+            return [(list(rows), list(block_ids))]
+        return self.by_group(rows, block_ids, n_in_src)
 
     def scatter(self, src: torch.Tensor, n_in_src: int, rows: list[int],
                 block_ids: list[int], layer: int | None = None) -> None:
-        """Copy blocks `rows` (positions within the payload) of a payload holding
-        `n_in_src` blocks into the paged caches at `block_ids`; one layer or all."""
+        """Copy blocks `rows` (group-major positions within the payload) of a payload
+        holding `n_in_src` blocks per group into the paged caches at `block_ids`; one layer
+        or all."""
+        parts = self._parts(rows, block_ids, n_in_src)
         if src.device.type == "cpu" and self.host_flat:
-            self._scatter_np(src, n_in_src, rows, block_ids, layer)
+            self._scatter_np(src, n_in_src, parts, layer)
             return
         if self.device.type != "cpu":
-            self._scatter_device(src, n_in_src, rows, block_ids, layer)
+            self._scatter_device(src, n_in_src, parts, layer)
             return
         for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
             if layer is not None and i != layer:
                 continue
+            g_rows, g_ids = parts[self._group_of[i]]
             if layer_kv.flat is not None:
                 words = segment.view(layer_kv.flat.dtype).view(n_in_src, -1)
-                for j, b in zip(rows, block_ids, strict=True):
+                for j, b in zip(g_rows, g_ids, strict=True):
                     layer_kv.flat[b].copy_(words[j], non_blocking=True)
             else:
-                for j, b in zip(rows, block_ids, strict=True):
+                for j, b in zip(g_rows, g_ids, strict=True):
                     layer_kv.tensor.select(layer_kv.block_dim, b).copy_(
                         segment.select(layer_kv.block_dim, j), non_blocking=True)
 
@@ -224,10 +296,10 @@ class KVLayout:
         """scatter, all layers, from a flat uint8 numpy array of a payload in host memory
         (a store's own bytes, read in place: no buffer in between); host_flat layouts only."""
         assert self.host_flat, "scatter_bytes needs a host cache of whole-block rows"
-        self._scatter_np(raw, n_in_src, rows, block_ids, None)
+        self._scatter_np(raw, n_in_src, self._parts(rows, block_ids, n_in_src), None)
 
-    def _scatter_device(self, src: torch.Tensor, n_in_src: int, rows: list[int],
-                        block_ids: list[int], layer: int | None) -> None:
+    def _scatter_device(self, src: torch.Tensor, n_in_src: int,
+                        parts: list[tuple[list[int], list[int]]], layer: int | None) -> None:
         """Caches on a device: each layer's segment crosses in one copy (a contiguous run of
         the payload) and lands with one index_copy_ along the block dimension. Copying block
         by block instead was one small, strided host->device copy per block and layer (512
@@ -236,39 +308,48 @@ class KVLayout:
         segment at a time (two with a subset of rows), not the chunk. Asynchronous on the
         current stream (the worker's copy stream): the caller keeps `src` alive until that
         stream is synchronized."""
-        if not rows:
-            return
-        # bounds checked here: on a device an index out of range is an asynchronous assert
-        # that poisons the process's CUDA context, not an IndexError for this one load
-        if len(rows) != len(block_ids) or len(set(block_ids)) != len(block_ids):
-            raise IndexError("scatter: rows and block_ids differ in length or repeat a block")
-        if min(rows) < 0 or max(rows) >= n_in_src or min(block_ids) < 0 \
-                or max(block_ids) >= self.num_blocks:
-            raise IndexError(f"scatter: a row outside 0..{n_in_src - 1} or a block outside "
-                             f"0..{self.num_blocks - 1}")
         pinned = self.device.type == "cuda"  # a pinned index crosses without a staging sync
-        dst = torch.tensor(block_ids, dtype=torch.long, pin_memory=pinned).to(
-            self.device, non_blocking=True)
-        pick = (None if list(rows) == list(range(n_in_src))
-                else torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(
-                    self.device, non_blocking=True))
-        for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
-            if layer is not None and i != layer:
+        targets: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        for rows, block_ids in parts:
+            if not rows:
+                targets.append(None)
                 continue
+            # bounds checked here: on a device an index out of range is an asynchronous
+            # assert that poisons the process's CUDA context, not an IndexError for this load
+            if len(rows) != len(block_ids) or len(set(block_ids)) != len(block_ids):
+                raise IndexError("scatter: rows and block_ids differ in length or repeat a "
+                                 "block")
+            if min(rows) < 0 or max(rows) >= n_in_src or min(block_ids) < 0 \
+                    or max(block_ids) >= self.num_blocks:
+                raise IndexError(f"scatter: a row outside 0..{n_in_src - 1} or a block "
+                                 f"outside 0..{self.num_blocks - 1}")
+            dst = torch.tensor(block_ids, dtype=torch.long, pin_memory=pinned).to(
+                self.device, non_blocking=True)
+            pick = (None if list(rows) == list(range(n_in_src))
+                    else torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(
+                        self.device, non_blocking=True))
+            targets.append((dst, pick))
+        for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
+            target = targets[self._group_of[i]]
+            if (layer is not None and i != layer) or target is None:
+                continue
+            dst, pick = target
             part = segment.to(self.device, non_blocking=True)
             if pick is not None:
                 part = part.index_select(layer_kv.block_dim, pick)
             layer_kv.tensor.index_copy_(layer_kv.block_dim, dst, part)
 
-    def _scatter_np(self, src: torch.Tensor | np.ndarray, n_in_src: int, rows: list[int],
-                    block_ids: list[int], layer: int | None) -> None:
-        if not rows:
-            return
-        dst_ids = np.asarray(block_ids, dtype=np.int64)
-        src_rows = (None if list(rows) == list(range(n_in_src))
-                    else np.asarray(rows, dtype=np.int64))
+    def _scatter_np(self, src: torch.Tensor | np.ndarray, n_in_src: int,
+                    parts: list[tuple[list[int], list[int]]], layer: int | None) -> None:
+        plans = []
+        for rows, block_ids in parts:
+            plans.append(None if not rows else (
+                np.asarray(block_ids, dtype=np.int64),
+                None if list(rows) == list(range(n_in_src)) else np.asarray(rows, dtype=np.int64)))
         for i, (layer_kv, words) in enumerate(self._np_segments(src, n_in_src)):
-            if layer is None or i == layer:  # one numpy copy per layer (see gather)
+            plan = plans[self._group_of[i]]
+            if plan is not None and (layer is None or i == layer):  # one numpy copy per layer
+                dst_ids, src_rows = plan
                 layer_kv.flat_np[dst_ids] = words if src_rows is None else words[src_rows]
 
 

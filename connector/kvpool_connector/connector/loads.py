@@ -81,6 +81,10 @@ class Loads:
         self.async_loads: dict[str, _Load] = {}
         self.sync_loads: list[_Load] = []
         self._load_errors: set[int] = set()
+        # several KV cache groups: block ids repeat across groups, so vLLM takes a failed
+        # load by request (failed_recving, the whole prompt recomputed), never by block
+        self.fail_by_request = False
+        self._failed_reqs: set[str] = set()
         self._failed_keys: dict[str, list[bytes]] = {}
         self.sample_store = False  # a load finished: the store's tier hits go out now
         self._stop = False
@@ -92,6 +96,7 @@ class Loads:
         self.cuda = layout.device.type == "cuda"
         self.copy_stream = copy_stream
         self._load_pool = pool
+        self.fail_by_request = len(layout.groups) > 1
 
     def submit_loads(self, meta: KVPoolMetadata) -> None:
         """Loads whose chunks are all in the process's own memory (the cpu tier, or save
@@ -251,7 +256,8 @@ class Loads:
             self._inc("kvpool_prewarm_hit_objects")
         self._inc("kvpool_hit_objects", 1, kind_tier(kind, tier))
         if self.count_tokens and self.block_size:
-            self._inc("kvpool_hit_tokens", c.tokens or len(c.rows) * self.block_size,
+            positions = len({r % (c.n_blocks or self.blocks_per_chunk) for r in c.rows})
+            self._inc("kvpool_hit_tokens", c.tokens or positions * self.block_size,
                       kind_tier(kind, tier))
 
     def _scatter(self, good: list, layered: _Load | None) -> None:
@@ -280,15 +286,10 @@ class Loads:
         """Read the loaded blocks back out of the paged cache for the KV audit."""
         layout, audit = self.layout, self.audit
         assert layout is not None and audit is not None  # called with an audit, after register()
+        if self.cuda:  # what the blocks hold once the scatter's stream is done
+            self.copy_stream.synchronize()
         for c, _ in good:
-            back = torch.empty(layout.chunk_nbytes(len(c.block_ids)), dtype=torch.uint8,
-                               pin_memory=self.cuda)
-            # on the stream the scatter ran on, then waited for: what the blocks hold now
-            with self._on_copy_stream():
-                layout.gather(torch.tensor(c.block_ids, dtype=torch.long), back)
-            if self.cuda:
-                self.copy_stream.synchronize()
-            audit.loaded(layout, c.key, c.rows, back)
+            audit.loaded(layout, c.key, c.rows, c.block_ids, c.n_blocks or self.blocks_per_chunk)
 
     def wait_layer(self, layer_name: str) -> None:
         if not self.sync_loads or self.layout is None:
@@ -312,7 +313,10 @@ class Loads:
             self.sync_loads = []
 
     def _account(self, load: _Load) -> None:
-        self._load_errors.update(load.failed_blocks)
+        if self.fail_by_request and load.failed_blocks:
+            self._failed_reqs.add(load.job.req_id)
+        else:
+            self._load_errors.update(load.failed_blocks)
         failed = [c.key for c in load.job.chunks if set(c.block_ids) & load.failed_blocks]
         if failed:
             self._failed_keys[load.job.req_id] = failed
@@ -331,6 +335,11 @@ class Loads:
     def take_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed (several KV cache groups: see fail_by_request)."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
 
     def finished_recving(self, meta: KVPoolMetadata | None) -> set[str]:

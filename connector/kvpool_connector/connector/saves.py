@@ -233,12 +233,17 @@ class Saves:
                         layout.gather(torch.tensor(ids, dtype=torch.long), buf)
                     event = torch.cuda.Event()
                     event.record(self.copy_stream)
+                if len(layout.groups) > 1:
+                    # a sliding-window group frees blocks of running requests (vLLM's
+                    # remove_skipped_blocks): the next forward may write one of them
+                    torch.cuda.current_stream(layout.device).wait_event(event)
             else:
                 for buf, ids in zip(bufs, job.block_ids, strict=True):
                     layout.gather(torch.tensor(ids, dtype=torch.long), buf)
             pending = PendingSave(job, bufs, event)
-            if any(len(ids) != self.blocks_per_chunk for ids in job.block_ids):
-                pending.sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
+            counts = [layout.positions(len(ids)) for ids in job.block_ids]
+            if any(n != self.blocks_per_chunk for n in counts):
+                pending.sizes = [layout.chunk_nbytes(n) for n in counts]
             if job.durable:  # a handover: in the shared tiers before the step's output
                 if event is not None:
                     event.synchronize()
@@ -284,8 +289,8 @@ class Saves:
         if self.audit is not None and any(ok):
             self.audit.saved(self.layout, [k for k, good in zip(job.keys, ok, strict=True) if good],
                              [o for o, good in zip(objects, ok, strict=True) if good],
-                             [len(ids) for ids, good in zip(job.block_ids, ok, strict=True)
-                              if good])
+                             [self.layout.positions(len(ids))
+                              for ids, good in zip(job.block_ids, ok, strict=True) if good])
         self._saved(job, ok, [o.numel() for o in objects])
         self._pool.give(p.bufs)
 
@@ -298,14 +303,15 @@ class Saves:
         write = getattr(self.store, "write_in_place", None)
         if write is None or layout is None or not layout.host_flat:
             return False
-        sizes = [layout.chunk_nbytes(len(ids)) for ids in job.block_ids]
+        sizes = [layout.chunk_nbytes(layout.positions(len(ids))) for ids in job.block_ids]
         audit = self.audit
 
         def fill(i: int, view: memoryview) -> bool:
             out = torch.frombuffer(view, dtype=torch.uint8)
             layout.gather(torch.tensor(job.block_ids[i], dtype=torch.long), out)
             if audit is not None:  # the bytes the tier now holds, as a load will read them
-                audit.saved(layout, [job.keys[i]], [out], [len(job.block_ids[i])])
+                audit.saved(layout, [job.keys[i]], [out],
+                            [layout.positions(len(job.block_ids[i]))])
             return True
 
         try:
@@ -330,7 +336,7 @@ class Saves:
         assert self.layout is not None and self._pool is not None  # saves follow register()
         if self.audit is not None and p.queued:
             self.audit.saved(self.layout, p.job.keys, p.chunks(),
-                             [len(ids) for ids in p.job.block_ids])
+                             [self.layout.positions(len(ids)) for ids in p.job.block_ids])
         self.reports.copied(p.job, [p.queued] * len(p.job.keys),
                             [b.numel() for b in p.chunks()] if p.queued
                             else [0] * len(p.job.keys))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..store.metrics import StoreSampler
 from ..store.tiers import local_size, tier_class
 from .adapters import AdapterDigests
+from .block_groups import BlockIds, load_rows, save_ids
 from .config import ConnectorConfig
 from .events import KVEvents
 from .handover_flow import HandoverFlow
@@ -57,15 +58,15 @@ DECODE_KEYS = 16384  # keys of saved decode KV remembered for the hit counters' 
 
 
 class SchedulerSide:
-    """`block_ids`: a request id -> the ids of its blocks in the first KV cache group (vLLM's
-    KV cache manager knows them), read when a save is planned. `world_size`: the workers
+    """`block_ids`: a request id -> the ids of its blocks in each KV cache group (vLLM's KV
+    cache manager knows them; block_groups.py), read when a save is planned. `world_size`: the workers
     (tensor x pipeline parallel), each of which saves and reports its part of every chunk;
     `lower_store`: the shared tiers as every rank's objects make them (ranks.py)."""
 
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
-                 lower_store, block_ids: Callable[[str], list[int]], is_async: bool,
-                 load: bool = True, save: bool = True, manifest_store=None):
+                 lower_store, block_ids: Callable[[str], BlockIds], is_async: bool,
+                 load: bool = True, save: bool = True, manifest_store=None, groups: int = 1):
         self.cfg = cfg
         self._block_ids = block_ids
         self.prefix = prefix
@@ -75,8 +76,10 @@ class SchedulerSide:
         self.world_size = world_size
         self.lower = lower_store
         self.is_async = is_async
-        # a hit all in the workers' own memory loads inside the step (no step of waiting)
-        self.sync_local = (is_async and cfg.sync_local_loads
+        # a hit all in the workers' own memory loads inside the step (no step of waiting);
+        # not with several KV cache groups, where vLLM takes no failed load of a step's own
+        # (by block id) but only an async one's (by request; loads.py fail_by_request)
+        self.sync_local = (is_async and cfg.sync_local_loads and groups == 1
                            and not tier_class(cfg.tiers[0].type).shared)
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
@@ -345,7 +348,7 @@ class SchedulerSide:
             self._count_reused(record, num_external_tokens)
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
         hit_tokens = self.tails.hit_tokens(record)
         first_block = (hit_tokens - num_external_tokens) // self.block_size
         last_block = hit_tokens // self.block_size  # exclusive
@@ -357,8 +360,9 @@ class SchedulerSide:
             hi = min(last_block, (c + 1) * self.blocks_per_chunk)
             if lo >= hi:
                 continue
-            chunks.append(ChunkLoad(key, [b - c * self.blocks_per_chunk for b in range(lo, hi)],
-                                    [block_ids[b] for b in range(lo, hi)],
+            rows, dst = load_rows(block_ids, lo, hi, c * self.blocks_per_chunk,
+                                  self.blocks_per_chunk)
+            chunks.append(ChunkLoad(key, rows, dst,
                                     kind="decode" if key in self.decode_keys else "prompt"))
         self.tails.add_loads(record, chunks, first_block, last_block, block_ids)
         record.load = LoadJob(request.request_id, chunks, record.load_async)
@@ -452,11 +456,11 @@ class SchedulerSide:
             if self.saved.known(key) and not durable:
                 continue  # another request already stores this chunk
             c = first + i
-            ids = block_ids[c * self.blocks_per_chunk:(c + 1) * self.blocks_per_chunk]
-            if len(ids) < self.blocks_per_chunk:
-                break
+            ids = save_ids(block_ids, c * self.blocks_per_chunk, (c + 1) * self.blocks_per_chunk)
+            if ids is None:  # not allocated, or out of a sliding window already
+                continue
             out_keys.append(key)
-            out_blocks.append(list(ids))
+            out_blocks.append(ids)
             decode = (c + 1) * self.chunk_tokens > req.num_prompt_tokens
             kinds.append("decode" if decode else "prompt")
             if decode:
@@ -524,7 +528,7 @@ class SchedulerSide:
             record.lookup = None
         record.handover_state = "off"  # what is left of the handover is recomputed
 
-    def finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
+    def finished(self, request: Request, block_ids: BlockIds | None = None) -> bool:
         """True: keep the blocks until the workers report their save copies done."""
         record = self.reqs.pop(request.request_id, None)
         if record is not None and block_ids is not None:
@@ -535,7 +539,7 @@ class SchedulerSide:
         self.await_saves.add(request.request_id)
         return True
 
-    def finish(self, request: Request, block_ids: list[int] | None = None
+    def finish(self, request: Request, block_ids: BlockIds | None = None
                ) -> tuple[bool, dict[str, Any] | None]:
         """`finished` and, for a prefill asked for one, the handover (handover.py)."""
         record = self.reqs.get(request.request_id)
@@ -606,7 +610,7 @@ class SchedulerSide:
         return self.tails.prompt_tail_jobs(record, self._block_ids(req.request_id),
                                            self.handover.durable(record))
 
-    def _plan_finish_tail(self, record: RequestRecord, block_ids: list[int]) -> None:
+    def _plan_finish_tail(self, record: RequestRecord, block_ids: BlockIds) -> None:
         """A request that finished computing: its tail, saved in the next step."""
         status = getattr(getattr(record.request, "status", None), "name", "")
         if status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"):

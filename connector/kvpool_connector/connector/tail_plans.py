@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .block_groups import BlockIds, allocated, load_rows, save_ids
 from .events import KVEvents
 from .metadata import ChunkLoad, SaveJob
 from .requests import KeyIndex, RemoteAnswer, RequestRecord
@@ -137,7 +138,7 @@ class TailPlans:
 
     # -- loads -----------------------------------------------------------------------------
     def add_loads(self, record: RequestRecord, chunks: list[ChunkLoad], first_block: int,
-                  last_block: int, block_ids: list[int]) -> None:
+                  last_block: int, block_ids: BlockIds) -> None:
         """Add the tail and the partial-block object to a load plan (blocks [first_block,
         last_block) are to be loaded). Hits are counted by the workers, with the tier that
         served them."""
@@ -145,7 +146,7 @@ class TailPlans:
         self._load_part(record, chunks, first_block, block_ids)
 
     def _load_tail(self, record: RequestRecord, chunks: list[ChunkLoad],
-                   first_block: int, last_block: int, block_ids: list[int]) -> None:
+                   first_block: int, last_block: int, block_ids: BlockIds) -> None:
         if record.tail_key is None:
             return
         start = record.hit_chunks * self.blocks_per_chunk
@@ -153,29 +154,29 @@ class TailPlans:
         if lo >= hi:
             return
         decode = record.tail_key in self.saved.decode_keys
-        chunks.append(ChunkLoad(record.tail_key, [b - start for b in range(lo, hi)],
-                                [block_ids[b] for b in range(lo, hi)],
-                                n_blocks=record.tail_blocks,
+        rows, dst = load_rows(block_ids, lo, hi, start, record.tail_blocks)
+        chunks.append(ChunkLoad(record.tail_key, rows, dst, n_blocks=record.tail_blocks,
                                 kind="decode_tail" if decode else "prompt_tail"))
 
     def _load_part(self, record: RequestRecord, chunks: list[ChunkLoad], first_block: int,
-                   block_ids: list[int]) -> None:
+                   block_ids: BlockIds) -> None:
         """One block, of which its first `part_tokens` tokens are the match (vLLM computes
         over the rest, which holds whatever an earlier request left in that block)."""
         if record.part_key is None:
             return
         b = self.hit_tokens(record) // self.block_size
-        if b < first_block or b >= len(block_ids):  # not reached: vLLM allocates that block
+        if b < first_block or b >= allocated(block_ids):  # not reached: vLLM allocates it
             log.error("kvpool: request %s: partial block %d outside its blocks %d..%d",
-                      record.request.request_id, b, first_block, len(block_ids))
+                      record.request.request_id, b, first_block, allocated(block_ids))
             return
         decode = record.part_key in self.saved.decode_keys
-        chunks.append(ChunkLoad(record.part_key, [0], [block_ids[b]], n_blocks=1,
+        rows, dst = load_rows(block_ids, b, b + 1, b, 1)
+        chunks.append(ChunkLoad(record.part_key, rows, dst, n_blocks=1,
                                 kind="decode_tail" if decode else "prompt_tail",
                                 tokens=record.part_tokens))
 
     # -- saves -----------------------------------------------------------------------------
-    def part_job(self, record: RequestRecord, n_tokens: int, block_ids: list[int],
+    def part_job(self, record: RequestRecord, n_tokens: int, block_ids: BlockIds,
                  durable: bool = False) -> SaveJob | None:
         """A save of the block the first `n_tokens` tokens end inside (None when they end
         on a block boundary, the request's ids do not name its KV, or the pool has or is
@@ -183,7 +184,8 @@ class TailPlans:
         req = record.request
         n_tokens = min(n_tokens, len(req.all_token_ids))
         b, n = divmod(n_tokens, self.block_size)
-        if (not n or b == 0 or b > len(req.block_hashes) or b >= len(block_ids)
+        ids = save_ids(block_ids, b, b + 1)
+        if (not n or b == 0 or b > len(req.block_hashes) or ids is None
                 or not part_usable(req) or not self.parts_saved):
             return None
         key = part_key(record.prefix, req.block_hashes[b - 1],
@@ -192,18 +194,19 @@ class TailPlans:
             return None
         decode = n_tokens > req.num_prompt_tokens  # holds generated tokens
         self.saved.planned(record, key, decode, durable)
-        return SaveJob(req.request_id, [key], [[block_ids[b]]],
+        return SaveJob(req.request_id, [key], [ids],
                        ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
-    def tail_job(self, record: RequestRecord, n_blocks: int, block_ids: list[int],
+    def tail_job(self, record: RequestRecord, n_blocks: int, block_ids: BlockIds,
                  durable: bool = False) -> SaveJob | None:
         """A save of the blocks past the last full chunk among the first `n_blocks` blocks
         (None when there are none, or the pool has or is saving that tail already)."""
         req = record.request
-        n_blocks = min(n_blocks, len(req.block_hashes), len(block_ids))
+        n_blocks = min(n_blocks, len(req.block_hashes), allocated(block_ids))
         start = n_blocks // self.blocks_per_chunk * self.blocks_per_chunk
         count = n_blocks - start
-        if count <= 0:
+        ids = save_ids(block_ids, start, n_blocks)  # None: out of a sliding window already
+        if count <= 0 or ids is None:
             return None
         key = tail_key(record.prefix, req.block_hashes, start, count)
         if (self.saved.known(key) or key == record.tail_key) and not durable:
@@ -212,10 +215,10 @@ class TailPlans:
             self.events.remember_blocks(req, start, n_blocks, key)
         decode = n_blocks * self.block_size > req.num_prompt_tokens  # holds generated tokens
         self.saved.planned(record, key, decode, durable)
-        return SaveJob(req.request_id, [key], [list(block_ids[start:start + count])],
+        return SaveJob(req.request_id, [key], [ids],
                        ["decode_tail" if decode else "prompt_tail"], durable=durable)
 
-    def prompt_tail_jobs(self, record: RequestRecord, block_ids: list[int],
+    def prompt_tail_jobs(self, record: RequestRecord, block_ids: BlockIds,
                          durable: bool) -> list[SaveJob]:
         """At the step that ends the prompt's prefill: the prompt's tail (a concurrent or
         aborted request, or one preempted later, finds the prompt's whole blocks) and, for a
@@ -230,7 +233,7 @@ class TailPlans:
                 if record.handover_out else None]
         return [j for j in jobs if j is not None]
 
-    def finish_jobs(self, record: RequestRecord, block_ids: list[int]) -> list[SaveJob]:
+    def finish_jobs(self, record: RequestRecord, block_ids: BlockIds) -> list[SaveJob]:
         """A finished request: the tail of everything computed (the prompt and, with decode
         KV on, the answer but its last token, never computed), saved in the next step while
         its blocks stay allocated."""

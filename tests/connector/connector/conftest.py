@@ -63,6 +63,6 @@ def scheduler_side(namespace: str, shared_tier: dict, **keys) -> SchedulerSide:
     lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     blocks: dict[str, list[int]] = {}
     s = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
-                      block_ids=lambda rid: blocks[rid], is_async=True)
+                      block_ids=lambda rid: [blocks[rid]], is_async=True)
     s.test_blocks = blocks  # type: ignore[attr-defined]
     return s

@@ -97,7 +97,7 @@ def run_turn(side, req, answer: list[int], computed: int = 0):
     # the blocks vLLM allocated as the answer grew
     side.test_blocks[req.request_id] = list(range(100, 100 + len(req.block_hashes) + 1))
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    side.finished(req, side.test_blocks[req.request_id])
+    side.finished(req, [side.test_blocks[req.request_id]])
     meta = side.build_meta(scheduler_output({}))
     jobs += meta.saves
     report_stored(side, meta)

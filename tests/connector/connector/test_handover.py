@@ -91,7 +91,7 @@ def _prefill(side, n: int, cached_chunks: int = 0, seed: int = 0):
     req.num_computed_tokens = n
     req.append_output_token_ids(7)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = side.finish(req, side.test_blocks["p"])
+    delay, params = side.finish(req, [side.test_blocks["p"]])
     assert delay is True  # the copies are not confirmed yet
     return req, meta.saves, params
 
@@ -158,7 +158,7 @@ def test_requests_not_asked_for_a_handover_return_none(side):
     meta = side.build_meta(scheduler_output({"q": 1000}))
     assert not any(s.durable for s in meta.saves)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    assert side.finish(req, side.test_blocks["q"])[1] is None
+    assert side.finish(req, [side.test_blocks["q"]])[1] is None
 
 
 @pytest.mark.parametrize("side", [TAILS], indirect=True)
@@ -178,7 +178,7 @@ def test_an_engine_that_is_no_prefill_engine_refuses_handover_requests(side):
         assert not any(s.durable for s in meta.saves)
         assert not any(s.req_id == "p" for s in meta.saves)  # held already: not written again
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        assert side.finish(req, side.test_blocks["p"])[1] is None  # no handover returned
+        assert side.finish(req, [side.test_blocks["p"]])[1] is None  # no handover returned
         side.reqs.pop("p", None)
     assert side.stats.data["kvpool_handover_refused"] == {"": 2}
     assert "kvpool_handovers" not in side.stats.data
@@ -279,7 +279,7 @@ def test_handover_always_makes_every_request_a_handover_prefill(side):
     meta = side.build_meta(scheduler_output({"s": 1000}))
     assert meta.saves and all(s.durable for s in meta.saves)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = side.finish(req, side.test_blocks["s"])
+    _, params = side.finish(req, [side.test_blocks["s"]])
     assert parse_handover(params).tokens == 999
 
 
@@ -296,7 +296,7 @@ def test_a_prefill_over_several_steps_settles_with_the_last_steps_report(side):
     req.num_computed_tokens = 1000
     req.append_output_token_ids(7)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = side.finish(req, side.test_blocks["p"])
+    _, params = side.finish(req, [side.test_blocks["p"]])
     part = part_of(req, 999)
     assert parse_handover(params) == Handover(999, side.lower.object_names([part])[0])
     _report(side, last, failed=[last[0].keys[0]])  # chunk 3 did not go through
@@ -368,7 +368,7 @@ def test_a_pool_saving_no_partial_block_hands_over_whole_blocks(side):
     req.num_computed_tokens = 1000
     req.append_output_token_ids(7)
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    _, params = side.finish(req, side.test_blocks["p"])
+    _, params = side.finish(req, [side.test_blocks["p"]])
     assert parse_handover(params) == Handover(7 * BS, side.lower.object_names([tail])[0])
 
 

@@ -148,7 +148,7 @@ def test_cache_salt_isolates_tenants_and_can_be_required(side):
 
     strict = SchedulerSide(side.cfg.model_copy(update={"require_cache_salt": True}), PREFIX, BS,
                            BPC, chunk_bytes=1 << 20, world_size=1, lower_store=side.lower,
-                           block_ids=lambda rid: side.test_blocks[rid], is_async=True)
+                           block_ids=lambda rid: [side.test_blocks[rid]], is_async=True)
     strict.on_worker_meta(KVPoolWorkerMetadata(stored_keys=ka + kp))
     assert strict.num_matched(plain, 0) == (0, False)  # stored, but never looked up
     strict.num_matched(a, 0)

@@ -159,7 +159,7 @@ def test_a_second_engine_sharing_redis_finds_the_tail_the_first_wrote(redis_serv
         engine_a.put_many(keys, [b"x" * 64] * 4)
     lower = open_store(cfg.as_store_config(drop_types=("cpu",)), layout="fp")
     b = SchedulerSide(cfg, PREFIX, BS, BPC, chunk_bytes=1 << 20, world_size=1, lower_store=lower,
-                      block_ids=lambda rid: b.test_blocks[rid], is_async=True)
+                      block_ids=lambda rid: [b.test_blocks[rid]], is_async=True)
     b.test_blocks = {}
     try:
         t2 = with_prompt("t2", list(t1.prompt_token_ids) + [9] * 50)  # the next turn
@@ -232,7 +232,7 @@ def test_finish_saves_only_what_executed_steps_computed(side):
     req.num_output_placeholders = 3
     req.append_output_token_ids(7)  # 256 token ids
     req.status = RequestStatus.FINISHED_STOPPED
-    side.finished(req, list(range(100, 104)))
+    side.finished(req, [list(range(100, 104))])
     saves = side.build_meta(scheduler_output({})).saves
     assert [k for s in saves for k in s.keys] == []  # 256 tokens: one full chunk, saved
     req2 = make_request("s2", 300)
@@ -241,7 +241,7 @@ def test_finish_saves_only_what_executed_steps_computed(side):
     req2.num_computed_tokens = 304  # no placeholders reported, ids end at 301
     req2.append_output_token_ids(7)
     req2.status = RequestStatus.FINISHED_STOPPED
-    side.finished(req2, list(range(100, 104)))
+    side.finished(req2, [list(range(100, 104))])
     (part,) = side.build_meta(scheduler_output({})).saves
     assert part.keys == [part_of(req2, 301)]
 

