@@ -126,3 +126,55 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(served):
     assert loaded > 0
     check_logprobs_close([out], [served["plain_turn2"]], names=["turn2"],
                          label="hybrid second turn: kvpool vs an engine without it")
+
+
+CROWD = 12  # conversations at once in a paged cache of CROWD_BLOCKS blocks: turns preempt
+CROWD_BLOCKS = 64  # of 128 tokens, shared by the four groups (one block pool)
+CROWD_LEN = 1280  # the longest second turn (700 + 64 + 200 tokens) and its 64-token answer
+
+
+@pytest.fixture(scope="module")
+def crowd(hybrid_model, hybrid_audit, served):  # after `served`: one engine at a time
+    """12 conversations of two turns at once, in an engine whose paged cache holds a few of
+    them: requests are preempted (every group's blocks freed) while their chunks, answers'
+    KV and tails are saved and loaded; then an engine without kvpool computes the same."""
+    from kvpool_dev.testbed.engine import metric_total
+
+    turn1 = [token_prompt(400 + 100 * (i % 4), 5900 + i) for i in range(CROWD)]
+    out: dict = {}
+    with connector_engine(hybrid_model, [{"type": "cpu", "size": "64Mi"}], "hybrid-crowd",
+                          audit_dir=hybrid_audit.directory, max_model_len=CROWD_LEN,
+                          num_gpu_blocks_override=CROWD_BLOCKS, disable_log_stats=False) as eng:
+        start = hybrid_audit.check()
+        before = eng.metric_samples()
+        out["t1"] = eng.generate(turn1, max_tokens=64)
+        turn2 = [turn1[i] + out["t1"][i]["token_ids"] + token_prompt(200, 5950 + i)
+                 for i in range(CROWD)]
+        mid = eng.metric_samples()
+        out["t2"] = eng.generate(turn2, max_tokens=64)
+        after = eng.metric_samples()
+        out["loaded"] = hybrid_audit.check() - start
+    out["preemptions"] = [metric_total(b, "vllm:num_preemptions") for b in (before, mid, after)]
+    out["turn1"], out["turn2"] = turn1, turn2
+    with OfflineEngine(hybrid_model, max_model_len=CROWD_LEN, enable_prefix_caching=False) as plain:
+        out["base_t1"] = plain.generate(turn1, max_tokens=64)
+        out["base_t2"] = plain.generate(turn2, max_tokens=64)
+    return out
+
+
+def test_preempted_hybrid_conversations_get_the_right_kv_back(crowd):
+    """Both turns preempted; every load bit for bit per group (the audit), outputs close to an
+    engine without kvpool, and the second turns found their first turns in the pool."""
+    before, mid, after = crowd["preemptions"]
+    assert mid > before, "turn 1 did not overflow the paged cache"
+    assert after > mid, "turn 2 did not overflow the paged cache"
+    assert crowd["loaded"] > 0
+    names = [f"crowd{i}" for i in range(CROWD)]
+    check_logprobs_close(crowd["t1"], crowd["base_t1"], names=names, label="hybrid crowd turn 1")
+    check_logprobs_close(crowd["t2"], crowd["base_t2"], names=names, label="hybrid crowd turn 2")
+    cached = [o["num_cached_tokens"] for o in crowd["t2"]]
+    # most second turns find all their first turn computed (prompt and answer but its last
+    # token); one whose tail or partial block was dropped finds less, never more
+    full = [len(crowd["turn1"][i]) + 63 for i in range(CROWD)]
+    assert all(c <= f for c, f in zip(cached, full, strict=True)), (cached, full)
+    assert sum(c == f for c, f in zip(cached, full, strict=True)) >= CROWD // 2, (cached, full)
