@@ -178,3 +178,27 @@ def test_preempted_hybrid_conversations_get_the_right_kv_back(crowd):
     full = [len(crowd["turn1"][i]) + 63 for i in range(CROWD)]
     assert all(c <= f for c, f in zip(cached, full, strict=True)), (cached, full)
     assert sum(c == f for c, f in zip(cached, full, strict=True)) >= CROWD // 2, (cached, full)
+
+
+def test_chunks_longer_than_the_window_store_the_windows_last_blocks_only(
+        hybrid_model, hybrid_audit, crowd, tmp_path):  # after `crowd`: one engine at a time
+    """512-token chunks (4 blocks) against a 256-token window: a hit ending at a chunk's end
+    (or after it) reads 2 of its blocks in each sliding-window group, so a chunk object holds
+    4 full-attention blocks and 2 per sliding-window group, 10 of 16; a fresh engine's hit
+    from those objects is exact and close to the recompute."""
+    tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "256Mi"}]
+    prompt = token_prompt(1100, 5990)  # 2 chunks of 512 and a tail of 0 blocks (1024 + 76)
+    kw = {"audit_dir": hybrid_audit.directory, "max_model_len": MAX_LEN,
+          "extra": {"chunk_tokens": 512, "tail_objects": False}}
+    with connector_engine(hybrid_model, tiers, "hybrid-long", **kw) as writer:
+        cold = writer.generate([prompt])[0]
+    sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    block = 128 * 2 * 2 * 32 * 2  # tokens x (K, V) x 2 KV heads x head_dim 32 x bf16
+    assert len(sizes) == 2 and all(10 * block <= s < 10 * block + 4096 for s in sizes), sizes
+    before = hybrid_audit.check()
+    with connector_engine(hybrid_model, tiers, "hybrid-long", **kw) as reader:
+        warm = reader.generate([prompt])[0]
+    assert warm["num_cached_tokens"] == 1024, warm
+    assert hybrid_audit.check() > before
+    check_logprobs_close([warm], [cold], names=["long-chunks"],
+                         label="hybrid 512-token chunks: hit vs recompute")

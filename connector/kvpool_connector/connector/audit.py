@@ -32,16 +32,21 @@ from .layout import KVLayout
 AUDIT_ENV = "KVPOOL_KV_AUDIT_DIR"
 
 
-def block_digests(layout: KVLayout, payload: torch.Tensor, n_blocks: int) -> list[str]:
+def block_digests(layout: KVLayout, payload: torch.Tensor, n_blocks: int) -> list[str | None]:
     """Digest of each block of a chunk payload (all layers of block j, in layer order), per
-    KV cache group group-major (row g * n_blocks + j: the group's layers at position j)."""
-    hashers = [hashlib.blake2b(digest_size=16) for _ in range(n_blocks * len(layout.groups))]
+    KV cache group group-major (row g * n_blocks + j: the group's layers at position j);
+    None for a position a group does not store (a sliding window's, layout.keep)."""
+    hashers: list = [None] * (n_blocks * len(layout.groups))
+    for g in range(len(layout.groups)):
+        for j in range(n_blocks - layout.kept(g, n_blocks), n_blocks):
+            hashers[g * n_blocks + j] = hashlib.blake2b(digest_size=16)
     for i, (layer_kv, segment) in enumerate(layout._segments(payload, n_blocks)):
-        base = layout.group_of(i) * n_blocks
-        for j in range(n_blocks):
+        g = layout.group_of(i)
+        first = g * n_blocks + n_blocks - layout.kept(g, n_blocks)
+        for j in range(segment.shape[layer_kv.block_dim]):
             block = segment.select(layer_kv.block_dim, j).contiguous().view(torch.uint8)
-            hashers[base + j].update(block.cpu().numpy().tobytes())
-    return [h.hexdigest() for h in hashers]
+            hashers[first + j].update(block.cpu().numpy().tobytes())
+    return [h.hexdigest() if h is not None else None for h in hashers]
 
 
 def paged_digests(layout: KVLayout, rows: list[int], block_ids: list[int],
@@ -108,7 +113,8 @@ def check_audit(directory: str | Path) -> tuple[int, list[str]]:
             rec = json.loads(line)
             if rec["e"] == "save":
                 for j, d in enumerate(rec["d"]):
-                    saves[(rec["key"], rec.get("r", ""), j)].add(d)
+                    if d is not None:  # a position its group does not store
+                        saves[(rec["key"], rec.get("r", ""), j)].add(d)
             else:
                 loads.append(rec)
     problems, n = [], 0

@@ -26,6 +26,7 @@ from ..identity import model_config_hash, pipeline_partition
 from ..store import open_store
 from ..store.tiers import local_size, tier_class
 from .audit import KVAudit
+from .block_groups import window_blocks
 from .config import (
     ConnectorConfig,
     ConnectorConfigError,
@@ -115,6 +116,26 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig, block_size: int) -> No
                     f"{i} has {s.block_size}, the engine {block_size}")
 
 
+def group_keeps(kv_cache_config: KVCacheConfig, block_size: int) -> list[int | None]:
+    """Per KV cache group, the last positions of an object it stores: a sliding-window
+    group's window in blocks (block_groups.window_blocks), None (all) for the others and for
+    every single-group engine (vLLM with HMA off gives a sliding-window model full-attention
+    specs; one group keeps its objects as they were)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) <= 1:
+        return [None] * len(groups)
+    out: list[int | None] = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
+        if isinstance(inner, dict) and inner:
+            spec = next(iter(inner.values()))
+        window = getattr(spec, "sliding_window", None) if type(spec).__name__ == \
+            "SlidingWindowSpec" else None
+        out.append(window_blocks(int(window), block_size) if window else None)
+    return out
+
+
 def tp_replicas(kv_cache_config: KVCacheConfig) -> int:
     """vLLM's `kv_cache_config.kv_tp_replicas`: how many consecutive tensor ranks hold
     identical KV for every layer, which vLLM derives from each layer's spec (MLA's one latent
@@ -179,6 +200,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.blocks_per_chunk = check_block_size(self.cfg, self.block_size)
         check_kv_cache_groups(kv_cache_config, self.block_size)
+        self.keep = group_keeps(kv_cache_config, self.block_size)
         if len(groups) > 1 and self.cfg.layerwise:
             raise ConnectorConfigError(
                 "KVPoolConnector: layerwise loads need one KV cache group; set layerwise: "
@@ -209,8 +231,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.manifest_store = None  # the warm start manifest's tiers (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
-            chunk_bytes = self.blocks_per_chunk * sum(
-                g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+            chunk_bytes = sum(
+                g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                * min(self.blocks_per_chunk, k or self.blocks_per_chunk)
+                for g, k in zip(groups, self.keep, strict=True))
             # the tiers of the workers' own memory are out of this process's reach
             unshared = tuple(t.type for t in self.cfg.tiers if not tier_class(t.type).shared)
             lower_cfg = _unexported(self.cfg.as_store_config(drop_types=unshared))
@@ -228,7 +252,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                        chunk_bytes, reporting_workers(parallel), lower,
                                        self._request_block_ids,
                                        is_async=not self.cfg.layerwise,
-                                       groups=len(groups),
+                                       keep=self.keep,
                                        load=transfer_config.is_kv_consumer,
                                        save=transfer_config.is_kv_producer,
                                        manifest_store=(self.manifest_store if self.manifest_store
@@ -253,7 +277,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         names = [n for g in groups for n in g]
         backend = _backend_name(self._vllm_config, names[0]) if names else "unknown"
         layout = KVLayout(kv_caches, groups if len(groups) > 1 else names,
-                          kv_cache_config.num_blocks, backend)
+                          kv_cache_config.num_blocks, backend, keep=self.keep)
         ask_for_amx_tiles(layout.device.type)  # before a first step that is a full hit (amx.py)
         full_fingerprint = f"{self.spec_fingerprint}|{layout.fingerprint()}"
         store: Any = open_store(_chunk_slots(_unexported(self.cfg.as_store_config()),

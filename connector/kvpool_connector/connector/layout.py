@@ -18,7 +18,10 @@ pool, and layers of different groups share one tensor. A payload then holds, gro
 group, each group's layers at that group's blocks; the block ids of a chunk's n positions
 are passed group-major (n ids of group 0, then n of group 1, ...) and a load's rows count
 group-major too (row g * n + j: position j of group g), so one list of ints still names
-them. A group that is one layer in a single-group model keeps today's bytes exactly.
+them. A sliding-window group stores only the last `keep` positions of an object (the blocks
+a hit ending at or after the object's end can read: block_groups.window_blocks); its other
+positions' ids are ignored and loading one of them is an error. A group that is one layer
+in a single-group model keeps today's bytes exactly.
 """
 
 from __future__ import annotations
@@ -116,8 +119,13 @@ class KVLayout:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor],
                  layer_names: Sequence[str] | Sequence[Sequence[str]],
-                 num_blocks: int, backend: str = "unknown"):
+                 num_blocks: int, backend: str = "unknown",
+                 keep: Sequence[int | None] | None = None):
         groups = _as_groups(layer_names)
+        # per group: the last positions of an object it stores (None: all of them)
+        self.keep: list[int | None] = list(keep) if keep is not None else [None] * len(groups)
+        if len(self.keep) != len(groups) or any(k is not None and k < 1 for k in self.keep):
+            raise ValueError(f"keep {self.keep} does not give {len(groups)} groups a count")
         if len(groups) == 1:
             groups = [[n for n in groups[0] if n in kv_caches] or list(kv_caches)]
         self.groups: list[list[LayerView]] = []
@@ -152,6 +160,8 @@ class KVLayout:
         parts = [f"backend={self.backend}", f"layers={names[:32]}"]
         if len(self.groups) > 1:  # a single group keeps its fingerprint (stored objects)
             parts.append("groups=" + ",".join(str(len(g)) for g in self.groups))
+        if any(k is not None for k in self.keep):
+            parts.append("keep=" + ",".join("all" if k is None else str(k) for k in self.keep))
         for layer_kv in self.layers:
             shape = "x".join(map(str, layer_kv.block_shape))
             parts.append(f"{layer_kv.tensor.dtype}:{layer_kv.block_dim}:{shape}")
@@ -161,8 +171,16 @@ class KVLayout:
         return self._index.get(name)
 
     def chunk_nbytes(self, n_blocks: int) -> int:
-        """Bytes of a payload of `n_blocks` positions (every group's blocks at each)."""
-        return self.block_bytes * n_blocks
+        """Bytes of a payload of `n_blocks` positions (every group's blocks it keeps)."""
+        if all(k is None for k in self.keep):
+            return self.block_bytes * n_blocks
+        return sum(v.block_bytes * self.kept(self._group_of[i], n_blocks)
+                   for i, v in enumerate(self.layers))
+
+    def kept(self, group: int, n: int) -> int:
+        """Positions group `group` stores of an object of `n` (its last ones)."""
+        k = self.keep[group]
+        return n if k is None else min(n, k)
 
     def positions(self, n_ids: int) -> int:
         """Positions (blocks per group) named by `n_ids` group-major block ids."""
@@ -182,12 +200,14 @@ class KVLayout:
         return out
 
     def _segments(self, buf: torch.Tensor, n: int):
-        """Per-layer typed views of a flat uint8 buffer holding `n` blocks per layer."""
+        """Per-layer typed views of a flat uint8 buffer of `n` positions (each layer's
+        group's kept blocks of them)."""
         off = 0
-        for layer_kv in self.layers:
-            nbytes = layer_kv.block_bytes * n
+        for i, layer_kv in enumerate(self.layers):
+            k = self.kept(self._group_of[i], n)
+            nbytes = layer_kv.block_bytes * k
             typed = buf[off:off + nbytes].view(layer_kv.tensor.dtype)
-            yield layer_kv, typed.view(layer_kv.gathered_shape(n))
+            yield layer_kv, typed.view(layer_kv.gathered_shape(k))
             off += nbytes
 
     def group_of(self, layer: int) -> int:
@@ -205,10 +225,11 @@ class KVLayout:
         flat_np view only)."""
         raw = buf if isinstance(buf, np.ndarray) else buf.numpy()
         off = 0
-        for layer_kv in self.layers:
-            nbytes = layer_kv.block_bytes * n
+        for i, layer_kv in enumerate(self.layers):
+            k = self.kept(self._group_of[i], n)
+            nbytes = layer_kv.block_bytes * k
             assert layer_kv.flat_np is not None  # callers check every layer has one
-            yield layer_kv, raw[off:off + nbytes].view(layer_kv.flat_np.dtype).reshape(n, -1)
+            yield layer_kv, raw[off:off + nbytes].view(layer_kv.flat_np.dtype).reshape(k, -1)
             off += nbytes
 
     def _ids_by_group(self, block_ids: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
@@ -217,7 +238,8 @@ class KVLayout:
         if len(block_ids) != n * len(self.groups):
             raise ValueError(f"{len(block_ids)} block ids for {len(self.groups)} KV cache "
                              "groups: not a whole number per group")
-        return n, [block_ids[g * n:(g + 1) * n] for g in range(len(self.groups))]
+        return n, [block_ids[(g + 1) * n - self.kept(g, n):(g + 1) * n]
+                   for g in range(len(self.groups))]
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks (all layers) into `out`, a flat uint8 buffer of chunk_nbytes(n);
@@ -232,14 +254,15 @@ class KVLayout:
             plans = []
             for ids_t in per_group:
                 ids = ids_t.numpy()
-                first = int(ids[0]) if n else 0
-                adjacent = n > 0 and bool((ids == np.arange(first, first + n)).all())
+                k = len(ids)
+                first = int(ids[0]) if k else 0
+                adjacent = k > 0 and bool((ids == np.arange(first, first + k)).all())
                 plans.append((ids, first, adjacent, ids.tolist()))
             for i, (layer_kv, dst) in enumerate(self._np_segments(out, n)):
                 ids, first, adjacent, rows = plans[self._group_of[i]]
                 src = layer_kv.flat_np
                 if adjacent:
-                    np.copyto(dst, src[first:first + n])
+                    np.copyto(dst, src[first:first + len(rows)])
                 elif layer_kv.block_bytes >= _ROW_COPY_BYTES:
                     for j, b in enumerate(rows):  # one memcpy per block (see _ROW_COPY_BYTES)
                         dst[j] = src[b]
@@ -249,21 +272,31 @@ class KVLayout:
         idx = [ids.to(self.device, non_blocking=True) for ids in per_group]
         for i, (layer_kv, segment) in enumerate(self._segments(out, n)):
             g_idx = idx[self._group_of[i]]
+            k = len(g_idx)
             if layer_kv.flat is not None and segment.device == layer_kv.flat.device:
                 torch.index_select(layer_kv.flat, 0, g_idx,
-                                   out=segment.view(layer_kv.flat.dtype).view(n, -1))
+                                   out=segment.view(layer_kv.flat.dtype).view(k, -1))
             elif layer_kv.flat is not None:  # device cache -> pinned host buffer
-                segment.view(layer_kv.flat.dtype).view(n, -1).copy_(
+                segment.view(layer_kv.flat.dtype).view(k, -1).copy_(
                     layer_kv.flat.index_select(0, g_idx), non_blocking=True)
             else:
                 segment.copy_(layer_kv.tensor.index_select(layer_kv.block_dim, g_idx),
                               non_blocking=True)
 
     def _parts(self, rows: Sequence[int], block_ids: Sequence[int], n_in_src: int
-               ) -> list[tuple[list[int], list[int]]]:
-        if len(self.groups) == 1:
-            return [(list(rows), list(block_ids))]
-        return self.by_group(rows, block_ids, n_in_src)
+               ) -> list[tuple[list[int], list[int], int]]:
+        """Per group: (rows among its stored blocks, block ids, blocks it stores)."""
+        if len(self.groups) == 1 and self.keep[0] is None:
+            return [(list(rows), list(block_ids), n_in_src)]
+        out = []
+        for g, (g_rows, ids) in enumerate(self.by_group(rows, block_ids, n_in_src)):
+            k = self.kept(g, n_in_src)
+            shifted = [j - (n_in_src - k) for j in g_rows]
+            if shifted and min(shifted) < 0:
+                raise IndexError(f"scatter: group {g} stores the last {k} of {n_in_src} "
+                                 f"positions, not position {min(g_rows)}")
+            out.append((shifted, ids, k))
+        return out
 
     def scatter(self, src: torch.Tensor, n_in_src: int, rows: list[int],
                 block_ids: list[int], layer: int | None = None) -> None:
@@ -280,9 +313,9 @@ class KVLayout:
         for i, (layer_kv, segment) in enumerate(self._segments(src, n_in_src)):
             if layer is not None and i != layer:
                 continue
-            g_rows, g_ids = parts[self._group_of[i]]
+            g_rows, g_ids, k = parts[self._group_of[i]]
             if layer_kv.flat is not None:
-                words = segment.view(layer_kv.flat.dtype).view(n_in_src, -1)
+                words = segment.view(layer_kv.flat.dtype).view(k, -1)
                 for j, b in zip(g_rows, g_ids, strict=True):
                     layer_kv.flat[b].copy_(words[j], non_blocking=True)
             else:
@@ -299,7 +332,8 @@ class KVLayout:
         self._scatter_np(raw, n_in_src, self._parts(rows, block_ids, n_in_src), None)
 
     def _scatter_device(self, src: torch.Tensor, n_in_src: int,
-                        parts: list[tuple[list[int], list[int]]], layer: int | None) -> None:
+                        parts: list[tuple[list[int], list[int], int]],
+                        layer: int | None) -> None:
         """Caches on a device: each layer's segment crosses in one copy (a contiguous run of
         the payload) and lands with one index_copy_ along the block dimension. Copying block
         by block instead was one small, strided host->device copy per block and layer (512
@@ -310,7 +344,7 @@ class KVLayout:
         stream is synchronized."""
         pinned = self.device.type == "cuda"  # a pinned index crosses without a staging sync
         targets: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
-        for rows, block_ids in parts:
+        for rows, block_ids, k in parts:
             if not rows:
                 targets.append(None)
                 continue
@@ -319,13 +353,13 @@ class KVLayout:
             if len(rows) != len(block_ids) or len(set(block_ids)) != len(block_ids):
                 raise IndexError("scatter: rows and block_ids differ in length or repeat a "
                                  "block")
-            if min(rows) < 0 or max(rows) >= n_in_src or min(block_ids) < 0 \
+            if min(rows) < 0 or max(rows) >= k or min(block_ids) < 0 \
                     or max(block_ids) >= self.num_blocks:
-                raise IndexError(f"scatter: a row outside 0..{n_in_src - 1} or a block "
+                raise IndexError(f"scatter: a row outside 0..{k - 1} or a block "
                                  f"outside 0..{self.num_blocks - 1}")
             dst = torch.tensor(block_ids, dtype=torch.long, pin_memory=pinned).to(
                 self.device, non_blocking=True)
-            pick = (None if list(rows) == list(range(n_in_src))
+            pick = (None if list(rows) == list(range(k))
                     else torch.tensor(rows, dtype=torch.long, pin_memory=pinned).to(
                         self.device, non_blocking=True))
             targets.append((dst, pick))
@@ -340,12 +374,12 @@ class KVLayout:
             layer_kv.tensor.index_copy_(layer_kv.block_dim, dst, part)
 
     def _scatter_np(self, src: torch.Tensor | np.ndarray, n_in_src: int,
-                    parts: list[tuple[list[int], list[int]]], layer: int | None) -> None:
+                    parts: list[tuple[list[int], list[int], int]], layer: int | None) -> None:
         plans = []
-        for rows, block_ids in parts:
+        for rows, block_ids, k in parts:
             plans.append(None if not rows else (
                 np.asarray(block_ids, dtype=np.int64),
-                None if list(rows) == list(range(n_in_src)) else np.asarray(rows, dtype=np.int64)))
+                None if list(rows) == list(range(k)) else np.asarray(rows, dtype=np.int64)))
         for i, (layer_kv, words) in enumerate(self._np_segments(src, n_in_src)):
             plan = plans[self._group_of[i]]
             if plan is not None and (layer is None or i == layer):  # one numpy copy per layer

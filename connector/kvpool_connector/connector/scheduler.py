@@ -66,7 +66,8 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, prefix: bytes, block_size: int,
                  blocks_per_chunk: int, chunk_bytes: int, world_size: int,
                  lower_store, block_ids: Callable[[str], BlockIds], is_async: bool,
-                 load: bool = True, save: bool = True, manifest_store=None, groups: int = 1):
+                 load: bool = True, save: bool = True, manifest_store=None,
+                 keep: list[int | None] | None = None):
         self.cfg = cfg
         self._block_ids = block_ids
         self.prefix = prefix
@@ -79,7 +80,8 @@ class SchedulerSide:
         # a hit all in the workers' own memory loads inside the step (no step of waiting);
         # not with several KV cache groups, where vLLM takes no failed load of a step's own
         # (by block id) but only an async one's (by request; loads.py fail_by_request)
-        self.sync_local = (is_async and cfg.sync_local_loads and groups == 1
+        self.keep = keep or [None]  # per KV cache group, what an object stores (layout.py)
+        self.sync_local = (is_async and cfg.sync_local_loads and len(self.keep) == 1
                            and not tier_class(cfg.tiers[0].type).shared)
         self.load_enabled = load  # kv_role kv_consumer / kv_both
         self.save_enabled = save  # kv_role kv_producer / kv_both
@@ -125,7 +127,7 @@ class SchedulerSide:
         self.tails = TailPlans(self.saved, block_size, blocks_per_chunk, cfg.chunk_tokens,
                                self._options, parts_saved,
                                None if lower_store is None or self.jobs.remote
-                               else lower_store.first_present)
+                               else lower_store.first_present, keep=self.keep)
         # prefill/decode through the pool (handover_flow.py); handovers_out: those returned
         # this step whose write-through the workers report later in the same step
         self.handover = HandoverFlow(lower_store, self.jobs, block_size, blocks_per_chunk,
@@ -456,7 +458,8 @@ class SchedulerSide:
             if self.saved.known(key) and not durable:
                 continue  # another request already stores this chunk
             c = first + i
-            ids = save_ids(block_ids, c * self.blocks_per_chunk, (c + 1) * self.blocks_per_chunk)
+            ids = save_ids(block_ids, c * self.blocks_per_chunk, (c + 1) * self.blocks_per_chunk,
+                           self.keep)
             if ids is None:  # not allocated, or out of a sliding window already
                 continue
             out_keys.append(key)

@@ -63,8 +63,10 @@ class TailPlans:
 
     def __init__(self, saved: SavedObjects, block_size: int, blocks_per_chunk: int,
                  chunk_tokens: int, options: Callable[[RequestRecord], tuple[bool, bool]],
-                 parts_saved: bool, first_present: Callable[[list[bytes]], int | None] | None):
+                 parts_saved: bool, first_present: Callable[[list[bytes]], int | None] | None,
+                 keep: list[int | None] | None = None):
         self.saved = saved
+        self.keep = keep  # per KV cache group, what an object stores (layout.py)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = chunk_tokens
@@ -184,7 +186,7 @@ class TailPlans:
         req = record.request
         n_tokens = min(n_tokens, len(req.all_token_ids))
         b, n = divmod(n_tokens, self.block_size)
-        ids = save_ids(block_ids, b, b + 1)
+        ids = save_ids(block_ids, b, b + 1, self.keep)
         if (not n or b == 0 or b > len(req.block_hashes) or ids is None
                 or not part_usable(req) or not self.parts_saved):
             return None
@@ -205,7 +207,7 @@ class TailPlans:
         n_blocks = min(n_blocks, len(req.block_hashes), allocated(block_ids))
         start = n_blocks // self.blocks_per_chunk * self.blocks_per_chunk
         count = n_blocks - start
-        ids = save_ids(block_ids, start, n_blocks)  # None: out of a sliding window already
+        ids = save_ids(block_ids, start, n_blocks, self.keep)  # None: out of the window
         if count <= 0 or ids is None:
             return None
         key = tail_key(record.prefix, req.block_hashes, start, count)

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvpool_connector.connector.audit import block_digests, paged_digests
-from kvpool_connector.connector.block_groups import NULL_BLOCK, load_rows, save_ids
+from kvpool_connector.connector.block_groups import NULL_BLOCK, load_rows, save_ids, window_blocks
 from kvpool_connector.connector.config import ConnectorConfigError
 from kvpool_connector.connector.connector import check_kv_cache_groups
 from kvpool_connector.connector.layout import KVLayout
@@ -148,3 +148,40 @@ def test_a_failed_hybrid_load_is_reported_by_request_never_by_block():
     finally:
         side.shutdown()
         store.close()
+
+
+def test_a_sliding_window_group_keeps_the_blocks_a_later_hit_can_read():
+    # vLLM reads the tokens from num_computed - window + 1 on: the last cdiv(window - 1,
+    # block) blocks before a boundary
+    assert window_blocks(256, 128) == 2
+    assert window_blocks(128, 16) == 8
+    assert window_blocks(4096, 16) == 256
+    assert window_blocks(16, 16) == 1
+    full, window = [5, 6, 7, 8], [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    # group 1 stores the last 2 positions of an object: its nulls before them do not matter
+    assert save_ids([full, window], 0, 4, [None, 2]) == [5, 6, 7, 8, NULL_BLOCK, NULL_BLOCK, 3, 4]
+    assert save_ids([full, [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 4]], 0, 4, [None, 2]) is None
+
+
+def test_a_trimmed_payload_holds_a_windows_last_blocks_only():
+    caches = _hybrid_caches(0)
+    layout = KVLayout(caches, [["f", "f2"], ["s"]], NUM_BLOCKS, "TEST", keep=[None, 1])
+    block = caches["f"][0].numel() * 4
+    assert layout.chunk_nbytes(3) == (2 * 3 + 1) * block  # group 1: its last position
+    assert layout.chunk_nbytes(1) == 3 * block
+    assert "keep=all,1" in layout.fingerprint()
+    buf = torch.empty(layout.chunk_nbytes(3), dtype=torch.uint8)
+    layout.gather(torch.tensor([1, 2, 3, NULL_BLOCK, NULL_BLOCK, 9]), buf)
+    words = buf.view(torch.float32)
+    assert torch.equal(words[-block // 4:].view(2, 16, 64), caches["s"][9])
+
+    dst = _hybrid_caches(1)
+    out = KVLayout(dst, [["f", "f2"], ["s"]], NUM_BLOCKS, "TEST", keep=[None, 1])
+    out.scatter(buf, 3, [0, 1, 2, 5], [4, 5, 6, 8])
+    assert torch.equal(dst["f2"][[4, 5, 6]], caches["f2"][[1, 2, 3]])
+    assert torch.equal(dst["s"][8], caches["s"][9])
+    with pytest.raises(IndexError, match="group 1 stores the last 1 of 3"):
+        out.scatter(buf, 3, [4], [10])  # a position the object does not hold
+    saved = block_digests(layout, buf, 3)
+    assert saved[3:5] == [None, None] and saved[5] is not None
+    assert paged_digests(out, [0, 5], [4, 8], 3) == [saved[0], saved[5]]
