@@ -292,6 +292,32 @@ def test_tokens_by_source_per_turn_from_the_counters_read_after_each_round():
     assert "tails        turn 2: device 512, prompt/cpu 512" in chat_bench.render(report)
 
 
+def test_a_hybrid_models_engine_cache_is_bounded_by_its_full_attention_groups():
+    """vLLM's hybrid manager groups layers by type in one block pool: the test bed's hybrid
+    preset (3 sliding-window + 1 full-attention layer) makes 1 + 3 groups, Gemma 3's 5:1
+    pattern over 30 layers 1 + 5 (groups of 5), gpt-oss-20b's 12 + 12 one each. Every
+    sliding-window group gets each conversation's window (at least one request at the
+    model's length, vLLM's start check), so the full-attention group holds the settings'
+    tokens, as a dense model's cache does."""
+    assert chat_bench.kv_cache_groups({}) == chat_bench.KVGroups()
+    assert chat_bench.kv_cache_groups({"layer_types": ["full_attention"] * 4}) == \
+        chat_bench.KVGroups()
+    hybrid = chat_bench.kv_cache_groups(
+        {"layer_types": ["sliding_attention"] * 3 + ["full_attention"], "sliding_window": 256})
+    assert hybrid == chat_bench.KVGroups(1, 3, 256)
+    assert chat_bench.kv_cache_groups(
+        {"layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+         "sliding_window": 1024}) == chat_bench.KVGroups(1, 5, 1024)
+    assert chat_bench.kv_cache_groups(
+        {"layer_types": ["sliding_attention", "full_attention"] * 12,
+         "sliding_window": 128}) == chat_bench.KVGroups(1, 1, 128)
+    s = chat_bench.Settings()
+    dense = chat_bench.engine_blocks("tails", s)
+    per_request = s.max_model_len // s.block_size + 1
+    windows = max((256 // s.block_size + 1) * s.conversations, per_request)
+    assert chat_bench.engine_blocks("tails", s, hybrid) == dense + 3 * windows
+
+
 def test_the_roomy_arms_hold_every_conversation_and_bound_the_goal():
     """roomy / tails-roomy: plain vLLM and the tails arm with an engine cache that holds every
     conversation at the model's length, so no turn needs a tier; chunks / tails-roomy is

@@ -202,3 +202,26 @@ def test_chunks_longer_than_the_window_store_the_windows_last_blocks_only(
     assert hybrid_audit.check() > before
     check_logprobs_close([warm], [cold], names=["long-chunks"],
                          label="hybrid 512-token chunks: hit vs recompute")
+
+
+def test_with_hma_off_hits_stay_exact_and_never_cross_to_hma_objects(
+        hybrid_model, hybrid_audit, crowd, tmp_path):  # after `crowd`: one engine at a time
+    """--disable-hybrid-kv-cache-manager: one group, every layer's KV for the whole context,
+    saved and hit as a dense model's; an engine with HMA on keeps other objects (the groups
+    are in the layout's fingerprint and the keys' spec), so it misses them."""
+    tiers = [{"type": "cpu", "size": "64Mi"}, {"type": "disk", "path": str(tmp_path), "size": "256Mi"}]
+    prompt = token_prompt(900, 5995)
+    kw = {"audit_dir": hybrid_audit.directory, "max_model_len": MAX_LEN}
+    with connector_engine(hybrid_model, tiers, "hybrid-off", disable_hybrid_kv_cache_manager=True,
+                          **kw) as writer:
+        cold = writer.generate([prompt])[0]
+        assert HMA_OFF not in writer.log_tail(100000)  # off by request, not by vLLM's choice
+    before = hybrid_audit.check()
+    with connector_engine(hybrid_model, tiers, "hybrid-off", disable_hybrid_kv_cache_manager=True,
+                          **kw) as reader:
+        warm = reader.generate([prompt])[0]
+    assert warm["num_cached_tokens"] >= CHUNKS * 256, warm
+    assert hybrid_audit.check() > before
+    check_logprobs_close([warm], [cold], names=["hma-off"], label="hybrid, HMA off: hit vs recompute")
+    with connector_engine(hybrid_model, tiers, "hybrid-off", **kw) as hma_on:
+        assert hma_on.generate([prompt])[0]["num_cached_tokens"] == 0

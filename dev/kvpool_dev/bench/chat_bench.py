@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.client
+import json
 import random
 import shutil
 import sys
@@ -405,13 +406,49 @@ def _log(msg: str) -> None:
     print(f"[bench chat {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def engine_blocks(arm: str, s: Settings) -> int:
+@dataclass(frozen=True)
+class KVGroups:
+    """The KV cache groups vLLM's hybrid KV cache manager makes of a model: full-attention
+    groups, sliding-window groups and the window (tokens). One shared block pool: a
+    full-attention group holds a block per position of a request, a sliding-window group
+    only those inside its window."""
+    full: int = 1
+    window_groups: int = 0
+    window: int = 0
+
+
+def kv_cache_groups(config: dict[str, Any]) -> KVGroups:
+    """KVGroups of a model config (pure): each attention type's layers split into groups of
+    the smallest type's count (vLLM's _get_kv_cache_groups_uniform_page_size, with its 1.5x
+    rule); a model of one type is one group."""
+    from collections import Counter
+
+    counts = Counter(config.get("layer_types") or ["full_attention"])
+    if len(counts) <= 1:
+        return KVGroups()
+    size = max(counts.values()) if max(counts.values()) < min(counts.values()) * 1.5 \
+        else min(counts.values())
+    window = sum(-(-n // size) for t, n in counts.items() if t == "sliding_attention")
+    return KVGroups(full=sum(-(-n // size) for t, n in counts.items() if t != "sliding_attention"),
+                    window_groups=window, window=int(config.get("sliding_window") or 0))
+
+
+def engine_blocks(arm: str, s: Settings, groups: KVGroups | None = None) -> int:
     """vLLM blocks of the arm's engine cache (pure): the settings' cache (at least one
-    request's worth), or for a roomy arm every conversation at the model's length."""
+    request's worth), or for a roomy arm every conversation at the model's length, in every
+    full-attention group; with sliding-window groups (hybrid models) each of them also
+    holds every conversation's window (at least one request at the model's length), so
+    full attention bounds the cache as in a dense model."""
+    g = groups or KVGroups()
     per_request = -(-s.max_model_len // s.block_size) + 1
     if arm == "roomy" or arm.endswith(ROOMY):
-        return s.conversations * per_request
-    return max(s.kv_cache_tokens // s.block_size, per_request)
+        full = s.conversations * per_request
+    else:
+        full = max(s.kv_cache_tokens // s.block_size, per_request)
+    # vLLM admits a request only with room for a prefill's whole step in every group (its
+    # check at start: one request at the model's length)
+    window = max((-(-g.window // s.block_size) + 1) * s.conversations, per_request)
+    return full * g.full + window * g.window_groups
 
 
 def arm_config(arm: str, s: Settings) -> dict[str, Any] | None:
@@ -563,7 +600,8 @@ def run_arm(arm: str, s: Settings, work: list[dict[str, Any]], model: Path, work
     from kvpool_dev.bench.fleet_bench import delta
     from kvpool_dev.testbed.engine import VllmServer
 
-    blocks = engine_blocks(arm, s)
+    blocks = engine_blocks(arm, s, kv_cache_groups(
+        json.loads((Path(model) / "config.json").read_text())))
     server = VllmServer(model, kv_transfer_config=arm_config(arm, s),
                         max_model_len=s.max_model_len,
                         env={**kv_configs.pool_key_env(), "VLLM_CPU_KVCACHE_SPACE": "1"},
