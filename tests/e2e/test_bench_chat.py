@@ -185,6 +185,10 @@ def test_chat_summary_and_table():
     text = chat_bench.render(report)
     assert "re-tokenization drift" in text and "random-weight model" in text
     assert "20 of 900 history tokens (2.2%)" in text and "answer in 1 of 2 prompts" in text
+    # a run on the trained model (--model smollm2) names its drift a real client's
+    report["settings"]["preset"] = "smollm2-bcc81830d10c"
+    text = chat_bench.render(report)
+    assert "a trained model's answers" in text and "random-weight model" not in text
 
 
 def test_an_unknown_arm_is_one_line(capsys):

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_dev.bench import completions, kv_configs
+from kvpool_dev.testbed.trained import TRAINED
 
 ARMS = ("plain", "chunks", "tails", "native")
 # on request only: full chunks with today's loads (sync within the step), which isolates what
@@ -243,10 +244,12 @@ def summarize_chat(turns: list[dict[str, Any]]) -> dict[str, Any]:
             "later_computed_exact": mean(later, "computed_exact") if later else None}
 
 
-def render_chat(chat: dict[str, Any]) -> list[str]:
-    """The chat-API drift table (pure)."""
+def render_chat(chat: dict[str, Any], trained: bool = False) -> list[str]:
+    """The chat-API drift table (pure); `trained`: the model is a trained one (its answers
+    are real text)."""
     out = ["chat API, history kept as text (tails server, own cache salt): re-tokenization "
            "drift per turn",
+           "  (a trained model's answers: the drift a real client sees)" if trained else
            "  (random-weight model: its answers are not a real model's text, so neither is "
            "this drift; the figures show what drift costs where there is some)",
            "  history: previous prompt + answer ids; common: prefix shared with the token-exact "
@@ -354,7 +357,8 @@ def render(report: dict[str, Any]) -> str:
         mark = {True: "met ", False: "MISS", None: "n/a "}[g["met"]]
         out.append(f"  [{mark}] {g['goal']}: {g['value']}")
     if report.get("chat"):
-        out += [""] + render_chat(report["chat"])
+        preset = str(report.get("settings", {}).get("preset", ""))
+        out += [""] + render_chat(report["chat"], trained=preset.split("-")[0] in TRAINED)
     return "\n".join(out)
 
 
@@ -684,7 +688,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"vLLM's --block-size for every arm (default {BLOCK_TOKENS}; the CPU "
                          "platform's own default is 128, CUDA's 16): a prefix hit ends at a "
                          "block boundary")
-    ap.add_argument("--model", default=None, help="model path (default: the generated one)")
+    ap.add_argument("--model", default=None,
+                    help="model path, or a test-bed model's name (tiny, bench, mla, hybrid; "
+                         "smollm2: a trained model, for the chat API's drift on a real "
+                         "tokenizer and chat template); default: the generated one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-chat-api", action="store_true",
                     help="skip the chat-API drift measurement (run on the tails arm's server)")
@@ -702,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool bench chat: --arms: unknown {bad}; choose from {list(ARMS + EXTRA_ARMS)}",
               file=sys.stderr)
         return 2
+    from kvpool_dev.testbed.localmodel import PRESETS
+    from kvpool_dev.testbed.trained import TRAINED
+
+    if args.model in PRESETS or args.model in TRAINED:
+        args.model = str(ensure_model(args.model))
     if mistake := _argument_mistake(args, arms):
         print(f"kvpool bench chat: {mistake}", file=sys.stderr)
         return 2
@@ -718,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     if overrides:
         s = Settings(**{**asdict(s), **overrides})
     model = Path(args.model) if args.model else ensure_model(s.preset)
+    if args.model:  # the report names the model it ran
+        s = Settings(**{**asdict(s), "preset": model.name})
     work = workload(s, args.seed)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-chat-"))
     workdir.mkdir(parents=True, exist_ok=True)
