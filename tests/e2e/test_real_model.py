@@ -6,8 +6,9 @@ close to a recompute on one (their near-tied logits flip greedy tokens). What mu
 - the model is real: a greedy answer to a factual question names the fact, and its
   perplexity on a fixed English paragraph is far below what random weights reach (about
   the vocabulary's size, 49,152);
-- a fresh engine loads a long chat prompt another engine saved, from the disk tier, bit for
-  bit (the KV audit), and its answer is logprob-close to the recompute.
+- a long chat prompt another engine saved is loaded from each tier (the writer's own cpu
+  tier on a repeat; a fresh engine's disk tier; a fresh engine's Redis), bit for bit (the KV
+  audit), and each answer is logprob-close to the recompute.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
-from tests.e2e.conftest import Audit, connector_engine
+from tests.e2e.conftest import Audit, connector_engine, redis_env, redis_tier
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,7 +58,7 @@ def real_model():
 
 
 @pytest.fixture(scope="module")
-def runs(real_model, tmp_path_factory) -> dict:
+def runs(real_model, tmp_path_factory, redis_server) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(real_model)
@@ -68,12 +69,14 @@ def runs(real_model, tmp_path_factory) -> dict:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     audit = Audit(tmp_path_factory.mktemp("real-audit"))
-    tiers = [{"type": "cpu", "size": "128Mi"},
-             {"type": "disk", "path": str(tmp_path_factory.mktemp("real-disk")), "size": "512Mi"}]
+    cpu = {"type": "cpu", "size": "128Mi"}
+    disk = {"type": "disk", "path": str(tmp_path_factory.mktemp("real-disk")), "size": "512Mi"}
+    redis = redis_tier(redis_server)
     long_prompt = chat("Summarize this article in one sentence.\n\n" + ARTICLE)
-    kw = {"audit_dir": audit.directory, "max_model_len": 2048}
+    kw = {"audit_dir": audit.directory, "max_model_len": 2048, "env": redis_env(redis_server)}
+    ns = f"real-{id(audit)}"
     out: dict = {"long_prompt": long_prompt}
-    with connector_engine(real_model, tiers, "real", **kw) as writer:
+    with connector_engine(real_model, [cpu, disk, redis], ns, **kw) as writer:
         france = writer.generate([chat("What is the capital of France?")], max_tokens=12)[0]
         out["france"] = tok.decode(france["token_ids"])
         para = writer.generate([tok(PARAGRAPH)["input_ids"]], max_tokens=1,
@@ -81,25 +84,31 @@ def runs(real_model, tmp_path_factory) -> dict:
         lps = [lp for lp in para["prompt_logprobs"] if lp is not None]
         out["perplexity"] = math.exp(-sum(lps) / len(lps))
         out["cold"] = writer.generate([long_prompt], max_tokens=24)[0]
-    before = audit.check()
-    with connector_engine(real_model, tiers, "real", **kw) as reader:
-        out["warm"] = reader.generate([long_prompt], max_tokens=24)[0]
-    out["loaded"] = audit.check() - before
-    out["answers"] = [tok.decode(out[k]["token_ids"]) for k in ("cold", "warm")]
+        before = audit.check()
+        out["cpu"] = (writer.generate([long_prompt], max_tokens=24)[0], audit.check() - before)
+    for name, tiers in (("disk", [cpu, disk]), ("redis", [cpu, redis])):
+        before = audit.check()
+        with connector_engine(real_model, tiers, ns, **kw) as reader:
+            out[name] = (reader.generate([long_prompt], max_tokens=24)[0],
+                         audit.check() - before)
+    out["answers"] = {k: tok.decode(out[k][0]["token_ids"]) for k in ("cpu", "disk", "redis")}
+    out["answers"]["recompute"] = tok.decode(out["cold"]["token_ids"])
     return out
 
 
 def test_the_model_is_real(runs):
-    print(f"smollm2: {runs['france']!r}, perplexity {runs['perplexity']:.1f}, hit "
-          f"{runs['warm']['num_cached_tokens']} of {len(runs['long_prompt'])}, {runs['answers']}")
+    print(f"smollm2: {runs['france']!r}, perplexity {runs['perplexity']:.1f}, disk hit "
+          f"{runs['disk'][0]['num_cached_tokens']} of {len(runs['long_prompt'])}, "
+          f"{runs['answers']}")
     assert "Paris" in runs["france"], runs["france"]
     assert runs["perplexity"] < 100, runs["perplexity"]
 
 
-def test_a_fresh_engine_loads_a_real_prompt_exactly_and_answers_close_to_the_recompute(runs):
-    warm, cold = runs["warm"], runs["cold"]
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
+def test_a_real_prompt_loads_exactly_from_each_tier_and_answers_close_to_the_recompute(runs, tier):
+    warm, loaded = runs[tier]
     assert len(runs["long_prompt"]) > 512
     assert warm["num_cached_tokens"] >= 512, warm
-    assert runs["loaded"] > 0  # and every loaded block equal to a saved one (Audit.check)
-    check_logprobs_close([warm], [cold], names=["article"],
-                         label=f"smollm2 disk hit vs recompute: {runs['answers']}")
+    assert loaded > 0  # and every loaded block equal to a saved one (Audit.check)
+    check_logprobs_close([warm], [runs["cold"]], names=["article"],
+                         label=f"smollm2 {tier} hit vs recompute: {runs['answers']}")
