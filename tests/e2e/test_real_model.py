@@ -7,8 +7,9 @@ close to a recompute on one (their near-tied logits flip greedy tokens). What mu
   perplexity on a fixed English paragraph is far below what random weights reach (about
   the vocabulary's size, 49,152);
 - a long chat prompt another engine saved is loaded from each tier (the writer's own cpu
-  tier on a repeat; a fresh engine's disk tier; a fresh engine's Redis), bit for bit (the KV
-  audit), and each answer is logprob-close to the recompute.
+  tier on a repeat; a fresh engine from the disk tier alone and, for a second prompt, from
+  Redis alone), bit for bit (the KV audit), and each answer is logprob-close to the
+  recompute.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
-from tests.e2e.conftest import Audit, connector_engine, redis_env, redis_tier
+from tests.e2e.conftest import Audit, SharedObjects, connector_engine, redis_env, redis_tier
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,6 +60,10 @@ def real_model():
 
 @pytest.fixture(scope="module")
 def runs(real_model, tmp_path_factory, redis_server) -> dict:
+    """A writer (cpu + disk + Redis) answers the factual prompt, reads the paragraph, computes
+    the article prompt and, in a second order of its paragraphs, another one, then the first
+    again (a hit from its cpu tier); the first prompt's objects are then left on disk only
+    and the second's in Redis only, for one fresh reader."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(real_model)
@@ -69,36 +74,48 @@ def runs(real_model, tmp_path_factory, redis_server) -> dict:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     audit = Audit(tmp_path_factory.mktemp("real-audit"))
-    cpu = {"type": "cpu", "size": "128Mi"}
-    disk = {"type": "disk", "path": str(tmp_path_factory.mktemp("real-disk")), "size": "512Mi"}
-    redis = redis_tier(redis_server)
-    long_prompt = chat("Summarize this article in one sentence.\n\n" + ARTICLE)
-    kw = {"audit_dir": audit.directory, "max_model_len": 2048, "env": redis_env(redis_server)}
+    disk_root = tmp_path_factory.mktemp("real-disk")
+    tiers = [{"type": "cpu", "size": "128Mi"},
+             {"type": "disk", "path": str(disk_root), "size": "512Mi"}, redis_tier(redis_server)]
     ns = f"real-{id(audit)}"
-    out: dict = {"long_prompt": long_prompt}
-    with connector_engine(real_model, [cpu, disk, redis], ns, **kw) as writer:
+    shared = SharedObjects(disk_root, redis_server, ns)
+    paragraphs = ARTICLE.split(". ")
+    prompts = {"disk": chat("Summarize this article in one sentence.\n\n" + ARTICLE),
+               "redis": chat("Summarize this article in one sentence.\n\n"
+                             + ". ".join(reversed(paragraphs)))}
+    kw = {"audit_dir": audit.directory, "max_model_len": 2048, "env": redis_env(redis_server)}
+    out: dict = {"prompts": prompts, "cold": {}}
+    objects = {}
+    with connector_engine(real_model, tiers, ns, **kw) as writer:
         france = writer.generate([chat("What is the capital of France?")], max_tokens=12)[0]
         out["france"] = tok.decode(france["token_ids"])
         para = writer.generate([tok(PARAGRAPH)["input_ids"]], max_tokens=1,
                                prompt_logprobs=True)[0]
         lps = [lp for lp in para["prompt_logprobs"] if lp is not None]
         out["perplexity"] = math.exp(-sum(lps) / len(lps))
-        out["cold"] = writer.generate([long_prompt], max_tokens=24)[0]
+        for name, prompt in prompts.items():
+            before = shared.names()
+            out["cold"][name] = writer.generate([prompt], max_tokens=24)[0]
+            new = shared.new_since(before, lambda k: k >= 2, f"{name}'s objects in every tier")
+            objects[name] = new["disk"] & new["redis"]
         before = audit.check()
-        out["cpu"] = (writer.generate([long_prompt], max_tokens=24)[0], audit.check() - before)
-    for name, tiers in (("disk", [cpu, disk]), ("redis", [cpu, redis])):
-        before = audit.check()
-        with connector_engine(real_model, tiers, ns, **kw) as reader:
-            out[name] = (reader.generate([long_prompt], max_tokens=24)[0],
+        out["cpu"] = (writer.generate([prompts["disk"]], max_tokens=24)[0],
+                      audit.check() - before)
+    shared.remove(objects["disk"], "redis")
+    shared.remove(objects["redis"], "disk")
+    with connector_engine(real_model, tiers, ns, **kw) as reader:
+        for name in ("disk", "redis"):
+            before = audit.check()
+            out[name] = (reader.generate([prompts[name]], max_tokens=24)[0],
                          audit.check() - before)
     out["answers"] = {k: tok.decode(out[k][0]["token_ids"]) for k in ("cpu", "disk", "redis")}
-    out["answers"]["recompute"] = tok.decode(out["cold"]["token_ids"])
+    out["answers"]["recompute"] = tok.decode(out["cold"]["disk"]["token_ids"])
     return out
 
 
 def test_the_model_is_real(runs):
     print(f"smollm2: {runs['france']!r}, perplexity {runs['perplexity']:.1f}, disk hit "
-          f"{runs['disk'][0]['num_cached_tokens']} of {len(runs['long_prompt'])}, "
+          f"{runs['disk'][0]['num_cached_tokens']} of {len(runs['prompts']['disk'])}, "
           f"{runs['answers']}")
     assert "Paris" in runs["france"], runs["france"]
     assert runs["perplexity"] < 100, runs["perplexity"]
@@ -107,8 +124,10 @@ def test_the_model_is_real(runs):
 @pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
 def test_a_real_prompt_loads_exactly_from_each_tier_and_answers_close_to_the_recompute(runs, tier):
     warm, loaded = runs[tier]
-    assert len(runs["long_prompt"]) > 512
+    prompt = runs["prompts"]["redis" if tier == "redis" else "disk"]
+    assert len(prompt) > 512
     assert warm["num_cached_tokens"] >= 512, warm
     assert loaded > 0  # and every loaded block equal to a saved one (Audit.check)
-    check_logprobs_close([warm], [runs["cold"]], names=["article"],
+    cold = runs["cold"]["redis" if tier == "redis" else "disk"]
+    check_logprobs_close([warm], [cold], names=["article"],
                          label=f"smollm2 {tier} hit vs recompute: {runs['answers']}")
