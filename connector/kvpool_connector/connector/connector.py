@@ -36,7 +36,7 @@ from .config import (
 )
 from .events import kv_events_enabled
 from .keys import KeySpace
-from .layout import KVLayout, spec_fingerprint
+from .layout import KVLayout, group_specs, spec_fingerprint
 from .metadata import KVPoolMetadata, KVPoolWorkerMetadata
 from .ranks import AllRanksLookup, RankedStore, reporting_workers
 from .scheduler import SchedulerSide
@@ -102,9 +102,7 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig, block_size: int) -> No
     if len(groups) <= 1:
         return
     for i, g in enumerate(groups):
-        spec = g.kv_cache_spec
-        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
-        for s in (inner.values() if isinstance(inner, dict) and inner else [spec]):
+        for s in group_specs(g.kv_cache_spec):
             kind = type(s).__name__
             if kind not in HYBRID_GROUP_SPECS:
                 raise ConnectorConfigError(
@@ -126,10 +124,7 @@ def group_keeps(kv_cache_config: KVCacheConfig, block_size: int) -> list[int | N
         return [None] * len(groups)
     out: list[int | None] = []
     for g in groups:
-        spec = g.kv_cache_spec
-        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
-        if isinstance(inner, dict) and inner:
-            spec = next(iter(inner.values()))
+        spec = group_specs(g.kv_cache_spec)[0]
         window = getattr(spec, "sliding_window", None) if type(spec).__name__ == \
             "SlidingWindowSpec" else None
         out.append(window_blocks(int(window), block_size) if window else None)

