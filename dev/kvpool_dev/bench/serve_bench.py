@@ -244,7 +244,7 @@ def split_ttfts(ttfts: list[float], groups: list[int], starts: list[float] | Non
     TTFT: how often the client's timing, not the cache, set a returning request's TTFT.
     With the client's queue times (`queued`, Poisson arrivals) the means and medians count
     from each request's arrival; exposure is about the send, so it does not."""
-    from kvpool_dev.demo import percentile
+    from kvpool_dev.demo_report import percentile
 
     if len(ttfts) != len(groups) or (queued is not None and len(queued) != len(ttfts)):
         return {}

@@ -34,6 +34,11 @@ class TrainedModel:
     def wheel_name(self) -> str:
         return self.wheel_url.rsplit("/", 1)[1]
 
+    @property
+    def title(self) -> str:
+        """The model's own name, from its GGUF file's: 'SmolLM2-135M-Instruct'."""
+        return Path(self.gguf_member).name.split(".")[0]
+
 
 TRAINED: dict[str, TrainedModel] = {
     "smollm2": TrainedModel(
