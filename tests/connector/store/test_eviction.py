@@ -250,3 +250,26 @@ def test_a_tail_another_process_wrote_is_evicted_first_once_found(tmp_path):
     reader.put_many([k("C")], [os.urandom(SLOT - 200)])
     assert present(reader, ["A", "B", "C", "tail1"]) == {"A", "B", "C"}
     reader.close()
+
+
+def test_slot_index_makes_room_evict_first_then_by_policy_without_bytes():
+    """The cpu tier's bookkeeping alone (what `kvpool plan` replays traces through)."""
+    from kvpool_connector.store.slots import SlotIndex
+
+    idx = SlotIndex(capacity=3 * 4096, eviction="lru")
+    for name, first in ((b"a", False), (b"tail", True), (b"b", False)):
+        t = idx.take(name, 4000)   # the first object sizes the slots: 4000 -> 4096
+        assert t is not None and t.evicted == 0 and len(t.slots) == 1
+        idx.commit(name, t.slots, 4000, b"L", evict_first=first)
+    assert (idx.slot_size, idx.nslots, idx.used_bytes()) == (4096, 3, 3 * 4096)
+    idx.touch(b"a")
+    t = idx.take(b"c", 100)        # the tail goes first, though "b" is older than "a"
+    assert t is not None and t.released == [b"tail"] and t.evicted == 1
+    idx.commit(b"c", t.slots, 100, b"L", evict_first=False)
+    t = idx.take(b"d", 8000)       # two slots: then LRU order, "b" and then "a"
+    assert t is not None and t.released == [b"b", b"a"] and t.evicted == 2
+    idx.give_back(t.slots)         # not committed: nothing of "d" held
+    assert set(idx.entries) == {b"c"} and len(idx.free) == 2
+    t = idx.take(b"c", 100)        # the same name again: replaced, not an eviction
+    assert t is not None and t.released == [b"c"] and t.evicted == 0
+    assert idx.take(b"huge", 4 * 4096) is None  # larger than the arena: nothing changes

@@ -21,17 +21,14 @@ import logging
 import mmap
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ..eviction import Policy, make_policy
 from ..format import Record, Status
 from ..sealing import PoolKey
+from ..slots import Entry, SlotIndex
 from .base import Tier
 
 log = logging.getLogger("kvpool.store")
-_ROUND = 4096
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
@@ -64,13 +61,6 @@ def allocate_arena(size: int, pin: bool | None) -> tuple[memoryview, object]:
     return memoryview(m), m
 
 
-@dataclass(slots=True)
-class _Entry:
-    slots: tuple[int, ...]
-    length: int
-    layout: bytes
-
-
 class CpuTier(Tier):
     type = "cpu"
     local = True
@@ -85,28 +75,19 @@ class CpuTier(Tier):
         self.capacity = cfg.size
         self._arena, self._owner = allocate_arena(cfg.size, cfg.pin_memory)
         self._lock = threading.Lock()
-        self._index: dict[bytes, _Entry] = {}
-        # objects put with Record.evict_first, least recently used first: when the arena
-        # needs room they go before anything the eviction policy would pick
-        self._first: OrderedDict[bytes, None] = OrderedDict()
-        self.slot_size = 0
-        self.nslots = 0
-        self._free: list[int] = []
-        self._policy: Policy  # set with the slots: here or on the first put
-        if cfg.slot_size:
-            self._init_slots(cfg.slot_size)
+        # which objects the arena holds, in which slots, and what leaves for a new one
+        self._slots = SlotIndex(cfg.size, cfg.eviction, cfg.slot_size)
 
-    def _init_slots(self, slot_size: int) -> None:
-        self.slot_size = min(slot_size, self.capacity)
-        self.nslots = self.capacity // self.slot_size
-        self._free = list(range(self.nslots - 1, -1, -1))
-        self._policy = make_policy(self.cfg.eviction, self.nslots)
+    @property
+    def slot_size(self) -> int:
+        return self._slots.slot_size
+
+    @property
+    def nslots(self) -> int:
+        return self._slots.nslots
 
     def _release(self, key: bytes, evicted: bool) -> None:
-        e = self._index.pop(key)
-        self._first.pop(key, None)
-        self._free.extend(e.slots)
-        self._policy.remove(key, evicted)
+        self._slots.release(key, evicted)
         self.note(False, (key,))
 
     def put_many(self, records: list[Record]) -> list[bool]:
@@ -136,36 +117,29 @@ class CpuTier(Tier):
         """Make room for n bytes (evicting), then copy `src` in, or let `fill` write the
         one slot (its False frees the slot again: nothing stored)."""
         with self._lock:
-            if not self.slot_size:
-                self._init_slots(-(-max(n, 1) // _ROUND) * _ROUND)
-            slot = self.slot_size
-            units = max(1, -(-n // slot))
-            if units > self.nslots:
-                self.stats.inc("rejected")
-                return False
-            held = self._index.get(name)
+            index = self._slots
+            held = index.entries.get(name)
             if fill is not None and held and held.layout == layout and held.length == n:
                 # the same content address: kept, not filled again, so a failing fill can
                 # never lose an object that was already here (Tier.write_in_place)
-                self._policy.touch(name)
+                index.touch(name)
                 return True
-            if held is not None:
-                self._release(name, evicted=False)
-            self._policy.admit(name)
-            while len(self._free) < units:
-                victim = next(iter(self._first), None) or self._policy.victim()
-                assert victim is not None  # fewer free slots than all: something is stored
-                self._release(victim, evicted=True)
-                self.stats.inc("evictions")
-            slots = tuple(self._free.pop() for _ in range(units))
-            arena = self._arena
+            taken = index.take(name, n)
+            if taken is None:  # larger than the whole arena
+                self.stats.inc("rejected")
+                return False
+            for key in taken.released:
+                self.note(False, (key,))
+            if taken.evicted:
+                self.stats.inc("evictions", taken.evicted)
+            slots, slot, arena = taken.slots, index.slot_size, self._arena
             if fill is not None:  # units == 1: write_in_place checks the size
                 ok = False
                 try:
                     ok = bool(fill(arena[slots[0] * slot:slots[0] * slot + n]))
                 finally:
                     if not ok:  # also when fill raised: the slot is free again
-                        self._free.extend(slots)
+                        index.give_back(slots)
                 if not ok:
                     return False
             else:
@@ -173,29 +147,23 @@ class CpuTier(Tier):
                 for i, s in enumerate(slots):
                     chunk = src[i * slot:(i + 1) * slot]
                     arena[s * slot:s * slot + len(chunk)] = chunk
-            self._index[name] = _Entry(slots, n, layout)
-            self._policy.insert(name, units)
-            if evict_first:
-                self._first[name] = None
+            index.commit(name, slots, n, layout, evict_first)
             self.note(True, (name,))
         self.stats.inc("bytes_in", n)
         return True
 
-    def _lookup(self, key: bytes, layout: bytes) -> _Entry | None:
+    def _lookup(self, key: bytes, layout: bytes) -> Entry | None:
         """Entry of key under the lock; a foreign-layout entry is dropped and counted."""
-        e = self._index.get(key)
+        e = self._slots.entries.get(key)
         if e is None:
             return None
         if e.layout != layout:
             self._release(key, evicted=False)
             self.stats.inc(Status.FOREIGN_LAYOUT.value)
             return None
-        self._policy.touch(key)
-        if key in self._first:
-            self._first.move_to_end(key)
-        return e
+        return self._slots.touch(key)
 
-    def _copy_out(self, e: _Entry, out: memoryview) -> None:
+    def _copy_out(self, e: Entry, out: memoryview) -> None:
         slot, arena = self.slot_size, self._arena
         for i, s in enumerate(e.slots):
             m = min(slot, e.length - i * slot)
@@ -261,25 +229,22 @@ class CpuTier(Tier):
         return recs
 
     def contains_many(self, names: list[bytes]) -> list[bool]:
-        index = self._index
-        return [k in index for k in names]
+        entries = self._slots.entries
+        return [k in entries for k in names]
 
     def delete_many(self, names: list[bytes]) -> None:
         with self._lock:
             for k in names:
-                if k in self._index:
+                if k in self._slots.entries:
                     self._release(k, evicted=False)
 
     def usage(self) -> dict:
         with self._lock:
-            used = (self.nslots - len(self._free)) * self.slot_size
-            return {"objects": len(self._index), "used_bytes": used,
+            return {"objects": len(self._slots.entries), "used_bytes": self._slots.used_bytes(),
                     "capacity_bytes": self.capacity, "slot_size": self.slot_size}
 
     def close(self) -> None:
         with self._lock:
-            self._index.clear()
-            self._first.clear()
-            self._free = []
+            self._slots.clear()
             self._arena = memoryview(b"")
             self._owner = None  # unmapped once the last view into it is gone
