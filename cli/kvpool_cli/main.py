@@ -13,6 +13,7 @@
   kvpool render -f pool.yaml   print the manifests the operator would apply for a KVCachePool
   kvpool validate FILE         check a connector config or a KVCachePool manifest
   kvpool model [--preset P]    generate the local random-weight model used by demo/bench
+  kvpool plan TRACE [...]      size a pool from a request trace: hit ratio per tier vs the bound
 
 It dispatches to every part of kvpool, so it lives in none of them: each command is a
 "module:function" target imported only when used, so the CLI starts fast and works in images
@@ -47,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),
+    "plan": ("kvpool_connector.plan.cli", "size a pool from a request trace (Mooncake, Bailian): "
+             "hit ratio per tier and size vs the infinite-cache bound"),
 }
 GROUPS = tuple(dict.fromkeys(name.split()[0] for name in COMMANDS if " " in name))  # ("bench",)
 HELP = ("-h", "--help", "help")

@@ -1,0 +1,284 @@
+"""`kvpool plan TRACE`: size a pool from a request trace.
+
+Replays a Mooncake or Bailian trace (trace.py) through a model of the pool (sim.py): engines
+behind a router, each with vLLM's own prefix cache and a kvpool cpu tier, and optionally one
+shared tier. Prints prompt tokens served per source and computed, the hit ratio beside the
+bound of one infinite shared cache, the shared tier's traffic, and with `--sweep` the hit
+ratio as a function of one tier's size with the smallest size that reaches the curve's knee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..config import parse_size
+from .sim import ROUTINGS, PoolModel, Result, TierModel, replay
+from .trace import FORMATS, MAX_REQUESTS, Trace, TraceError, read_trace
+
+DEFINITION = ("hit ratio = prompt tokens served from any cache / prompt tokens, every request "
+              "counted, a prefix's first sight a miss; bound = the same for one infinite cache "
+              "all engines share")
+KNEE_POINTS = 0.01   # the knee: the smallest size within 1 point of the sweep's best ratio
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
+               "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def bytes_per_token(config: dict, kv_dtype: str = "auto") -> int:
+    """KV bytes one token takes over all layers, from a model's config.json (pure): MLA
+    (DeepSeek-style `kv_lora_rank`) stores one latent of kv_lora_rank + rope dims per layer;
+    other models K and V of every KV head. Models that keep several KV groups (sliding-window
+    layers) are counted at full attention: an upper bound."""
+    if kv_dtype not in DTYPE_BYTES:
+        raise ValueError(f"--kv-dtype {kv_dtype!r}: not one of {', '.join(DTYPE_BYTES)}")
+    width = DTYPE_BYTES[kv_dtype]
+    cfg = config.get("text_config") or config
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        if cfg.get("kv_lora_rank"):
+            return layers * (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * width
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--model: config.json lacks a usable {e} for the KV size") from None
+    return 2 * layers * kv_heads * head_dim * width
+
+
+def parse_sweep(spec: str) -> tuple[str, list[int]]:
+    """'cpu=8Gi..256Gi' -> ('cpu', sizes doubling from 8Gi to 256Gi) (pure)."""
+    name, sep, rng = spec.partition("=")
+    lo, dots, hi = rng.partition("..")
+    if not sep or not dots or name not in ("cpu", "shared", "engine"):
+        raise ValueError(f"--sweep {spec!r}: use TIER=LOW..HIGH with TIER cpu, shared or "
+                         "engine, e.g. cpu=8Gi..256Gi")
+    a, b = parse_size(lo), parse_size(hi)
+    if not 0 < a <= b:
+        raise ValueError(f"--sweep {spec!r}: LOW must be > 0 and <= HIGH")
+    sizes = [a]
+    while sizes[-1] * 2 <= b:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != b:
+        sizes.append(b)
+    return name, sizes
+
+
+def with_size(pool: PoolModel, name: str, size: int) -> PoolModel:
+    """The pool with one cache resized (pure)."""
+    if name == "engine":
+        return replace(pool, engine_cache_bytes=size)
+    tiers = tuple(replace(t, size=size) if t.name == name else t for t in pool.tiers)
+    if tiers == pool.tiers and not any(t.name == name for t in pool.tiers):
+        raise ValueError(f"--sweep {name}: the pool has no {name} tier (--{name} SIZE)")
+    return replace(pool, tiers=tiers)
+
+
+def knee(points: list[tuple[int, Result]]) -> int:
+    """The smallest size whose hit ratio is within KNEE_POINTS of the best (pure)."""
+    best = max(r.hit_ratio for _, r in points)
+    return min(size for size, r in points if r.hit_ratio >= best - KNEE_POINTS)
+
+
+def gib(n: float) -> str:
+    for unit, div in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def result_json(r: Result, pool: PoolModel) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "hit_ratio": r.hit_ratio, "bound": r.bound, "block_hit_ratio": r.block_hit_ratio,
+        "block_bound": r.block_bound, "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+        "served_tokens": dict(r.served), "computed_tokens": r.computed_tokens,
+        "reads": dict(r.reads), "writes": dict(r.writes)}
+    obj = pool.object_bytes()
+    if r.duration_s > 0:
+        out["read_bytes_per_s"] = {k: v * obj / r.duration_s for k, v in r.reads.items()}
+        out["write_bytes_per_s"] = {k: v * obj / r.duration_s for k, v in r.writes.items()}
+    return out
+
+
+def describe(trace: Trace, pool: PoolModel, source: str) -> str:
+    tiers = ", ".join(f"{t.name} {gib(t.size)}{' shared' if t.shared else ' per engine'} "
+                      f"({t.eviction})" for t in pool.tiers) or "no kvpool tiers"
+    return (f"kvpool plan: {source} ({trace.format}, {len(trace.requests)} requests, "
+            f"{trace.block_tokens}-token blocks, {trace.duration_s:.0f} s)\n"
+            f"pool: {pool.engines} engine(s), {pool.routing}; vLLM cache "
+            f"{gib(pool.engine_cache_bytes) if pool.engine_cache_bytes else 'none'} per engine; "
+            f"{tiers}; {pool.chunk_tokens}-token chunks of {pool.bytes_per_token} B/token "
+            f"({gib(pool.object_bytes())} objects)\n{DEFINITION}")
+
+
+def render(r: Result, pool: PoolModel) -> str:
+    """The served/computed table, hit ratio vs bound, the tiers' traffic (pure)."""
+    total = r.prompt_tokens or 1
+    rows = [("prompt tokens", r.prompt_tokens, "")]
+    names = {"engine": "vLLM prefix cache"}
+    for src, n in r.served.items():
+        rows.append((f"  from {names.get(src, src + ' tier')}", n, f"{n / total:6.1%}"))
+    rows.append(("  computed", r.computed_tokens, f"{r.computed_tokens / total:6.1%}"))
+    lines = [f"{a:<26}{b:>16,}  {c}" for a, b, c in rows]
+    lines.append(f"{'hit ratio':<26}{r.hit_ratio:>16.1%}  (bound {r.bound:.1%}: "
+                 f"{r.hit_ratio / r.bound if r.bound else 0:.0%} of it)")
+    lines.append(f"{'per chunk':<26}{r.block_hit_ratio:>16.1%}  (bound {r.block_bound:.1%})")
+    obj = pool.object_bytes()
+    for t in pool.tiers:
+        rate = ""
+        if r.duration_s > 0:
+            rate = (f", {r.reads[t.name] * obj / r.duration_s / 1e9:.2f} / "
+                    f"{r.writes[t.name] * obj / r.duration_s / 1e9:.2f} GB/s over the trace")
+        lines.append(f"{t.name} tier: {r.reads[t.name]:,} objects read, "
+                     f"{r.writes[t.name]:,} written{rate}")
+    return "\n".join(lines)
+
+
+def render_sweep(name: str, points: list[tuple[int, Result]], best: int) -> str:
+    lines = [f"sweep of the {name} {'tier' if name != 'engine' else 'cache'}:",
+             f"  {'size':>8}  {'hit ratio':>9}  {'of bound':>8}  {'served by it':>12}"]
+    for size, r in points:
+        mark = "  <- knee" if size == best else ""
+        own = r.served.get(name, 0) / (r.prompt_tokens or 1)
+        lines.append(f"  {gib(size):>8}  {r.hit_ratio:>9.1%}  "
+                     f"{r.hit_ratio / r.bound if r.bound else 0:>8.0%}  {own:>12.1%}{mark}")
+    return "\n".join(lines)
+
+
+def tiers_block(pool: PoolModel, shared_type: str) -> str:
+    """The pool's tiers as a KVCachePool `spec.tiers` block (pure): the cpu tier per engine,
+    the shared tier as a managed Redis of that memory or a disk on a claim every node mounts."""
+    lines = ["tiers:"]
+    for t in pool.tiers:
+        if not t.shared:
+            lines.append(f"  cpu: {{size: {gib(t.size)}, evictionPolicy: {t.eviction}}}")
+        elif shared_type == "redis":
+            lines.append(f"  redis:\n    managed: {{memory: {gib(t.size)}}}")
+        else:
+            lines.append(f"  disk:\n    size: {gib(t.size)}\n    volume:\n      "
+                         "persistentVolumeClaim: {claimName: shared-kv}  # ReadWriteMany, "
+                         "on every node")
+    return "\n".join(lines)
+
+
+def _progress(total: int) -> Any:
+    """A progress bar on a terminal (none when stderr is not one)."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=total, unit="req", file=sys.stderr, disable=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpool plan", description=__doc__.split("\n\n")[1])
+    ap.add_argument("trace", help="JSON-lines trace (Mooncake or Bailian format)")
+    ap.add_argument("--format", choices=sorted(FORMATS), default=None,
+                    help="trace format (default: detected from the first line)")
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per hash block (default: the format's, 512 or 16)")
+    ap.add_argument("--engines", type=int, default=1, help="vLLM replicas (default 1)")
+    ap.add_argument("--routing", choices=ROUTINGS, default="round_robin")
+    ap.add_argument("--engine-cache", default="0", metavar="SIZE", help="each engine's own "
+                    "vLLM KV cache, e.g. 20Gi (default 0: none modelled)")
+    ap.add_argument("--cpu", default="0", metavar="SIZE", help="kvpool cpu tier per engine "
+                    "(0: none)")
+    ap.add_argument("--shared", default="0", metavar="SIZE", help="one tier all engines share "
+                    "(0: none)")
+    ap.add_argument("--shared-type", default="redis", choices=("redis", "disk"),
+                    help="what the shared tier is, for the printed tiers block")
+    ap.add_argument("--eviction", choices=("lru", "arc"), default="lru",
+                    help="the cpu tier's eviction policy")
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--model", default=None, metavar="CONFIG", help="a model's config.json "
+                    "(or its directory): KV bytes per token")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = bfloat16)")
+    ap.add_argument("--bytes-per-token", type=int, default=None,
+                    help="KV bytes per token, instead of --model (default: 131072, "
+                    "a Llama-3-8B-shaped model in bfloat16)")
+    ap.add_argument("--sweep", default=None, metavar="TIER=LOW..HIGH",
+                    help="replay once per size, doubling: cpu=8Gi..256Gi")
+    ap.add_argument("--max-requests", type=int, default=MAX_REQUESTS)
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
+    args = ap.parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"kvpool plan: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        if args.model:
+            cfg_path = Path(args.model)
+            cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                return fail(f"--model {args.model}: {getattr(e, 'strerror', None) or e}")
+            bpt = bytes_per_token(config, args.kv_dtype)
+        else:
+            bpt = args.bytes_per_token or 131072
+        if bpt <= 0 or args.chunk_tokens <= 0:
+            return fail("--bytes-per-token and --chunk-tokens must be > 0")
+        sizes = {k: parse_size(getattr(args, k)) for k in ("engine_cache", "cpu", "shared")}
+        tiers = []
+        if sizes["cpu"]:
+            tiers.append(TierModel("cpu", sizes["cpu"], shared=False, eviction=args.eviction))
+        if sizes["shared"]:
+            tiers.append(TierModel("shared", sizes["shared"], shared=True))
+        pool = PoolModel(engines=args.engines, bytes_per_token=bpt,
+                         engine_cache_bytes=sizes["engine_cache"], tiers=tuple(tiers),
+                         routing=args.routing, chunk_tokens=args.chunk_tokens)
+        sweep = parse_sweep(args.sweep) if args.sweep else None
+        if sweep:
+            with_size(pool, sweep[0], sweep[1][0])  # refuses a tier the pool lacks
+        if args.engines < 1:
+            return fail(f"--engines must be >= 1, not {args.engines}")
+        t0 = time.monotonic()
+        trace = read_trace(args.trace, args.format, args.block_tokens, args.max_requests)
+    except (TraceError, ValueError) as e:
+        return fail(str(e))
+
+    runs = [(None, pool)] if not sweep else [(s, with_size(pool, sweep[0], s)) for s in sweep[1]]
+    bar = _progress(len(trace.requests) * len(runs))
+    try:
+        results = [(size, replay(trace, p, bar.update)) for size, p in runs]
+    except ValueError as e:  # chunk size vs the trace's blocks
+        return fail(str(e))
+    finally:
+        bar.close()
+    elapsed = time.monotonic() - t0
+    print(describe(trace, pool, Path(args.trace).name))
+    print()
+    report: dict[str, Any] = {"definition": DEFINITION, "trace": {
+        "format": trace.format, "requests": len(trace.requests),
+        "block_tokens": trace.block_tokens, "duration_s": trace.duration_s},
+        "bytes_per_token": bpt, "wall_s": elapsed}
+    if sweep:
+        best = knee([(s, r) for s, r in results if s is not None])
+        chosen = with_size(pool, sweep[0], best)
+        print(render_sweep(sweep[0], [(s, r) for s, r in results if s is not None], best))
+        print()
+        print(render(dict((s, r) for s, r in results)[best], chosen))
+        print()
+        print(f"recommended (the knee: the smallest {sweep[0]} size within "
+              f"{KNEE_POINTS * 100:.0f} percentage point of the sweep's best hit ratio):")
+        print(tiers_block(chosen, args.shared_type))
+        report["sweep"] = {"tier": sweep[0], "knee": best, "points": [
+            {"size": s, **result_json(r, with_size(pool, sweep[0], s or 0))}
+            for s, r in results]}
+        report.update(result_json(dict((s, r) for s, r in results)[best], chosen))
+    else:
+        r = results[0][1]
+        print(render(r, pool))
+        report.update(result_json(r, pool))
+    print(f"\n({len(trace.requests) * len(runs):,} requests replayed in {elapsed:.1f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Replay a trace through a model of a pool (pure; no KV bytes, only which objects each cache
+holds): engines behind a router, each with vLLM's own prefix cache and a kvpool cpu tier of
+its own, and optionally one tier every engine shares (Redis, S3, a shared disk).
+
+Every cache is a `SlotIndex` (store/slots.py), the cpu tier's own bookkeeping and eviction
+(LRU or ARC, as configured); vLLM's prefix cache is modelled as an LRU of the same objects.
+A request is served, as vLLM and the connector serve it, by its longest stored prefix: the
+engine's cache first, then the tiers in order (cpu, then shared), each object from the first
+tier that holds it; the rest is computed. Afterwards the engine holds the whole prompt, what
+a lower tier served is promoted into the tiers above it, and what was computed is written to
+every tier (kvpool writes through).
+
+Objects are kvpool chunks (`chunk_tokens`) of the trace's hash blocks, keyed by the chain of
+block ids up to them; only whole chunks are stored (a prompt's partial last chunk is always
+computed: kvpool's tail objects are not modelled).
+
+**Hit ratio** = prompt tokens served from any cache / prompt tokens, every request counted,
+first occurrences included (a request's first sight of a prefix is a miss). The **bound** is
+the same ratio for one infinite cache all engines share (every whole chunk seen before is a
+hit). Per-block figures (`block_hit_ratio`: stored chunks hit / chunks) are reported beside
+them, since published traces quote both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..store.slots import SlotIndex
+from .trace import Request, Trace
+
+ROUTINGS = ("round_robin", "cache_aware")
+
+
+@dataclass(frozen=True)
+class TierModel:
+    name: str            # "cpu", "shared" (or the tier type: "redis", "disk", "s3")
+    size: int            # bytes, per engine for a local tier, in all for a shared one
+    shared: bool
+    eviction: str = "lru"
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    engines: int
+    bytes_per_token: int
+    engine_cache_bytes: int = 0      # each engine's own vLLM prefix cache (0: none)
+    tiers: tuple[TierModel, ...] = ()
+    routing: str = "round_robin"
+    chunk_tokens: int = 256
+
+    def object_bytes(self) -> int:
+        return self.chunk_tokens * self.bytes_per_token
+
+
+@dataclass
+class Result:
+    requests: int = 0
+    prompt_tokens: int = 0
+    served: dict[str, int] = field(default_factory=dict)   # source -> prompt tokens
+    computed_tokens: int = 0
+    chunks: int = 0               # whole chunks of every prompt
+    chunk_hits: int = 0
+    bound_tokens: int = 0         # what one infinite shared cache would serve
+    bound_chunks: int = 0
+    reads: dict[str, int] = field(default_factory=dict)    # tier -> objects read (hits)
+    writes: dict[str, int] = field(default_factory=dict)   # tier -> objects written
+    duration_s: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return sum(self.served.values()) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound(self) -> float:
+        return self.bound_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.chunk_hits / self.chunks if self.chunks else 0.0
+
+    @property
+    def block_bound(self) -> float:
+        return self.bound_chunks / self.chunks if self.chunks else 0.0
+
+
+def chunk_keys(req: Request, block_tokens: int, chunk_tokens: int) -> tuple[list[bytes], int]:
+    """(keys of the prompt's whole chunks, tokens left over in a partial last chunk) (pure).
+    A key is the chain of block ids up to the chunk's end (and, where a chunk is part of a
+    block, its index in it): equal keys mean equal prefixes."""
+    ids = req.hash_ids
+    whole = req.input_tokens // chunk_tokens
+    keys: list[bytes] = []
+    h = 0
+    if chunk_tokens >= block_tokens:
+        per = chunk_tokens // block_tokens
+        for j in range(min(whole * per, len(ids))):
+            h = hash((h, ids[j]))
+            if (j + 1) % per == 0:
+                keys.append(h.to_bytes(8, "little", signed=True))
+    else:
+        per = block_tokens // chunk_tokens
+        for c in range(whole):
+            j = c // per
+            if j >= len(ids):
+                break
+            if c % per == 0:
+                h = hash((h, ids[j]))
+            keys.append(hash((h, c % per)).to_bytes(8, "little", signed=True))
+    return keys, req.input_tokens - len(keys) * chunk_tokens
+
+
+def check_granularity(block_tokens: int, chunk_tokens: int) -> None:
+    small, big = sorted((block_tokens, chunk_tokens))
+    if small <= 0 or big % small:
+        raise ValueError(f"chunk_tokens {chunk_tokens} and the trace's {block_tokens}-token "
+                         "blocks must divide one another")
+
+
+class Fleet:
+    """The replay's state: per engine its prefix cache and local tiers, the shared tiers."""
+
+    def __init__(self, pool: PoolModel) -> None:
+        if pool.engines < 1:
+            raise ValueError(f"engines must be >= 1, not {pool.engines}")
+        if pool.routing not in ROUTINGS:
+            raise ValueError(f"routing {pool.routing!r}: not one of {', '.join(ROUTINGS)}")
+        obj = pool.object_bytes()
+        self.pool = pool
+        shared = {t.name: SlotIndex(t.size, t.eviction, obj) for t in pool.tiers if t.shared}
+        self.engine_cache = [SlotIndex(pool.engine_cache_bytes, "lru", obj)
+                             for _ in range(pool.engines)]
+        # per engine: its tiers in lookup order, each (name, index); shared ones are one object
+        self.tiers: list[list[tuple[str, SlotIndex]]] = [
+            [(t.name, shared[t.name] if t.shared else SlotIndex(t.size, t.eviction, obj))
+             for t in pool.tiers] for _ in range(pool.engines)]
+        self.assigned = [0] * pool.engines
+        self._next = 0
+
+    def route(self, keys: list[bytes]) -> int:
+        n = self.pool.engines
+        if self.pool.routing == "cache_aware" and keys:
+            # the router's prefix-aware choice: the engine whose own cache and local tiers
+            # hold the longest prefix; ties to the least loaded
+            best = max(range(n), key=lambda e: (self._local_prefix(e, keys), -self.assigned[e]))
+            if self._local_prefix(best, keys):
+                return best
+            return min(range(n), key=lambda e: self.assigned[e])
+        e = self._next
+        self._next = (e + 1) % n
+        return e
+
+    def _local_prefix(self, e: int, keys: list[bytes]) -> int:
+        local = [self.engine_cache[e].entries] + [idx.entries for name, idx in self.tiers[e]
+                                                  if not self._shared(name)]
+        k = 0
+        for key in keys:
+            if not any(key in held for held in local):
+                break
+            k += 1
+        return k
+
+    def _shared(self, name: str) -> bool:
+        return any(t.shared and t.name == name for t in self.pool.tiers)
+
+
+def _put(idx: SlotIndex, key: bytes, n: int) -> bool:
+    taken = idx.take(key, n)
+    if taken is None:
+        return False
+    idx.commit(key, taken.slots, n, b"", evict_first=False)
+    return True
+
+
+def replay(trace: Trace, pool: PoolModel,
+           progress: Callable[[int], None] | None = None) -> Result:
+    """The pool's figures on the trace (pure but for `progress`, called every 1000 requests)."""
+    check_granularity(trace.block_tokens, pool.chunk_tokens)
+    fleet = Fleet(pool)
+    obj, ct = pool.object_bytes(), pool.chunk_tokens
+    r = Result(duration_s=trace.duration_s)
+    r.served = {"engine": 0, **{t.name: 0 for t in pool.tiers}}
+    r.reads = {t.name: 0 for t in pool.tiers}
+    r.writes = {t.name: 0 for t in pool.tiers}
+    seen: set[bytes] = set()
+    for n, req in enumerate(trace.requests, 1):
+        keys, _ = chunk_keys(req, trace.block_tokens, ct)
+        r.requests += 1
+        r.prompt_tokens += req.input_tokens
+        r.chunks += len(keys)
+        # the bound: one infinite cache every engine shares
+        b = 0
+        while b < len(keys) and keys[b] in seen:
+            b += 1
+        r.bound_chunks += b
+        r.bound_tokens += b * ct
+        seen.update(keys)
+
+        e = fleet.route(keys)
+        fleet.assigned[e] += 1
+        cache, tiers = fleet.engine_cache[e], fleet.tiers[e]
+        i = 0
+        while i < len(keys) and cache.touch(keys[i]) is not None:
+            i += 1
+        r.served["engine"] += i * ct
+        from_tier: list[int] = []   # per loaded key: the index of the tier that served it
+        while i < len(keys):
+            for t, (name, idx) in enumerate(tiers):
+                if idx.touch(keys[i]) is not None:
+                    r.served[name] += ct
+                    r.reads[name] += 1
+                    from_tier.append(t)
+                    break
+            else:
+                break
+            i += 1
+        hits = i
+        r.chunk_hits += hits
+        r.computed_tokens += req.input_tokens - hits * ct
+        # after the request: the engine holds the prompt; loads are promoted into the tiers
+        # above the one that served them; computed chunks are written to every tier
+        first_loaded = hits - len(from_tier)
+        for k, key in enumerate(keys):
+            if cache.touch(key) is None and cache.nslots:
+                _put(cache, key, obj)
+            if k < first_loaded:
+                continue
+            upto = from_tier[k - first_loaded] if k < hits else len(tiers)
+            for name, idx in tiers[:upto]:
+                if idx.nslots and _put(idx, key, obj):
+                    r.writes[name] += 1
+        if progress is not None and n % 1000 == 0:
+            progress(1000)
+    if progress is not None:
+        progress(r.requests % 1000)
+    return r

@@ -1,0 +1,245 @@
+"""`kvpool plan` (issue 60): trace formats, bad input, the replay against hand-computed
+figures, sweeps, and the command on a slice of Mooncake's public conversation trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool_connector.plan.cli import bytes_per_token, knee, parse_sweep, tiers_block, with_size
+from kvpool_connector.plan.sim import PoolModel, Result, TierModel, chunk_keys, replay
+from kvpool_connector.plan.trace import Request, Trace, TraceError, parse_lines
+
+DATA = Path(__file__).parent / "data"
+SLICE = DATA / "mooncake_conversation_300.jsonl"
+
+
+def line(**rec) -> str:
+    return json.dumps(rec)
+
+
+# -- formats ----------------------------------------------------------------------------------
+
+
+def test_mooncake_and_bailian_records_are_detected_and_timed():
+    moon = parse_lines([line(timestamp=3000, input_length=600, output_length=5, hash_ids=[7, 8]),
+                        line(timestamp=0, input_length=512, output_length=1, hash_ids=[7])])
+    assert (moon.format, moon.block_tokens) == ("mooncake", 512)
+    assert [r.t for r in moon.requests] == [0.0, 3.0]   # ms, sorted by arrival
+    assert moon.requests[1] == Request(3.0, 600, 5, (7, 8)) and moon.duration_s == 3.0
+    bail = parse_lines([line(chat_id=1, parent_chat_id=-1, timestamp=1.5, input_length=40,
+                             output_length=3, type="text", turn=1, hash_ids=[1, 2, 3])])
+    assert (bail.format, bail.block_tokens, bail.requests[0].t) == ("bailian", 16, 1.5)
+    # a format that leaves a partial last block unhashed: floor(40 / 16) ids also read
+    assert parse_lines([line(chat_id=1, timestamp=0, input_length=40, output_length=1,
+                             hash_ids=[1, 2])]).requests[0].hash_ids == (1, 2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "trace line 1: not JSON (Expecting property name enclosed in double quotes "
+                  "at column 2)"),
+    ("[1, 2]", "trace line 1: a request must be a JSON object, not list"),
+    (line(timestamp=0, input_length=0, output_length=1, hash_ids=[]),
+     "trace line 1: field 'input_length' must be an integer >= 1, not 0"),
+    (line(timestamp=-1, input_length=5, output_length=1, hash_ids=[1]),
+     "trace line 1: field 'timestamp' must be a number >= 0, not -1"),
+    (line(timestamp=0, input_length=5, output_length=1, hash_ids=["a"]),
+     "trace line 1: field 'hash_ids' must be a list of integers"),
+    (line(timestamp=0, input_length=1500, output_length=1, hash_ids=[1]),
+     "trace line 1: field 'hash_ids' has 1 blocks; input_length 1500 in 512-token blocks "
+     "needs 3"),
+    ("", "trace: no requests"),
+])
+def test_bad_input_is_one_error_naming_line_and_field(text, message):
+    with pytest.raises(TraceError) as e:
+        parse_lines(["\n", text] if text else [])
+    assert str(e.value) == message.replace("line 1", "line 2")
+
+
+def test_a_bad_line_after_good_ones_and_limits():
+    good = line(timestamp=0, input_length=5, output_length=1, hash_ids=[1])
+    with pytest.raises(TraceError, match=r"^trace line 3: field 'output_length'"):
+        parse_lines([good, good, line(timestamp=0, input_length=5, hash_ids=[1])])
+    with pytest.raises(TraceError, match="more than 2 requests; replay a slice"):
+        parse_lines([good] * 3, max_requests=2)
+    with pytest.raises(TraceError, match="--format 'csv': not one of mooncake, bailian"):
+        parse_lines([good], fmt="csv")
+
+
+# -- keys and the replay against hand-computed figures ----------------------------------------
+
+
+def trace(*reqs: tuple[int, list[int]], block: int = 4) -> Trace:
+    return Trace("mooncake", block, [Request(float(i), n, 1, tuple(ids))
+                                     for i, (n, ids) in enumerate(reqs)])
+
+
+def test_chunk_keys_are_prefix_chains_at_chunk_granularity():
+    a, b = Request(0, 16, 1, (1, 2, 3, 4)), Request(0, 16, 1, (1, 2, 9, 4))
+    ka, left = chunk_keys(a, 4, 8)          # two blocks per chunk
+    kb, _ = chunk_keys(b, 4, 8)
+    assert len(ka) == 2 and left == 0
+    assert ka[0] == kb[0] and ka[1] != kb[1]  # the same last id after another prefix differs
+    halves, left = chunk_keys(Request(0, 10, 1, (1, 2, 3)), 4, 2)  # half a block per chunk
+    assert len(halves) == 5 and left == 0 and len(set(halves)) == 5
+    assert chunk_keys(Request(0, 7, 1, (1, 2)), 4, 4) == (chunk_keys(
+        Request(0, 4, 1, (1,)), 4, 4)[0], 3)   # a partial last chunk is not an object
+
+
+# r0: blocks 1,2 (8 tokens); r1: 1,2,3 (12); r2: 1,9 (7: one whole chunk, 3 left over)
+HAND = trace((8, [1, 2]), (12, [1, 2, 3]), (7, [1, 9]))
+TOKENS = 8 + 12 + 7
+
+
+def pool(**kw) -> PoolModel:
+    return PoolModel(**{"engines": 1, "bytes_per_token": 1, "chunk_tokens": 4, **kw})
+
+
+def test_the_bound_is_what_one_infinite_cache_serves():
+    r = replay(HAND, pool())
+    # r1 finds blocks 1,2 (8 tokens); r2 finds block 1 (4 tokens); nothing else
+    assert (r.bound_tokens, r.bound) == (12, 12 / TOKENS)
+    assert (r.chunks, r.bound_chunks, r.block_bound) == (2 + 3 + 1, 3, 3 / 6)
+    assert r.hit_ratio == 0 and r.computed_tokens == TOKENS  # no cache at all
+
+
+def test_an_engine_cache_that_holds_everything_reaches_the_bound():
+    r = replay(HAND, pool(engine_cache_bytes=1 << 20))
+    assert r.served == {"engine": 12} and r.hit_ratio == r.bound
+
+
+def test_round_robin_engines_lose_what_a_shared_tier_keeps():
+    local = replay(HAND, pool(engines=2, engine_cache_bytes=1 << 20))
+    # r0 -> engine 0, r1 -> engine 1 (misses), r2 -> engine 0 (block 1: 4 tokens)
+    assert local.served == {"engine": 4}
+    shared = replay(HAND, pool(engines=2, engine_cache_bytes=1 << 20,
+                               tiers=(TierModel("shared", 1 << 20, shared=True),)))
+    assert shared.served == {"engine": 4, "shared": 8} and shared.hit_ratio == shared.bound
+    # writes: r0 computes blocks 1, 2; r1 loads them and computes block 3
+    assert shared.reads == {"shared": 2} and shared.writes == {"shared": 3}
+    # cache-aware routing sends r1 where its prefix is: engine 0 serves everything
+    aware = replay(HAND, pool(engines=2, engine_cache_bytes=1 << 20, routing="cache_aware"))
+    assert aware.served == {"engine": 12}
+
+
+def test_a_small_tier_evicts_with_the_cpu_tiers_own_policy_and_promotes_loads():
+    # one-object cpu tier per engine over an unbounded shared tier
+    tiers = (TierModel("cpu", 4, shared=False), TierModel("shared", 1 << 20, shared=True))
+    r = replay(HAND, pool(tiers=tiers))
+    # r0 computes blocks 1, 2 and writes both to both tiers (the cpu tier keeps only 2).
+    # r1: block 1 from the shared tier, block 2 from the cpu tier (each object from the first
+    # tier holding it), block 3 computed; block 1 is promoted into the cpu tier (evicting 2),
+    # then block 3 written to both (evicting 1). r2: block 1 from the shared tier, promoted.
+    assert r.served == {"engine": 0, "cpu": 4, "shared": 8}
+    assert r.reads == {"cpu": 1, "shared": 2}
+    assert r.writes == {"cpu": 2 + 2 + 1, "shared": 2 + 1}
+
+
+def test_granularity_must_divide():
+    with pytest.raises(ValueError, match="must divide one another"):
+        replay(HAND, pool(chunk_tokens=6))
+
+
+# -- sizing -----------------------------------------------------------------------------------
+
+
+def test_sweep_spec_knee_and_tiers_block():
+    assert parse_sweep("cpu=8Gi..64Gi") == ("cpu", [8 << 30, 16 << 30, 32 << 30, 64 << 30])
+    assert parse_sweep("shared=1Gi..3Gi") == ("shared", [1 << 30, 2 << 30, 3 << 30])
+    for bad in ("cpu", "gpu=1Gi..2Gi", "cpu=2Gi..1Gi", "cpu=0..1Gi"):
+        with pytest.raises(ValueError, match="--sweep"):
+            parse_sweep(bad)
+    p = pool(tiers=(TierModel("cpu", 1, shared=False),))
+    with pytest.raises(ValueError, match="the pool has no shared tier"):
+        with_size(p, "shared", 5)
+    assert with_size(p, "cpu", 5).tiers[0].size == 5
+    assert with_size(p, "engine", 7).engine_cache_bytes == 7
+
+    def res(hits: int) -> Result:
+        return Result(prompt_tokens=100, served={"cpu": hits})
+
+    assert knee([(1, res(10)), (2, res(30)), (4, res(39.5)), (8, res(40))]) == 4  # type: ignore[arg-type]
+    block = tiers_block(pool(tiers=(TierModel("cpu", 8 << 30, False, "arc"),
+                                    TierModel("shared", 64 << 30, True))), "redis")
+    assert block == "tiers:\n  cpu: {size: 8Gi, evictionPolicy: arc}\n  redis:\n    managed: {memory: 64Gi}"
+
+
+def test_bytes_per_token_from_a_models_config():
+    llama8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096}
+    assert bytes_per_token(llama8b) == 2 * 32 * 8 * 128 * 2 == 131072
+    assert bytes_per_token(llama8b, "fp8") == 65536
+    deepseek = {"num_hidden_layers": 27, "num_attention_heads": 16, "hidden_size": 2048,
+                "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert bytes_per_token(deepseek) == 27 * (512 + 64) * 2
+    with pytest.raises(ValueError, match="lacks a usable 'num_hidden_layers'"):
+        bytes_per_token({})
+    with pytest.raises(ValueError, match="--kv-dtype 'int3'"):
+        bytes_per_token(llama8b, "int3")
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", "plan", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_on_a_public_trace_slice_with_a_sweep(tmp_path):
+    out = tmp_path / "plan.json"
+    p = plan(str(SLICE), "--engines", "2", "--cpu", "1Gi", "--shared", "256Gi",
+             "--sweep", "cpu=1Gi..8Gi", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    for text in ("mooncake, 300 requests, 512-token blocks", "hit ratio = prompt tokens served "
+                 "from any cache / prompt tokens", "sweep of the cpu tier", "<- knee",
+                 "from shared tier", "tiers:\n  cpu: {size: ", "  redis:\n    managed: {memory: 256Gi}"):
+        assert text in p.stdout, text
+    data = json.loads(out.read_text())
+    assert 0 < data["hit_ratio"] <= data["bound"] < 1
+    assert [pt["size"] for pt in data["sweep"]["points"]] == [1 << 30, 2 << 30, 4 << 30, 8 << 30]
+    assert data["sweep"]["knee"] in {pt["size"] for pt in data["sweep"]["points"]}
+    # a bigger cpu tier never serves less on this trace (LRU, same order of requests)
+    ratios = [pt["hit_ratio"] for pt in data["sweep"]["points"]]
+    assert ratios == sorted(ratios)
+    assert data["trace"]["requests"] == 300 and data["served_tokens"]["shared"] > 0
+
+
+def test_the_recommended_tiers_block_is_a_valid_pool(tmp_path):
+    p = plan(str(SLICE), "--cpu", "2Gi", "--shared", "64Gi", "--sweep", "cpu=1Gi..2Gi")
+    assert p.returncode == 0, p.stderr
+    block = p.stdout[p.stdout.index("tiers:\n"):].split("\n\n")[0]
+    manifest = tmp_path / "pool.yaml"
+    manifest.write_text("apiVersion: kvpool.dev/v1alpha1\nkind: KVCachePool\nmetadata:\n"
+                        "  name: planned\nspec:\n  model:\n    name: m/m\n"
+                        + "".join(f"  {ln}\n" for ln in block.splitlines()))
+    v = subprocess.run([sys.executable, "-m", "kvpool_cli", "validate", str(manifest)],
+                       capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engines", "0"], "--engines must be >= 1, not 0"),
+    (["--sweep", "shared=1Gi..2Gi"], "--sweep shared: the pool has no shared tier"),
+    (["--cpu", "lots"], "invalid size 'lots'"),
+    (["--chunk-tokens", "384"], "chunk_tokens 384 and the trace's 512-token blocks must divide"),
+    (["--model", "/nonexistent/config.json"], "--model /nonexistent/config.json: No such file"),
+])
+def test_bad_arguments_are_one_line(args, message):
+    p = plan(str(SLICE), *args)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_malformed_trace_line_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(SLICE.read_text().splitlines()[0] + "\n{\"timestamp\": 1}\n")
+    p = plan(str(bad))
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "kvpool plan: t.jsonl line 2: field 'input_length' must be an integer >= 1, not None")
+    p = plan(str(tmp_path / "missing.jsonl"))
+    assert p.returncode == 2 and "No such file or directory" in p.stderr
