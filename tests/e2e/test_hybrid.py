@@ -21,6 +21,7 @@ import json
 
 import pytest
 
+from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.engine import OfflineEngine
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
@@ -193,7 +194,8 @@ def test_chunks_longer_than_the_window_store_the_windows_last_blocks_only(
     with connector_engine(hybrid_model, tiers, "hybrid-long", **kw) as writer:
         cold = writer.generate([prompt])[0]
     sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-    block = 128 * 2 * 2 * 32 * 2  # tokens x (K, V) x 2 KV heads x head_dim 32 x bf16
+    width = 4 if engine_dtype() == "float32" else 2  # the engines' dtype (bf16 or float32)
+    block = 128 * 2 * 2 * 32 * width  # tokens x (K, V) x 2 KV heads x head_dim 32 x width
     assert len(sizes) == 2 and all(10 * block <= s < 10 * block + 4096 for s in sizes), sizes
     before = hybrid_audit.check()
     with connector_engine(hybrid_model, tiers, "hybrid-long", **kw) as reader:

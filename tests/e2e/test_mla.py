@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool_dev.testbed.dtype import engine_dtype
 from kvpool_dev.testbed.localmodel import ensure_model
 from kvpool_dev.testbed.oracle import check_logprobs_close
 from tests.e2e.conftest import (
@@ -34,6 +35,7 @@ PROMPTS = {"disk": token_prompt(900, 5101), "redis": token_prompt(900, 5102)}
 CHUNKS = 3  # of 256 tokens in 900; a fresh engine's hit is these (768) plus the tail object
 LATENT = 512 + 64  # values per token and layer
 LAYERS = 2
+WIDTH = 4 if engine_dtype() == "float32" else 2  # bytes per value in the engines' dtype
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +97,9 @@ def test_a_fresh_engine_loads_mla_kv_from_each_tier_exactly(served, tier):
 
 
 def test_mla_objects_hold_the_latent_bytes_once(served):
-    """A 256-token chunk of a 2-layer MLA model in bf16 is 2 x 256 x 576 x 2 bytes of payload
+    """A 256-token chunk of a 2-layer MLA model is 2 x 256 x 576 x 2 bytes of payload in bf16
     (one latent tensor a layer; a Llama of the same width stores K and V)."""
-    payload = LAYERS * 256 * LATENT * 2
+    payload = LAYERS * 256 * LATENT * WIDTH
     chunk_objects = [s for s in served["sizes"].values() if s >= payload]
     assert len(chunk_objects) == 2 * CHUNKS, sorted(served["sizes"].values())
     assert all(payload <= s < payload + 4096 for s in chunk_objects), (payload, chunk_objects)
@@ -122,7 +124,7 @@ def test_mla_at_tp2_stores_one_copy_and_a_fresh_tp2_engine_hits_it(mla_model, re
         sizes = sorted(r.strlen(k) for k in redis_keys(redis_server, namespace))
     finally:
         r.close()
-    payload = LAYERS * 256 * LATENT * 2
+    payload = LAYERS * 256 * LATENT * WIDTH
     assert len(sizes) == CHUNKS + 1 and all(payload <= s < payload + 4096 for s in sizes[1:]), sizes
     before = mla_audit.check()
     with connector_engine(mla_model, tiers, namespace, audit_dir=mla_audit.directory, max_model_len=4096,

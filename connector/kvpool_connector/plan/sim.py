@@ -23,13 +23,15 @@ them, since published traces quote both.
 
 from __future__ import annotations
 
+import random
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..store.slots import SlotIndex
 from .trace import Request, Trace
 
-ROUTINGS = ("round_robin", "cache_aware")
+ROUTINGS = ("round_robin", "cache_aware", "consistent_hash", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -136,10 +138,23 @@ class Fleet:
              for t in pool.tiers] for _ in range(pool.engines)]
         self.assigned = [0] * pool.engines
         self._next = 0
+        self._rng = random.Random(0)   # power_of_two's draws: the same replay every run
 
-    def route(self, keys: list[bytes]) -> int:
+    def route(self, keys: list[bytes], session: int | None = None) -> int:
         n = self.pool.engines
-        if self.pool.routing == "cache_aware" and keys:
+        routing = self.pool.routing
+        if routing == "consistent_hash":
+            # vllm-router's sticky routing by session: a conversation stays on one engine
+            if session is None:
+                raise ValueError("routing consistent_hash needs sessions (a Bailian trace's "
+                                 "chat ids); this trace has none")
+            return zlib.crc32(session.to_bytes(8, "little", signed=True)) % n
+        if routing == "power_of_two":
+            # the less loaded of two engines drawn at random (load: requests sent so far, as
+            # the replay has no time)
+            a, b = self._rng.randrange(n), self._rng.randrange(n)
+            return a if self.assigned[a] <= self.assigned[b] else b
+        if routing == "cache_aware" and keys:
             # the router's prefix-aware choice: the engine whose own cache and local tiers
             # hold the longest prefix; ties to the least loaded
             best = max(range(n), key=lambda e: (self._local_prefix(e, keys), -self.assigned[e]))
@@ -196,7 +211,7 @@ def replay(trace: Trace, pool: PoolModel,
         r.bound_tokens += b * ct
         seen.update(keys)
 
-        e = fleet.route(keys)
+        e = fleet.route(keys, req.session)
         fleet.assigned[e] += 1
         cache, tiers = fleet.engine_cache[e], fleet.tiers[e]
         i = 0

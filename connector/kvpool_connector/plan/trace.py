@@ -33,6 +33,7 @@ class Request:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]  # one per block of `block_tokens` (a partial last one or not)
+    session: int | None = None  # the conversation (Bailian: the root chat_id), for sticky routing
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ def _int(rec: dict, field: str, where: str, minimum: int = 0) -> int:
     return v
 
 
-def parse_record(rec: object, fmt: str, block_tokens: int, where: str) -> Request:
-    """One JSON record -> Request (pure)."""
+def parse_record(rec: object, fmt: str, block_tokens: int, where: str,
+                 roots: dict[int, int] | None = None) -> Request:
+    """One JSON record -> Request (pure but for `roots`: a Bailian chat's root chat, filled
+    as chats arrive, so a turn joins the conversation its parent began)."""
     if not isinstance(rec, dict):
         raise TraceError(f"{where}: a request must be a JSON object, not {type(rec).__name__}")
     ts = rec.get("timestamp")
@@ -75,7 +78,15 @@ def parse_record(rec: object, fmt: str, block_tokens: int, where: str) -> Reques
     if len(ids) not in (need, n_in // block_tokens):
         raise TraceError(f"{where}: field 'hash_ids' has {len(ids)} blocks; input_length "
                          f"{n_in} in {block_tokens}-token blocks needs {need}")
-    return Request(ts / 1000.0 if fmt == "mooncake" else float(ts), n_in, n_out, tuple(ids))
+    session = None
+    if fmt == "bailian":
+        chat = _int(rec, "chat_id", where)
+        parent = rec.get("parent_chat_id", -1)
+        session = (roots or {}).get(parent, chat) if isinstance(parent, int) else chat
+        if roots is not None:
+            roots[chat] = session
+    return Request(ts / 1000.0 if fmt == "mooncake" else float(ts), n_in, n_out, tuple(ids),
+                   session)
 
 
 def parse_lines(lines: Iterable[str], fmt: str | None = None, block_tokens: int | None = None,
@@ -85,6 +96,7 @@ def parse_lines(lines: Iterable[str], fmt: str | None = None, block_tokens: int 
     if fmt is not None and fmt not in FORMATS:
         raise TraceError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
     requests: list[Request] = []
+    roots: dict[int, int] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -100,7 +112,7 @@ def parse_lines(lines: Iterable[str], fmt: str | None = None, block_tokens: int 
         if len(requests) >= max_requests:
             raise TraceError(f"{where}: more than {max_requests} requests; replay a slice "
                              "(head -n) or raise --max-requests")
-        requests.append(parse_record(rec, fmt, block_tokens, where))
+        requests.append(parse_record(rec, fmt, block_tokens, where, roots))
     if not requests:
         raise TraceError(f"{source}: no requests")
     requests.sort(key=lambda r: r.t)

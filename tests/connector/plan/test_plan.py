@@ -150,6 +150,7 @@ def test_granularity_must_divide():
 def test_sweep_spec_knee_and_tiers_block():
     assert parse_sweep("cpu=8Gi..64Gi") == ("cpu", [8 << 30, 16 << 30, 32 << 30, 64 << 30])
     assert parse_sweep("shared=1Gi..3Gi") == ("shared", [1 << 30, 2 << 30, 3 << 30])
+    assert parse_sweep("redis=1Gi..1Gi") == ("redis", [1 << 30])
     for bad in ("cpu", "gpu=1Gi..2Gi", "cpu=2Gi..1Gi", "cpu=0..1Gi"):
         with pytest.raises(ValueError, match="--sweep"):
             parse_sweep(bad)
@@ -165,7 +166,10 @@ def test_sweep_spec_knee_and_tiers_block():
     assert knee([(1, res(10)), (2, res(30)), (4, res(39.5)), (8, res(40))]) == 4  # type: ignore[arg-type]
     block = tiers_block(pool(tiers=(TierModel("cpu", 8 << 30, False, "arc"),
                                     TierModel("shared", 64 << 30, True))), "redis")
-    assert block == "tiers:\n  cpu: {size: 8Gi, evictionPolicy: arc}\n  redis:\n    managed: {memory: 64Gi}"
+    # a managed Redis's maxmemory is 85% of its memory: 64 GiB of objects need 76 GiB
+    assert block == "tiers:\n  cpu: {size: 8Gi, evictionPolicy: arc}\n  redis:\n    managed: {memory: 76Gi}"
+    s3 = tiers_block(pool(tiers=(TierModel("s3", 90 << 30, True),)))
+    assert s3 == "tiers:\n  s3:\n    managed: {storage: 100Gi}"
 
 
 def test_bytes_per_token_from_a_models_config():
@@ -197,7 +201,7 @@ def test_plan_on_a_public_trace_slice_with_a_sweep(tmp_path):
     assert p.returncode == 0, p.stderr
     for text in ("mooncake, 300 requests, 512-token blocks", "hit ratio = prompt tokens served "
                  "from any cache / prompt tokens", "sweep of the cpu tier", "<- knee",
-                 "from shared tier", "tiers:\n  cpu: {size: ", "  redis:\n    managed: {memory: 256Gi}"):
+                 "from shared tier", "tiers:\n  cpu: {size: ", "  redis:\n    managed: {memory: 302Gi}"):
         assert text in p.stdout, text
     data = json.loads(out.read_text())
     assert 0 < data["hit_ratio"] <= data["bound"] < 1
@@ -243,3 +247,100 @@ def test_a_malformed_trace_line_is_one_line_naming_it(tmp_path):
         "kvpool plan: t.jsonl line 2: field 'input_length' must be an integer >= 1, not None")
     p = plan(str(tmp_path / "missing.jsonl"))
     assert p.returncode == 2 and "No such file or directory" in p.stderr
+
+
+# -- -f POOL.yaml -----------------------------------------------------------------------------
+
+POOL = """\
+apiVersion: kvpool.dev/v1alpha1
+kind: KVCachePool
+metadata: {name: planned}
+spec:
+  replicas: 3
+  chunkTokens: 512
+  model: {name: m/m}
+  router: {policy: cache_aware}
+  tiers:
+    cpu: {size: 2Gi, evictionPolicy: arc}
+    disk:
+      size: 8Gi
+      volume:
+        persistentVolumeClaim: {claimName: shared-kv}
+    redis:
+      managed: {memory: 20Gi}
+"""
+
+
+def test_a_pool_manifest_is_the_model(tmp_path):
+    from kvpool_connector.plan.pool_file import read_pool
+
+    f = tmp_path / "pool.yaml"
+    f.write_text(POOL)
+    planned = read_pool(str(f), bytes_per_token=1024, engine_cache_bytes=0)
+    p = planned.pool
+    assert (p.engines, p.routing, p.chunk_tokens, planned.name) == (3, "cache_aware", 512, "planned")
+    assert p.tiers == (TierModel("cpu", 2 << 30, shared=False, eviction="arc"),
+                       TierModel("disk", 8 << 30, shared=True),       # on a claim: shared
+                       TierModel("redis", int(20 * 0.85 * (1 << 30)), shared=True))  # maxmemory
+    assert planned.notes == ["disk on a claim: one tier every engine shares, evicting at its size"]
+    local = read_pool(str(f), bytes_per_token=1024, engine_cache_bytes=0, engines=5,
+                      routing="round_robin")
+    assert (local.pool.engines, local.pool.routing) == (5, "round_robin")
+
+    out = tmp_path / "p.json"
+    r = plan(str(SLICE), "-f", str(f), "--sweep", "redis=1Gi..4Gi", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "pool: 3 engine(s), cache_aware" in r.stdout and "from disk tier" in r.stdout
+    assert "note: disk on a claim" in r.stdout and "sweep of the redis tier" in r.stdout
+    assert "  redis:\n    managed: {memory: " in r.stdout
+    assert json.loads(out.read_text())["sweep"]["tier"] == "redis"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("managed: {memory: 20Gi}", "external: {url: 'redis://r:6379/0'}"),
+     "spec.tiers.redis.external: its capacity is not in the manifest; --shared SIZE gives it"),
+    (lambda t: t.replace("chunkTokens: 512", "chunkTokens: 100"), "chunkTokens must be a multiple of 16"),
+    (lambda t: t.replace("kind: KVCachePool", "kind: ConfigMap"), "no KVCachePool document"),
+    (lambda t: t + "  bogus: [\n", "pool.yaml"),
+])
+def test_a_pool_the_planner_or_the_validator_refuses_is_one_line(tmp_path, edit, message):
+    f = tmp_path / "pool.yaml"
+    f.write_text(edit(POOL))
+    r = plan(str(SLICE), "-f", str(f))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert plan(str(SLICE), "-f", str(f), "--cpu", "1Gi").returncode == 2
+
+
+# -- routing by session -----------------------------------------------------------------------
+
+
+def bailian(chat: int, parent: int, ids: list[int], t: float) -> str:
+    return line(chat_id=chat, parent_chat_id=parent, timestamp=t, input_length=16 * len(ids),
+                output_length=1, type="text", turn=1, hash_ids=ids)
+
+
+def test_sticky_routing_keeps_a_conversation_on_its_engine():
+    # conversations A (chats 1 -> 2) and B (chats 3 -> 4), each turn resending the last
+    t = parse_lines([bailian(1, -1, [1, 2], 0), bailian(2, 1, [1, 2, 3], 1),
+                     bailian(3, -1, [7, 8], 2), bailian(4, 3, [7, 8, 9], 3)])
+    assert [r.session for r in t.requests] == [1, 1, 3, 3]
+    p = pool(engines=2, engine_cache_bytes=1 << 20, chunk_tokens=16)
+    rr = replay(t, p)                                           # A2 and B2 land elsewhere
+    sticky = replay(t, PoolModel(**{**p.__dict__, "routing": "consistent_hash"}))
+    assert rr.served["engine"] == 0 and sticky.served["engine"] == 32 + 32 == sticky.bound_tokens
+    with pytest.raises(ValueError, match="consistent_hash needs sessions"):
+        replay(HAND, pool(routing="consistent_hash"))
+
+
+def test_power_of_two_is_seeded_and_spreads_load():
+    many = trace(*[(4, [i]) for i in range(400)])
+    a = replay(many, pool(engines=4, engine_cache_bytes=1 << 20, routing="power_of_two"))
+    b = replay(many, pool(engines=4, engine_cache_bytes=1 << 20, routing="power_of_two"))
+    assert a == b
+    from kvpool_connector.plan.sim import Fleet
+
+    fleet = Fleet(pool(engines=4, routing="power_of_two"))
+    for _ in range(400):
+        fleet.assigned[fleet.route([])] += 1
+    assert max(fleet.assigned) - min(fleet.assigned) <= 10   # two choices balance closely

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import parse_size
+from .pool_file import PoolFileError, managed_memory, managed_storage, read_pool
 from .sim import ROUTINGS, PoolModel, Result, TierModel, replay
 from .trace import FORMATS, MAX_REQUESTS, Trace, TraceError, read_trace
 
 DEFINITION = ("hit ratio = prompt tokens served from any cache / prompt tokens, every request "
               "counted, a prefix's first sight a miss; bound = the same for one infinite cache "
               "all engines share")
+SWEEPABLE = ("cpu", "shared", "engine", "disk", "redis", "s3")
 KNEE_POINTS = 0.01   # the knee: the smallest size within 1 point of the sweep's best ratio
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
                "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -54,9 +56,9 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
     """'cpu=8Gi..256Gi' -> ('cpu', sizes doubling from 8Gi to 256Gi) (pure)."""
     name, sep, rng = spec.partition("=")
     lo, dots, hi = rng.partition("..")
-    if not sep or not dots or name not in ("cpu", "shared", "engine"):
-        raise ValueError(f"--sweep {spec!r}: use TIER=LOW..HIGH with TIER cpu, shared or "
-                         "engine, e.g. cpu=8Gi..256Gi")
+    if not sep or not dots or name not in SWEEPABLE:
+        raise ValueError(f"--sweep {spec!r}: use TIER=LOW..HIGH with TIER one of "
+                         f"{', '.join(SWEEPABLE)}, e.g. cpu=8Gi..256Gi")
     a, b = parse_size(lo), parse_size(hi)
     if not 0 < a <= b:
         raise ValueError(f"--sweep {spec!r}: LOW must be > 0 and <= HIGH")
@@ -73,8 +75,8 @@ def with_size(pool: PoolModel, name: str, size: int) -> PoolModel:
     if name == "engine":
         return replace(pool, engine_cache_bytes=size)
     tiers = tuple(replace(t, size=size) if t.name == name else t for t in pool.tiers)
-    if tiers == pool.tiers and not any(t.name == name for t in pool.tiers):
-        raise ValueError(f"--sweep {name}: the pool has no {name} tier (--{name} SIZE)")
+    if not any(t.name == name for t in pool.tiers):
+        raise ValueError(f"--sweep {name}: the pool has no {name} tier")
     return replace(pool, tiers=tiers)
 
 
@@ -150,19 +152,24 @@ def render_sweep(name: str, points: list[tuple[int, Result]], best: int) -> str:
     return "\n".join(lines)
 
 
-def tiers_block(pool: PoolModel, shared_type: str) -> str:
-    """The pool's tiers as a KVCachePool `spec.tiers` block (pure): the cpu tier per engine,
-    the shared tier as a managed Redis of that memory or a disk on a claim every node mounts."""
+def tiers_block(pool: PoolModel, shared_type: str = "redis") -> str:
+    """The pool's tiers as a KVCachePool `spec.tiers` block (pure): the cpu tier per engine;
+    Redis as a managed Redis whose maxmemory (85% of `memory`) holds the planned size, MinIO
+    likewise (its quota: 90% of `storage`); a disk tier at its size (a shared one on a claim
+    every node mounts)."""
     lines = ["tiers:"]
     for t in pool.tiers:
-        if not t.shared:
+        kind = shared_type if t.name == "shared" else t.name
+        if kind == "cpu":
             lines.append(f"  cpu: {{size: {gib(t.size)}, evictionPolicy: {t.eviction}}}")
-        elif shared_type == "redis":
-            lines.append(f"  redis:\n    managed: {{memory: {gib(t.size)}}}")
+        elif kind == "redis":
+            lines.append(f"  redis:\n    managed: {{memory: {gib(managed_memory(t.size))}}}")
+        elif kind == "s3":
+            lines.append(f"  s3:\n    managed: {{storage: {gib(managed_storage(t.size))}}}")
         else:
-            lines.append(f"  disk:\n    size: {gib(t.size)}\n    volume:\n      "
-                         "persistentVolumeClaim: {claimName: shared-kv}  # ReadWriteMany, "
-                         "on every node")
+            volume = ("persistentVolumeClaim: {claimName: shared-kv}  # ReadWriteMany, every node"
+                      if t.shared else "hostPath: {path: /mnt/nvme/kvpool}  # a node-local NVMe")
+            lines.append(f"  disk:\n    size: {gib(t.size)}\n    volume:\n      {volume}")
     return "\n".join(lines)
 
 
@@ -176,18 +183,22 @@ def _progress(total: int) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpool plan", description=__doc__.split("\n\n")[1])
     ap.add_argument("trace", help="JSON-lines trace (Mooncake or Bailian format)")
+    ap.add_argument("-f", "--filename", default=None, metavar="POOL.yaml", help="plan this "
+                    "KVCachePool: its replicas, router policy, chunkTokens and tiers (checked by "
+                    "the operator's validator); --engines and --routing override")
     ap.add_argument("--format", choices=sorted(FORMATS), default=None,
                     help="trace format (default: detected from the first line)")
     ap.add_argument("--block-tokens", type=int, default=None,
                     help="tokens per hash block (default: the format's, 512 or 16)")
-    ap.add_argument("--engines", type=int, default=1, help="vLLM replicas (default 1)")
-    ap.add_argument("--routing", choices=ROUTINGS, default="round_robin")
+    ap.add_argument("--engines", type=int, default=None, help="vLLM replicas (default 1)")
+    ap.add_argument("--routing", choices=ROUTINGS, default=None,
+                    help="how requests reach engines (default round_robin)")
     ap.add_argument("--engine-cache", default="0", metavar="SIZE", help="each engine's own "
                     "vLLM KV cache, e.g. 20Gi (default 0: none modelled)")
     ap.add_argument("--cpu", default="0", metavar="SIZE", help="kvpool cpu tier per engine "
                     "(0: none)")
     ap.add_argument("--shared", default="0", metavar="SIZE", help="one tier all engines share "
-                    "(0: none)")
+                    "(0: none); with -f, the capacity of an external Redis or S3")
     ap.add_argument("--shared-type", default="redis", choices=("redis", "disk"),
                     help="what the shared tier is, for the printed tiers block")
     ap.add_argument("--eviction", choices=("lru", "arc"), default="lru",
@@ -223,22 +234,32 @@ def main(argv: list[str] | None = None) -> int:
         if bpt <= 0 or args.chunk_tokens <= 0:
             return fail("--bytes-per-token and --chunk-tokens must be > 0")
         sizes = {k: parse_size(getattr(args, k)) for k in ("engine_cache", "cpu", "shared")}
-        tiers = []
-        if sizes["cpu"]:
-            tiers.append(TierModel("cpu", sizes["cpu"], shared=False, eviction=args.eviction))
-        if sizes["shared"]:
-            tiers.append(TierModel("shared", sizes["shared"], shared=True))
-        pool = PoolModel(engines=args.engines, bytes_per_token=bpt,
-                         engine_cache_bytes=sizes["engine_cache"], tiers=tuple(tiers),
-                         routing=args.routing, chunk_tokens=args.chunk_tokens)
+        if args.engines is not None and args.engines < 1:
+            return fail(f"--engines must be >= 1, not {args.engines}")
+        notes: list[str] = []
+        if args.filename:
+            if sizes["cpu"]:
+                return fail("--cpu with -f: the manifest's tiers are the pool (--sweep cpu=... "
+                            "varies its cpu tier)")
+            planned = read_pool(args.filename, bytes_per_token=bpt,
+                                engine_cache_bytes=sizes["engine_cache"], engines=args.engines,
+                                routing=args.routing, external_size=sizes["shared"])
+            pool, notes = planned.pool, planned.notes
+        else:
+            tiers = []
+            if sizes["cpu"]:
+                tiers.append(TierModel("cpu", sizes["cpu"], shared=False, eviction=args.eviction))
+            if sizes["shared"]:
+                tiers.append(TierModel("shared", sizes["shared"], shared=True))
+            pool = PoolModel(engines=args.engines or 1, bytes_per_token=bpt,
+                             engine_cache_bytes=sizes["engine_cache"], tiers=tuple(tiers),
+                             routing=args.routing or "round_robin", chunk_tokens=args.chunk_tokens)
         sweep = parse_sweep(args.sweep) if args.sweep else None
         if sweep:
             with_size(pool, sweep[0], sweep[1][0])  # refuses a tier the pool lacks
-        if args.engines < 1:
-            return fail(f"--engines must be >= 1, not {args.engines}")
         t0 = time.monotonic()
         trace = read_trace(args.trace, args.format, args.block_tokens, args.max_requests)
-    except (TraceError, ValueError) as e:
+    except (TraceError, PoolFileError, ValueError) as e:
         return fail(str(e))
 
     runs = [(None, pool)] if not sweep else [(s, with_size(pool, sweep[0], s)) for s in sweep[1]]
@@ -251,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     elapsed = time.monotonic() - t0
     print(describe(trace, pool, Path(args.trace).name))
+    for note in notes:
+        print(f"note: {note}")
     print()
     report: dict[str, Any] = {"definition": DEFINITION, "trace": {
         "format": trace.format, "requests": len(trace.requests),

@@ -1,0 +1,110 @@
+"""`kvpool plan -f POOL.yaml`: the pool to replay, read from a `KVCachePool` manifest that the
+operator's own validator accepts (a pool it refuses is refused here, in its one line).
+
+What a manifest says, the model takes: engine replicas, chunkTokens, the router's policy, and
+each tier's capacity as the store sees it: the cpu tier per engine; a disk tier per engine on
+a node-local volume, or one shared by every engine on a claim (persistentVolumeClaim); a
+managed Redis holds its maxmemory (85% of `memory`), a managed MinIO its bucket quota (90% of
+`storage`). What it cannot say (an external Redis or S3's capacity, vLLM's own cache) comes
+from the command line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import parse_size
+from .sim import PoolModel, TierModel
+
+REDIS_MAXMEMORY = 0.85   # ManagedRedis: maxmemory is 85% of memory (allkeys-lru)
+MINIO_QUOTA = 0.90       # ManagedS3: the bucket's quota is 90% of storage
+GI = 1 << 30
+ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hash", "power_of_two")
+
+
+class PoolFileError(ValueError):
+    """A manifest the planner cannot model; one line naming the field."""
+
+
+@dataclass(frozen=True)
+class PlannedPool:
+    pool: PoolModel
+    notes: list[str]          # what the model approximates for this manifest
+    name: str
+
+
+def managed_memory(capacity: int) -> int:
+    """The managed Redis `memory` whose maxmemory holds `capacity` bytes, whole GiB (pure)."""
+    return math.ceil(capacity / REDIS_MAXMEMORY / GI) * GI
+
+
+def managed_storage(capacity: int) -> int:
+    """The managed MinIO `storage` whose quota holds `capacity` bytes, whole GiB (pure)."""
+    return math.ceil(capacity / MINIO_QUOTA / GI) * GI
+
+
+def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes: int,
+              engines: int | None = None, routing: str | None = None,
+              external_size: int = 0) -> PlannedPool:
+    """A validated KVCachePoolSpec -> the replay's PoolModel (pure)."""
+    notes: list[str] = []
+    n = engines or spec.replicas
+    if spec.autoscaling is not None and not engines:
+        n = spec.autoscaling.max_replicas
+        notes.append(f"autoscaling: planned at maxReplicas ({n}); --engines N for another count")
+    if n < 1:
+        raise PoolFileError("spec.replicas: 0 engines serve nothing; --engines N to plan")
+    policy = spec.router.policy if spec.router is not None else "round_robin"
+    if routing is None:
+        routing = policy if policy in ROUTER_POLICIES else "round_robin"
+        if policy not in ROUTER_POLICIES:
+            notes.append(f"spec.router.policy {policy} is not modelled: replayed as round robin")
+    t = spec.tiers
+    tiers: list[TierModel] = []
+    if t.cpu is not None:
+        tiers.append(TierModel("cpu", parse_size(t.cpu.size), shared=False, eviction=t.cpu.eviction_policy))
+    if t.disk is not None:
+        shared_disk = t.disk.volume.persistent_volume_claim is not None
+        tiers.append(TierModel("disk", parse_size(t.disk.size), shared=shared_disk))
+        if shared_disk:
+            notes.append("disk on a claim: one tier every engine shares, evicting at its size")
+    for kind, backend, managed_size, share in (
+            ("redis", t.redis, lambda m: int(parse_size(m.memory) * REDIS_MAXMEMORY), "maxmemory"),
+            ("s3", t.s3, lambda m: int(parse_size(m.storage) * MINIO_QUOTA), "bucket quota")):
+        if backend is None:
+            continue
+        if backend.managed is not None:
+            tiers.append(TierModel(kind, managed_size(backend.managed), shared=True))
+        elif external_size:
+            tiers.append(TierModel(kind, external_size, shared=True))
+        else:
+            raise PoolFileError(f"spec.tiers.{kind}.external: its capacity is not in the manifest; "
+                                f"--shared SIZE gives it (its {share})")
+    return PlannedPool(PoolModel(engines=n, bytes_per_token=bytes_per_token,
+                                 engine_cache_bytes=engine_cache_bytes, tiers=tuple(tiers),
+                                 routing=routing, chunk_tokens=spec.chunk_tokens), notes, name)
+
+
+def read_pool(path: str, **kw: Any) -> PlannedPool:
+    """The first KVCachePool in a file, checked by the operator's own validator."""
+    from kvpool_connector.config import MalformedFile, UsageError, load_documents
+
+    try:
+        from kvpool_operator.render import InvalidPool
+        from kvpool_operator.settings import Settings
+        from kvpool_operator.validation import check_document
+    except ImportError as e:  # an engine image: the operator's dependencies are not there
+        raise PoolFileError(f"-f needs the operator's validator (pip install 'kvpool[operator]'): "
+                            f"{e}") from None
+
+    try:
+        docs = load_documents(path)
+        pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == "KVCachePool"]
+        if not pools:
+            raise PoolFileError(f"{path}: no KVCachePool document")
+        checked = check_document(pools[0], Settings.from_env())
+    except (MalformedFile, UsageError, InvalidPool) as e:  # UsageError: KVPOOL_* settings too
+        raise PoolFileError(str(e)) from None
+    return from_spec(checked.pool.spec, checked.pool.name, **kw)
