@@ -48,7 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("kvpool_operator.cli:render_main", "render a KVCachePool's child manifests (kvpool-operator render)"),
     "validate": ("kvpool_cli.validate", "validate a connector config or a KVCachePool"),
     "model": ("kvpool_dev.testbed.localmodel", "generate the local demo/bench model"),
-    "plan": ("kvpool_connector.plan.cli", "size a pool from a request trace (Mooncake, Bailian): "
+    "plan": ("kvpool_cli.plan", "size a pool from a request trace (Mooncake, Bailian): "
              "hit ratio per tier and size vs the infinite-cache bound"),
 }
 GROUPS = tuple(dict.fromkeys(name.split()[0] for name in COMMANDS if " " in name))  # ("bench",)

@@ -1,6 +1,8 @@
 """`kvpool plan TRACE`: size a pool from a request trace.
 
-Replays a Mooncake or Bailian trace (trace.py) through a model of the pool (sim.py): engines
+Replays a Mooncake or Bailian trace (kvpool_connector.plan.trace) through a model of the pool
+(kvpool_connector.plan.sim, on the cpu tier's own bookkeeping; -f reads it from a KVCachePool
+the operator's validator accepts: plan_pool.py): engines
 behind a router, each with vLLM's own prefix cache and a kvpool cpu tier, and optionally one
 shared tier. Prints prompt tokens served per source and computed, the hit ratio beside the
 bound of one infinite shared cache, the shared tier's traffic, and with `--sweep` the hit
@@ -17,10 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..config import parse_size
-from .pool_file import PoolFileError, managed_memory, managed_storage, read_pool
-from .sim import ROUTINGS, PoolModel, Result, TierModel, replay
-from .trace import FORMATS, MAX_REQUESTS, Trace, TraceError, read_trace
+from kvpool_cli.plan_pool import PoolFileError, managed_memory, managed_storage, read_pool
+from kvpool_connector.config import parse_size
+from kvpool_connector.plan.sim import ROUTINGS, PoolModel, Result, TierModel, replay
+from kvpool_connector.plan.trace import FORMATS, MAX_REQUESTS, Trace, TraceError, read_trace
 
 DEFINITION = ("hit ratio = prompt tokens served from any cache / prompt tokens, every request "
               "counted, a prefix's first sight a miss; bound = the same for one infinite cache "
@@ -174,9 +176,12 @@ def tiers_block(pool: PoolModel, shared_type: str = "redis") -> str:
 
 
 def _progress(total: int) -> Any:
-    """A progress bar on a terminal (none when stderr is not one)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
+    """A progress bar on a terminal (tqdm, which vLLM brings; none in an image without it,
+    or when stderr is not a terminal)."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        return None
     return tqdm(total=total, unit="req", file=sys.stderr, disable=None)
 
 
@@ -265,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(None, pool)] if not sweep else [(s, with_size(pool, sweep[0], s)) for s in sweep[1]]
     bar = _progress(len(trace.requests) * len(runs))
     try:
-        results = [(size, replay(trace, p, bar.update)) for size, p in runs]
-    except ValueError as e:  # chunk size vs the trace's blocks
+        results = [(size, replay(trace, p, bar.update if bar else None)) for size, p in runs]
+    except ValueError as e:  # chunk size vs the trace's blocks, sessions for consistent_hash
         return fail(str(e))
     finally:
-        bar.close()
+        if bar:
+            bar.close()
     elapsed = time.monotonic() - t0
     print(describe(trace, pool, Path(args.trace).name))
     for note in notes:

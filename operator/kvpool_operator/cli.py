@@ -106,6 +106,14 @@ def check_pool(doc: dict) -> tuple[str, str | None, list[str]]:
     return validation.describe(doc), None, [*misspelled(), *checked.warnings]
 
 
+def pool_spec(doc: dict) -> tuple[str, Any]:
+    """`kvpool plan -f`: a KVCachePool document's name and spec (models.KVCachePoolSpec), by
+    the operator's own path with its settings from the environment; a refused pool raises
+    InvalidPool, bad settings SettingsError (each a ValueError of one line)."""
+    checked = validation.check_document(doc, Settings.from_env())
+    return checked.pool.name, checked.pool.spec
+
+
 def _render(args: argparse.Namespace) -> int:
     """Nothing on stdout unless every document renders: a pipe into kubectl never applies half."""
     try:

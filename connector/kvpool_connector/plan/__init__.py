@@ -1,2 +1,3 @@
-"""`kvpool plan`: size a pool from a request trace (trace.py parses, sim.py replays, cli.py
-prints)."""
+"""What `kvpool plan` replays (the umbrella CLI's command): trace.py parses Mooncake and
+Bailian traces, sim.py replays one through a model of the pool on the cpu tier's own
+bookkeeping (store/slots.py)."""

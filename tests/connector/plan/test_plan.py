@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_connector.plan.cli import bytes_per_token, knee, parse_sweep, tiers_block, with_size
+from kvpool_cli.plan import bytes_per_token, knee, parse_sweep, tiers_block, with_size
 from kvpool_connector.plan.sim import PoolModel, Result, TierModel, chunk_keys, replay
 from kvpool_connector.plan.trace import Request, Trace, TraceError, parse_lines
 
@@ -272,7 +272,7 @@ spec:
 
 
 def test_a_pool_manifest_is_the_model(tmp_path):
-    from kvpool_connector.plan.pool_file import read_pool
+    from kvpool_cli.plan_pool import read_pool
 
     f = tmp_path / "pool.yaml"
     f.write_text(POOL)

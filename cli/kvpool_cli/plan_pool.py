@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import parse_size
-from .sim import PoolModel, TierModel
+from kvpool_connector.config import parse_size
+from kvpool_connector.plan.sim import PoolModel, TierModel
 
 REDIS_MAXMEMORY = 0.85   # ManagedRedis: maxmemory is 85% of memory (allkeys-lru)
 MINIO_QUOTA = 0.90       # ManagedS3: the bucket's quota is 90% of storage
@@ -88,23 +88,22 @@ def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes:
 
 
 def read_pool(path: str, **kw: Any) -> PlannedPool:
-    """The first KVCachePool in a file, checked by the operator's own validator."""
-    from kvpool_connector.config import MalformedFile, UsageError, load_documents
-
-    try:
-        from kvpool_operator.render import InvalidPool
-        from kvpool_operator.settings import Settings
-        from kvpool_operator.validation import check_document
-    except ImportError as e:  # an engine image: the operator's dependencies are not there
-        raise PoolFileError(f"-f needs the operator's validator (pip install 'kvpool[operator]'): "
-                            f"{e}") from None
+    """The first KVCachePool in a file, checked by the operator's own validator (imported on
+    use, as `kvpool validate` does: an engine image lacks the operator's dependencies)."""
+    from kvpool_cli.main import load
+    from kvpool_connector.config import MalformedFile, load_documents
 
     try:
         docs = load_documents(path)
         pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == "KVCachePool"]
         if not pools:
             raise PoolFileError(f"{path}: no KVCachePool document")
-        checked = check_document(pools[0], Settings.from_env())
-    except (MalformedFile, UsageError, InvalidPool) as e:  # UsageError: KVPOOL_* settings too
+        try:
+            pool_spec = load("kvpool_operator.cli:pool_spec")
+        except ImportError as e:
+            raise PoolFileError(f"-f needs the operator's validator (pip install "
+                                f"'kvpool[operator]'): {e}") from None
+        name, spec = pool_spec(pools[0])
+    except (MalformedFile, ValueError) as e:  # UsageError, InvalidPool, SettingsError too
         raise PoolFileError(str(e)) from None
-    return from_spec(checked.pool.spec, checked.pool.name, **kw)
+    return from_spec(spec, name, **kw)
