@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,22 @@ DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
                "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
-def bytes_per_token(config: dict, kv_dtype: str = "auto") -> int:
-    """KV bytes one token takes over all layers, from a model's config.json (pure): MLA
-    (DeepSeek-style `kv_lora_rank`) stores one latent of kv_lora_rank + rope dims per layer;
-    other models K and V of every KV head. Models that keep several KV groups (sliding-window
-    layers) are counted at full attention: an upper bound."""
+@dataclass(frozen=True)
+class KVShape:
+    """KV bytes per token of a model: its full-attention layers, and its sliding-window layers
+    with their window (0: none)."""
+
+    full: int
+    window: int = 0
+    window_tokens: int = 0
+
+
+def kv_shape(config: dict, kv_dtype: str = "auto") -> KVShape:
+    """A model's KV bytes per token from its config.json (pure): MLA (DeepSeek-style
+    `kv_lora_rank`) stores one latent of kv_lora_rank + rope dims per layer; other models K
+    and V of every KV head; sliding-window layers (`layer_types`, or Gemma's
+    `sliding_window_pattern`: every n-th layer full) are counted apart, since kvpool keeps
+    only a window's last blocks of them per chunk (docs/connector.md, Hybrid models)."""
     if kv_dtype not in DTYPE_BYTES:
         raise ValueError(f"--kv-dtype {kv_dtype!r}: not one of {', '.join(DTYPE_BYTES)}")
     width = DTYPE_BYTES[kv_dtype]
@@ -45,13 +56,31 @@ def bytes_per_token(config: dict, kv_dtype: str = "auto") -> int:
     try:
         layers = int(cfg["num_hidden_layers"])
         if cfg.get("kv_lora_rank"):
-            return layers * (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * width
+            return KVShape(layers * (int(cfg["kv_lora_rank"])
+                                     + int(cfg.get("qk_rope_head_dim", 0))) * width)
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        window = int(cfg.get("sliding_window") or 0)
+        types = cfg.get("layer_types")
+        pattern = int(cfg.get("sliding_window_pattern") or 0)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--model: config.json lacks a usable {e} for the KV size") from None
-    return 2 * layers * kv_heads * head_dim * width
+    per_layer = 2 * kv_heads * head_dim * width
+    sliding = 0
+    if window and isinstance(types, list):
+        sliding = sum(t == "sliding_attention" for t in types[:layers])
+    elif window and pattern > 1:
+        sliding = layers - layers // pattern
+    if not sliding:
+        return KVShape(layers * per_layer)
+    return KVShape((layers - sliding) * per_layer, sliding * per_layer, window)
+
+
+def bytes_per_token(config: dict, kv_dtype: str = "auto") -> int:
+    """Every layer's KV bytes per token (a sliding-window model's before its windows)."""
+    shape = kv_shape(config, kv_dtype)
+    return shape.full + shape.window
 
 
 def parse_sweep(spec: str) -> tuple[str, list[int]]:
@@ -117,7 +146,14 @@ def describe(trace: Trace, pool: PoolModel, source: str) -> str:
             f"pool: {pool.engines} engine(s), {pool.routing}; vLLM cache "
             f"{gib(pool.engine_cache_bytes) if pool.engine_cache_bytes else 'none'} per engine; "
             f"{tiers}; {pool.chunk_tokens}-token chunks of {pool.bytes_per_token} B/token "
-            f"({gib(pool.object_bytes())} objects)\n{DEFINITION}")
+            f"({gib(pool.object_bytes())} objects{_windows(pool)})\n{DEFINITION}")
+
+
+def _windows(pool: PoolModel) -> str:
+    if not pool.window_tokens:
+        return ""
+    return (f"; sliding-window layers, {pool.window_bytes_per_token} B/token, keep their "
+            f"{pool.window_tokens}-token window's last blocks of {pool.block_tokens}")
 
 
 def render(r: Result, pool: PoolModel) -> str:
@@ -212,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, metavar="CONFIG", help="a model's config.json "
                     "(or its directory): KV bytes per token")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = bfloat16)")
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV block size (16 on "
+                    "CUDA): a sliding-window layer keeps its window's last blocks per chunk")
     ap.add_argument("--bytes-per-token", type=int, default=None,
                     help="KV bytes per token, instead of --model (default: 131072, "
                     "a Llama-3-8B-shaped model in bfloat16)")
@@ -219,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay once per size, doubling: cpu=8Gi..256Gi")
     ap.add_argument("--max-requests", type=int, default=MAX_REQUESTS)
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
+    ap.add_argument("--png", default=None, metavar="FILE", help="also draw the sweep's curve "
+                    "(hit ratio and each source's share against the size, the bound, the knee); "
+                    "needs matplotlib")
     args = ap.parse_args(argv)
 
     def fail(msg: str) -> int:
@@ -233,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                 config = json.loads(cfg_path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 return fail(f"--model {args.model}: {getattr(e, 'strerror', None) or e}")
-            bpt = bytes_per_token(config, args.kv_dtype)
+            shape = kv_shape(config, args.kv_dtype)
         else:
-            bpt = args.bytes_per_token or 131072
+            shape = KVShape(args.bytes_per_token or 131072)
+        bpt = shape.full
         if bpt <= 0 or args.chunk_tokens <= 0:
             return fail("--bytes-per-token and --chunk-tokens must be > 0")
         sizes = {k: parse_size(getattr(args, k)) for k in ("engine_cache", "cpu", "shared")}
@@ -259,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
             pool = PoolModel(engines=args.engines or 1, bytes_per_token=bpt,
                              engine_cache_bytes=sizes["engine_cache"], tiers=tuple(tiers),
                              routing=args.routing or "round_robin", chunk_tokens=args.chunk_tokens)
+        if args.block_size < 1:
+            return fail(f"--block-size must be >= 1, not {args.block_size}")
+        pool = replace(pool, window_bytes_per_token=shape.window,
+                       window_tokens=shape.window_tokens, block_tokens=args.block_size)
         sweep = parse_sweep(args.sweep) if args.sweep else None
+        if args.png and not sweep:
+            return fail("--png draws a sweep's curve: add --sweep TIER=LOW..HIGH")
         if sweep:
             with_size(pool, sweep[0], sweep[1][0])  # refuses a tier the pool lacks
         t0 = time.monotonic()
@@ -306,7 +354,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n({len(trace.requests) * len(runs):,} requests replayed in {elapsed:.1f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.png and sweep:  # a sweep's curve: --png without --sweep was refused above
+        try:
+            chart([(s, r) for s, r in results if s is not None], sweep[0], best,
+                  Path(args.png), f"{Path(args.trace).name}: {pool.engines} engine(s), "
+                  f"{pool.routing}")
+        except ImportError:
+            return fail("--png needs matplotlib (pip install matplotlib)")
+        except OSError as e:
+            return fail(f"--png {args.png}: {e.strerror or e}")
     return 0
+
+
+def chart(points: list[tuple[int, Result]], name: str, best: int, path: Path,
+          title: str) -> None:
+    """The sweep as a PNG: hit ratio and each source's share per size (log scale), the
+    infinite-cache bound, the knee."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s / (1 << 30) for s, _ in points]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(sizes, [r.hit_ratio for _, r in points], marker="o", color="#1f77b4",
+            label="hit ratio (all caches)")
+    for src in points[0][1].served:
+        share = [r.served.get(src, 0) / (r.prompt_tokens or 1) for _, r in points]
+        if any(share):
+            label = "vLLM prefix cache" if src == "engine" else f"{src} tier"
+            ax.plot(sizes, share, marker=".", linestyle="--", label=label)
+    bound = points[0][1].bound
+    ax.axhline(bound, color="#444444", linestyle=":", label=f"bound (infinite shared) {bound:.1%}")
+    ax.axvline(best / (1 << 30), color="#d62728", alpha=0.5, label=f"knee: {gib(best)}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [gib(size) for size, _ in points])
+    ax.minorticks_off()
+    ax.set_xlabel(f"{name} size{' per engine' if name in ('cpu', 'engine') else ''}")
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_ylim(0, max(bound, max(r.hit_ratio for _, r in points)) * 1.15 or 1)
+    ax.set_title(f"kvpool plan: {title}")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

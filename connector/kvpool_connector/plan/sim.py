@@ -28,6 +28,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..connector.block_groups import window_blocks
 from ..store.slots import SlotIndex
 from .trace import Request, Trace
 
@@ -50,9 +51,18 @@ class PoolModel:
     tiers: tuple[TierModel, ...] = ()
     routing: str = "round_robin"
     chunk_tokens: int = 256
+    # a hybrid model's sliding-window layers: a chunk object keeps only the window's last
+    # blocks of them (the connector's own window_blocks)
+    window_bytes_per_token: int = 0
+    window_tokens: int = 0
+    block_tokens: int = 16
 
     def object_bytes(self) -> int:
-        return self.chunk_tokens * self.bytes_per_token
+        kept = self.chunk_tokens
+        if self.window_tokens:
+            blocks = window_blocks(self.window_tokens, self.block_tokens)
+            kept = min(kept, blocks * self.block_tokens)
+        return self.chunk_tokens * self.bytes_per_token + kept * self.window_bytes_per_token
 
 
 @dataclass

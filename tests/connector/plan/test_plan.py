@@ -344,3 +344,47 @@ def test_power_of_two_is_seeded_and_spreads_load():
     for _ in range(400):
         fleet.assigned[fleet.route([])] += 1
     assert max(fleet.assigned) - min(fleet.assigned) <= 10   # two choices balance closely
+
+
+def test_the_sweep_is_drawn(tmp_path):
+    png = tmp_path / "plan.png"
+    r = plan(str(SLICE), "--engines", "2", "--cpu", "1Gi", "--shared", "8Gi",
+             "--sweep", "shared=8Gi..64Gi", "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    r = plan(str(SLICE), "--png", str(png))
+    assert r.returncode == 2 and "--png draws a sweep's curve" in r.stderr
+
+
+def test_a_hybrid_models_windows_keep_their_last_blocks_per_chunk():
+    from kvpool_cli.plan import KVShape, kv_shape
+
+    # Gemma-3-shaped: 1 layer in 6 full attention, a 1024-token window
+    gemma = {"num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 256, "hidden_size": 2048, "sliding_window": 1024,
+             "sliding_window_pattern": 6}
+    per_layer = 2 * 4 * 256 * 2
+    assert kv_shape(gemma) == KVShape(2 * per_layer, 10 * per_layer, 1024)
+    typed = {**gemma, "sliding_window_pattern": None,
+             "layer_types": ["sliding_attention", "full_attention"] * 6}
+    assert kv_shape(typed) == KVShape(6 * per_layer, 6 * per_layer, 1024)
+    assert bytes_per_token(gemma) == 12 * per_layer   # before the windows
+    # a 256-token chunk: all of it for full layers; a 1024 window needs every block of it
+    p = pool(bytes_per_token=2, window_bytes_per_token=10, window_tokens=1024, chunk_tokens=256)
+    assert p.object_bytes() == 256 * 2 + 256 * 10
+    # a 100-token window keeps cdiv(99, 16) = 7 blocks of each chunk
+    p = pool(bytes_per_token=2, window_bytes_per_token=10, window_tokens=100, chunk_tokens=256)
+    assert p.object_bytes() == 256 * 2 + 7 * 16 * 10
+    assert pool(bytes_per_token=2, chunk_tokens=256).object_bytes() == 512  # dense: unchanged
+
+
+def test_plan_with_a_hybrid_models_config(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 2,
+                               "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 64,
+                               "sliding_window": 64,
+                               "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}))
+    r = plan(str(SLICE), "--model", str(cfg), "--cpu", "1Gi")
+    assert r.returncode == 0, r.stderr
+    # full layer: 256 x 256 B; 3 window layers: cdiv(63, 16) = 4 blocks = 64 tokens x 768 B
+    assert "(112Ki objects; sliding-window layers, 768 B/token, keep their 64-token window's" in r.stdout
