@@ -83,6 +83,37 @@ def bytes_per_token(config: dict, kv_dtype: str = "auto") -> int:
     return shape.full + shape.window
 
 
+def engine_cache(explicit: int, shape: KVShape, *, num_gpu_blocks: int = 0, block_size: int = 16,
+                 gpu_memory: int = 0, utilization: float = 0.9, gpus: int = 1, weights: int = 0,
+                 manifest: int = 0) -> tuple[int, str]:
+    """(bytes of vLLM's own KV cache per engine, where the figure comes from) (pure), first of:
+    --engine-cache; vLLM's block count (its log's "GPU KV cache size" / num_gpu_blocks) x the
+    block's bytes; GPU memory x utilization x GPUs less the weights (vLLM's profile also keeps
+    activations and CUDA graphs back: an upper bound); a CPU pool's cpuKvCacheGiB x TP."""
+    if explicit:
+        return explicit, "--engine-cache"
+    if num_gpu_blocks:
+        return (num_gpu_blocks * block_size * (shape.full + shape.window),
+                f"--num-gpu-blocks {num_gpu_blocks} of {block_size} tokens")
+    if gpu_memory:
+        cache = int(gpus * gpu_memory * utilization) - weights
+        if cache <= 0:
+            raise ValueError(f"--gpu-memory {gib(gpu_memory)} x {gpus} x {utilization} leaves "
+                             f"nothing for the KV cache after {gib(weights)} of weights")
+        return cache, (f"{gpus} x {gib(gpu_memory)} x {utilization} less {gib(weights)} of "
+                       "weights (activations not counted: an upper bound)")
+    if manifest:
+        return manifest, "the manifest's cpuKvCacheGiB x tensorParallelSize"
+    return 0, "none modelled (--engine-cache, --num-gpu-blocks or --gpu-memory)"
+
+
+def weights_bytes(model: Path) -> int:
+    """The bytes of a model directory's safetensors files (0 for a lone config.json)."""
+    if not model.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
 def parse_sweep(spec: str) -> tuple[str, list[int]]:
     """'cpu=8Gi..256Gi' -> ('cpu', sizes doubling from 8Gi to 256Gi) (pure)."""
     name, sep, rng = spec.partition("=")
@@ -235,7 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing", choices=ROUTINGS, default=None,
                     help="how requests reach engines (default round_robin)")
     ap.add_argument("--engine-cache", default="0", metavar="SIZE", help="each engine's own "
-                    "vLLM KV cache, e.g. 20Gi (default 0: none modelled)")
+                    "vLLM KV cache, e.g. 20Gi (default: from --num-gpu-blocks, --gpu-memory or a "
+                    "CPU pool's manifest; else none modelled)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=0, metavar="N",
+                    help="vLLM's KV blocks per engine (its log: num_gpu_blocks)")
+    ap.add_argument("--gpu-memory", default="0", metavar="SIZE", help="memory of one GPU, e.g. "
+                    "80Gi: the KV cache is GPUs x it x --gpu-memory-utilization less the "
+                    "weights (--model DIR's safetensors)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs per engine (default 1, or "
+                    "the manifest's)")
     ap.add_argument("--cpu", default="0", metavar="SIZE", help="kvpool cpu tier per engine "
                     "(0: none)")
     ap.add_argument("--shared", default="0", metavar="SIZE", help="one tier all engines share "
@@ -280,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         bpt = shape.full
         if bpt <= 0 or args.chunk_tokens <= 0:
             return fail("--bytes-per-token and --chunk-tokens must be > 0")
-        sizes = {k: parse_size(getattr(args, k)) for k in ("engine_cache", "cpu", "shared")}
+        sizes = {k: parse_size(getattr(args, k))
+                 for k in ("engine_cache", "cpu", "shared", "gpu_memory")}
+        if args.num_gpu_blocks < 0 or not 0 < args.gpu_memory_utilization <= 1:
+            return fail("--num-gpu-blocks must be >= 0 and --gpu-memory-utilization in (0, 1]")
         if args.engines is not None and args.engines < 1:
             return fail(f"--engines must be >= 1, not {args.engines}")
         notes: list[str] = []
@@ -292,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                                 engine_cache_bytes=sizes["engine_cache"], engines=args.engines,
                                 routing=args.routing, external_size=sizes["shared"])
             pool, notes = planned.pool, planned.notes
+            gpus, manifest_cache = planned.gpus, planned.cpu_kv_cache
         else:
+            gpus, manifest_cache = 1, 0
             tiers = []
             if sizes["cpu"]:
                 tiers.append(TierModel("cpu", sizes["cpu"], shared=False, eviction=args.eviction))
@@ -303,7 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                              routing=args.routing or "round_robin", chunk_tokens=args.chunk_tokens)
         if args.block_size < 1:
             return fail(f"--block-size must be >= 1, not {args.block_size}")
-        pool = replace(pool, window_bytes_per_token=shape.window,
+        cache, cache_source = engine_cache(
+            sizes["engine_cache"], shape, num_gpu_blocks=args.num_gpu_blocks,
+            block_size=args.block_size, gpu_memory=sizes["gpu_memory"],
+            utilization=args.gpu_memory_utilization, gpus=args.gpus or gpus or 1,
+            weights=weights_bytes(Path(args.model)) if args.model else 0,
+            manifest=manifest_cache)
+        notes.append(f"vLLM's own cache: {gib(cache) if cache else 0} per engine, {cache_source}")
+        pool = replace(pool, window_bytes_per_token=shape.window, engine_cache_bytes=cache,
                        window_tokens=shape.window_tokens, block_tokens=args.block_size)
         sweep = parse_sweep(args.sweep) if args.sweep else None
         if args.png and not sweep:

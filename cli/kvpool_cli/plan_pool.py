@@ -33,6 +33,8 @@ class PlannedPool:
     pool: PoolModel
     notes: list[str]          # what the model approximates for this manifest
     name: str
+    gpus: int = 1             # per engine (spec.model.gpus)
+    cpu_kv_cache: int = 0     # gpus 0: vLLM's own KV cache per engine (cpuKvCacheGiB x TP)
 
 
 def managed_memory(capacity: int) -> int:
@@ -82,9 +84,12 @@ def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes:
         else:
             raise PoolFileError(f"spec.tiers.{kind}.external: its capacity is not in the manifest; "
                                 f"--shared SIZE gives it (its {share})")
+    m = spec.model
+    cpu_kv = m.cpu_kv_cache_gib * GI * m.tensor_parallel_size if m.gpus == 0 else 0
     return PlannedPool(PoolModel(engines=n, bytes_per_token=bytes_per_token,
                                  engine_cache_bytes=engine_cache_bytes, tiers=tuple(tiers),
-                                 routing=routing, chunk_tokens=spec.chunk_tokens), notes, name)
+                                 routing=routing, chunk_tokens=spec.chunk_tokens), notes, name,
+                       gpus=m.gpus, cpu_kv_cache=cpu_kv)
 
 
 def read_pool(path: str, **kw: Any) -> PlannedPool:

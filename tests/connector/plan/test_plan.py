@@ -388,3 +388,34 @@ def test_plan_with_a_hybrid_models_config(tmp_path):
     assert r.returncode == 0, r.stderr
     # full layer: 256 x 256 B; 3 window layers: cdiv(63, 16) = 4 blocks = 64 tokens x 768 B
     assert "(112Ki objects; sliding-window layers, 768 B/token, keep their 64-token window's" in r.stdout
+
+
+def test_vllms_own_cache_from_blocks_gpu_memory_or_a_cpu_pool(tmp_path):
+    from kvpool_cli.plan import KVShape, engine_cache, weights_bytes
+
+    shape = KVShape(1000, 24, 64)
+    assert engine_cache(5 << 30, shape, num_gpu_blocks=9)[0] == 5 << 30   # given wins
+    assert engine_cache(0, shape, num_gpu_blocks=10, block_size=16) == (
+        10 * 16 * 1024, "--num-gpu-blocks 10 of 16 tokens")
+    cache, how = engine_cache(0, shape, gpu_memory=80 << 30, utilization=0.9, gpus=2,
+                              weights=16 << 30)
+    assert cache == int(2 * (80 << 30) * 0.9) - (16 << 30) and "upper bound" in how
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache after 16Gi"):
+        engine_cache(0, shape, gpu_memory=8 << 30, weights=16 << 30)
+    assert engine_cache(0, shape, manifest=4 << 30)[0] == 4 << 30
+    assert engine_cache(0, shape) == (0, "none modelled (--engine-cache, --num-gpu-blocks or "
+                                         "--gpu-memory)")
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "config.json").write_text("{}")
+    assert weights_bytes(tmp_path) == 1000 and weights_bytes(tmp_path / "config.json") == 0
+
+
+def test_a_cpu_pools_manifest_gives_vllms_cache(tmp_path):
+    f = tmp_path / "pool.yaml"
+    f.write_text(POOL.replace("  model: {name: m/m}",
+                              "  model: {name: m/m, gpus: 0, cpuKvCacheGiB: 6}"))
+    r = plan(str(SLICE), "-f", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "note: vLLM's own cache: 6Gi per engine, the manifest's cpuKvCacheGiB" in r.stdout
+    r = plan(str(SLICE), "--num-gpu-blocks", "1000", "--bytes-per-token", "1024")
+    assert "note: vLLM's own cache: 15.6Mi per engine, --num-gpu-blocks 1000 of 16" in r.stdout
