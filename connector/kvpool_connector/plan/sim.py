@@ -10,9 +10,9 @@ tier that holds it; the rest is computed. Afterwards the engine holds the whole 
 a lower tier served is promoted into the tiers above it, and what was computed is written to
 every tier (kvpool writes through).
 
-Objects are kvpool chunks (`chunk_tokens`) of the trace's hash blocks, keyed by the chain of
-block ids up to them; only whole chunks are stored (a prompt's partial last chunk is always
-computed: kvpool's tail objects are not modelled).
+Objects are kvpool chunks (`chunk_tokens`) of the trace's hash blocks, keyed as the connector
+keys them (its `chunk_keys`, of the chained block ids); only whole chunks are stored (a
+prompt's partial last chunk is always computed: kvpool's tail objects are not modelled).
 
 **Hit ratio** = prompt tokens served from any cache / prompt tokens, every request counted,
 first occurrences included (a request's first sight of a prefix is a miss). The **bound** is
@@ -28,10 +28,15 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from xxhash import xxh3_128_digest
+
 from ..connector.block_groups import window_blocks
+from ..connector.keys import PREFIX_LEN, chunk_keys as connector_chunk_keys
 from ..store.slots import SlotIndex
 from .trace import Request, Trace
 
+PLAN_KEY_SPACE = b"kvpool-plan-keys"  # one key space: one model, layout, dtype for the replay
+assert len(PLAN_KEY_SPACE) == PREFIX_LEN
 ROUTINGS = ("round_robin", "cache_aware", "consistent_hash", "power_of_two")
 
 
@@ -96,29 +101,32 @@ class Result:
         return self.bound_chunks / self.chunks if self.chunks else 0.0
 
 
+def _link(parent: bytes, part: int) -> bytes:
+    return xxh3_128_digest(parent + part.to_bytes(8, "little", signed=True))
+
+
 def chunk_keys(req: Request, block_tokens: int, chunk_tokens: int) -> tuple[list[bytes], int]:
     """(keys of the prompt's whole chunks, tokens left over in a partial last chunk) (pure).
-    A key is the chain of block ids up to the chunk's end (and, where a chunk is part of a
-    block, its index in it): equal keys mean equal prefixes."""
+    As vLLM chains its block hashes, the trace's block ids are chained (each link a digest of
+    its parent and the id; where a chunk is part of a block, of the block's link and the
+    part's index), and the connector's own `chunk_keys` makes a chunk's key of its last link:
+    equal keys mean equal prefixes."""
     ids = req.hash_ids
     whole = req.input_tokens // chunk_tokens
-    keys: list[bytes] = []
-    h = 0
+    links: list[bytes] = []
+    h = b""
     if chunk_tokens >= block_tokens:
         per = chunk_tokens // block_tokens
-        for j in range(min(whole * per, len(ids))):
-            h = hash((h, ids[j]))
-            if (j + 1) % per == 0:
-                keys.append(h.to_bytes(8, "little", signed=True))
+        for i in ids[:whole * per]:
+            h = _link(h, i)
+            links.append(h)
     else:
-        per = block_tokens // chunk_tokens
-        for c in range(whole):
-            j = c // per
-            if j >= len(ids):
-                break
-            if c % per == 0:
-                h = hash((h, ids[j]))
-            keys.append(hash((h, c % per)).to_bytes(8, "little", signed=True))
+        per, parts = 1, block_tokens // chunk_tokens
+        for c in range(min(whole, len(ids) * parts)):
+            if c % parts == 0:
+                h = _link(h, ids[c // parts])
+            links.append(_link(h, c % parts))
+    keys = connector_chunk_keys(PLAN_KEY_SPACE, links, per)
     return keys, req.input_tokens - len(keys) * chunk_tokens
 
 
