@@ -142,6 +142,18 @@ def with_size(pool: PoolModel, name: str, size: int) -> PoolModel:
     return replace(pool, tiers=tiers)
 
 
+@dataclass
+class Sweep:
+    """One tier's curve: (size, figures) per swept size, and its knee."""
+
+    tier: str
+    points: list[tuple[int, Result]]
+
+    @property
+    def knee(self) -> int:
+        return knee(self.points)
+
+
 def knee(points: list[tuple[int, Result]]) -> int:
     """The smallest size whose hit ratio is within KNEE_POINTS of the best (pure)."""
     best = max(r.hit_ratio for _, r in points)
@@ -154,6 +166,15 @@ def gib(n: float) -> str:
             v = n / div
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
     return f"{n:.0f}"
+
+
+def exact(n: int) -> str:
+    """A size a manifest can take, never rounded: the largest binary unit that divides it
+    ('4819Gi', not '4.7Ti', which is less) (pure)."""
+    for unit, div in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
 
 
 def result_json(r: Result, pool: PoolModel) -> dict[str, Any]:
@@ -213,11 +234,15 @@ def render(r: Result, pool: PoolModel) -> str:
 def render_sweep(name: str, points: list[tuple[int, Result]], best: int) -> str:
     lines = [f"sweep of the {name} {'tier' if name != 'engine' else 'cache'}:",
              f"  {'size':>8}  {'hit ratio':>9}  {'of bound':>8}  {'served by it':>12}"]
+    spread = max(r.hit_ratio for _, r in points) - min(r.hit_ratio for _, r in points)
     for size, r in points:
         mark = "  <- knee" if size == best else ""
         own = r.served.get(name, 0) / (r.prompt_tokens or 1)
         lines.append(f"  {gib(size):>8}  {r.hit_ratio:>9.1%}  "
                      f"{r.hit_ratio / r.bound if r.bound else 0:>8.0%}  {own:>12.1%}{mark}")
+    if spread < KNEE_POINTS:
+        lines.append(f"  (its size moves the hit ratio by under {KNEE_POINTS * 100:.0f} point "
+                     f"across the sweep: here it serves what the caches above it already hold)")
     return "\n".join(lines)
 
 
@@ -230,15 +255,15 @@ def tiers_block(pool: PoolModel, shared_type: str = "redis") -> str:
     for t in pool.tiers:
         kind = shared_type if t.name == "shared" else t.name
         if kind == "cpu":
-            lines.append(f"  cpu: {{size: {gib(t.size)}, evictionPolicy: {t.eviction}}}")
+            lines.append(f"  cpu: {{size: {exact(t.size)}, evictionPolicy: {t.eviction}}}")
         elif kind == "redis":
-            lines.append(f"  redis:\n    managed: {{memory: {gib(managed_memory(t.size))}}}")
+            lines.append(f"  redis:\n    managed: {{memory: {exact(managed_memory(t.size))}}}")
         elif kind == "s3":
-            lines.append(f"  s3:\n    managed: {{storage: {gib(managed_storage(t.size))}}}")
+            lines.append(f"  s3:\n    managed: {{storage: {exact(managed_storage(t.size))}}}")
         else:
             volume = ("persistentVolumeClaim: {claimName: shared-kv}  # ReadWriteMany, every node"
                       if t.shared else "hostPath: {path: /mnt/nvme/kvpool}  # a node-local NVMe")
-            lines.append(f"  disk:\n    size: {gib(t.size)}\n    volume:\n      {volume}")
+            lines.append(f"  disk:\n    size: {exact(t.size)}\n    volume:\n      {volume}")
     return "\n".join(lines)
 
 
@@ -293,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes-per-token", type=int, default=None,
                     help="KV bytes per token, instead of --model (default: 131072, "
                     "a Llama-3-8B-shaped model in bfloat16)")
-    ap.add_argument("--sweep", default=None, metavar="TIER=LOW..HIGH",
-                    help="replay once per size, doubling: cpu=8Gi..256Gi")
+    ap.add_argument("--sweep", action="append", default=[], metavar="TIER=LOW..HIGH",
+                    help="replay once per size, doubling: cpu=8Gi..256Gi; repeat it to sweep "
+                    "several tiers, each with the others as given")
     ap.add_argument("--max-requests", type=int, default=MAX_REQUESTS)
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
     ap.add_argument("--png", default=None, metavar="FILE", help="also draw the sweep's curve "
@@ -357,20 +383,36 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"vLLM's own cache: {gib(cache) if cache else 0} per engine, {cache_source}")
         pool = replace(pool, window_bytes_per_token=shape.window, engine_cache_bytes=cache,
                        window_tokens=shape.window_tokens, block_tokens=args.block_size)
-        sweep = parse_sweep(args.sweep) if args.sweep else None
-        if args.png and not sweep:
+        sweeps = [parse_sweep(spec) for spec in args.sweep]
+        if args.png and not sweeps:
             return fail("--png draws a sweep's curve: add --sweep TIER=LOW..HIGH")
-        if sweep:
-            with_size(pool, sweep[0], sweep[1][0])  # refuses a tier the pool lacks
+        names = [name for name, _ in sweeps]
+        if len(set(names)) < len(names):
+            return fail(f"--sweep: each tier once ({', '.join(names)})")
+        for name, sizes_ in sweeps:
+            with_size(pool, name, sizes_[0])  # refuses a tier the pool lacks
         t0 = time.monotonic()
         trace = read_trace(args.trace, args.format, args.block_tokens, args.max_requests)
     except (TraceError, PoolFileError, ValueError) as e:
         return fail(str(e))
 
-    runs = [(None, pool)] if not sweep else [(s, with_size(pool, sweep[0], s)) for s in sweep[1]]
-    bar = _progress(len(trace.requests) * len(runs))
+    runs = [(name, size, with_size(pool, name, size)) for name, sizes_ in sweeps
+            for size in sizes_] or [("", 0, pool)]
+    bar = _progress(len(trace.requests) * (len(runs) + (len(sweeps) > 1)))
     try:
-        results = [(size, replay(trace, p, bar.update if bar else None)) for size, p in runs]
+        results = [(name, size, replay(trace, p, bar.update if bar else None))
+                   for name, size, p in runs]
+        curves = [Sweep(name, [(size, r) for n, size, r in results if n == name])
+                  for name, _ in sweeps]
+        chosen = pool
+        for curve in curves:
+            chosen = with_size(chosen, curve.tier, curve.knee)
+        if len(curves) > 1:  # each knee found with the others as given: the set, replayed
+            summary = replay(trace, chosen, bar.update if bar else None)
+        elif curves:
+            summary = dict(curves[0].points)[curves[0].knee]
+        else:
+            summary = results[0][2]
     except ValueError as e:  # chunk size vs the trace's blocks, sessions for consistent_hash
         return fail(str(e))
     finally:
@@ -385,72 +427,33 @@ def main(argv: list[str] | None = None) -> int:
         "format": trace.format, "requests": len(trace.requests),
         "block_tokens": trace.block_tokens, "duration_s": trace.duration_s},
         "bytes_per_token": bpt, "wall_s": elapsed}
-    if sweep:
-        best = knee([(s, r) for s, r in results if s is not None])
-        chosen = with_size(pool, sweep[0], best)
-        print(render_sweep(sweep[0], [(s, r) for s, r in results if s is not None], best))
+    for curve in curves:
+        print(render_sweep(curve.tier, curve.points, curve.knee))
         print()
-        print(render(dict((s, r) for s, r in results)[best], chosen))
-        print()
-        print(f"recommended (the knee: the smallest {sweep[0]} size within "
-              f"{KNEE_POINTS * 100:.0f} percentage point of the sweep's best hit ratio):")
+    print(render(summary, chosen))
+    if curves:
+        print(f"\nrecommended (each swept tier at its knee: the smallest size within "
+              f"{KNEE_POINTS * 100:.0f} percentage point of its sweep's best hit ratio):")
         print(tiers_block(chosen, args.shared_type))
-        report["sweep"] = {"tier": sweep[0], "knee": best, "points": [
-            {"size": s, **result_json(r, with_size(pool, sweep[0], s or 0))}
-            for s, r in results]}
-        report.update(result_json(dict((s, r) for s, r in results)[best], chosen))
-    else:
-        r = results[0][1]
-        print(render(r, pool))
-        report.update(result_json(r, pool))
-    print(f"\n({len(trace.requests) * len(runs):,} requests replayed in {elapsed:.1f} s)")
+        report["sweeps"] = [{"tier": c.tier, "knee": c.knee, "points": [
+            {"size": size, **result_json(r, with_size(pool, c.tier, size))}
+            for size, r in c.points]} for c in curves]
+    report.update(result_json(summary, chosen))
+    replays = len(runs) + (len(curves) > 1)
+    print(f"\n({len(trace.requests) * replays:,} requests replayed in {elapsed:.1f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.png and sweep:  # a sweep's curve: --png without --sweep was refused above
+    if args.png and curves:  # --png without --sweep was refused above
+        from kvpool_cli.plan_chart import chart
+
         try:
-            chart([(s, r) for s, r in results if s is not None], sweep[0], best,
-                  Path(args.png), f"{Path(args.trace).name}: {pool.engines} engine(s), "
-                  f"{pool.routing}")
+            chart(curves, Path(args.png), f"{Path(args.trace).name}: {pool.engines} "
+                  f"engine(s), {pool.routing}")
         except ImportError:
             return fail("--png needs matplotlib (pip install matplotlib)")
         except OSError as e:
             return fail(f"--png {args.png}: {e.strerror or e}")
     return 0
-
-
-def chart(points: list[tuple[int, Result]], name: str, best: int, path: Path,
-          title: str) -> None:
-    """The sweep as a PNG: hit ratio and each source's share per size (log scale), the
-    infinite-cache bound, the knee."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = [s / (1 << 30) for s, _ in points]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(sizes, [r.hit_ratio for _, r in points], marker="o", color="#1f77b4",
-            label="hit ratio (all caches)")
-    for src in points[0][1].served:
-        share = [r.served.get(src, 0) / (r.prompt_tokens or 1) for _, r in points]
-        if any(share):
-            label = "vLLM prefix cache" if src == "engine" else f"{src} tier"
-            ax.plot(sizes, share, marker=".", linestyle="--", label=label)
-    bound = points[0][1].bound
-    ax.axhline(bound, color="#444444", linestyle=":", label=f"bound (infinite shared) {bound:.1%}")
-    ax.axvline(best / (1 << 30), color="#d62728", alpha=0.5, label=f"knee: {gib(best)}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [gib(size) for size, _ in points])
-    ax.minorticks_off()
-    ax.set_xlabel(f"{name} size{' per engine' if name in ('cpu', 'engine') else ''}")
-    ax.set_ylabel("share of prompt tokens")
-    ax.set_ylim(0, max(bound, max(r.hit_ratio for _, r in points)) * 1.15 or 1)
-    ax.set_title(f"kvpool plan: {title}")
-    ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,10 @@ def test_plan_on_a_public_trace_slice_with_a_sweep(tmp_path):
         assert text in p.stdout, text
     data = json.loads(out.read_text())
     assert 0 < data["hit_ratio"] <= data["bound"] < 1
-    assert [pt["size"] for pt in data["sweep"]["points"]] == [1 << 30, 2 << 30, 4 << 30, 8 << 30]
-    assert data["sweep"]["knee"] in {pt["size"] for pt in data["sweep"]["points"]}
+    assert [pt["size"] for pt in data["sweeps"][0]["points"]] == [1 << 30, 2 << 30, 4 << 30, 8 << 30]
+    assert data["sweeps"][0]["knee"] in {pt["size"] for pt in data["sweeps"][0]["points"]}
     # a bigger cpu tier never serves less on this trace (LRU, same order of requests)
-    ratios = [pt["hit_ratio"] for pt in data["sweep"]["points"]]
+    ratios = [pt["hit_ratio"] for pt in data["sweeps"][0]["points"]]
     assert ratios == sorted(ratios)
     assert data["trace"]["requests"] == 300 and data["served_tokens"]["shared"] > 0
 
@@ -293,7 +293,7 @@ def test_a_pool_manifest_is_the_model(tmp_path):
     assert "pool: 3 engine(s), cache_aware" in r.stdout and "from disk tier" in r.stdout
     assert "note: disk on a claim" in r.stdout and "sweep of the redis tier" in r.stdout
     assert "  redis:\n    managed: {memory: " in r.stdout
-    assert json.loads(out.read_text())["sweep"]["tier"] == "redis"
+    assert json.loads(out.read_text())["sweeps"][0]["tier"] == "redis"
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -419,3 +419,34 @@ def test_a_cpu_pools_manifest_gives_vllms_cache(tmp_path):
     assert "note: vLLM's own cache: 6Gi per engine, the manifest's cpuKvCacheGiB" in r.stdout
     r = plan(str(SLICE), "--num-gpu-blocks", "1000", "--bytes-per-token", "1024")
     assert "note: vLLM's own cache: 15.6Mi per engine, --num-gpu-blocks 1000 of 16" in r.stdout
+
+
+def test_several_tiers_swept_each_with_the_others_as_given(tmp_path):
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    r = plan(str(SLICE), "--engines", "2", "--cpu", "1Gi", "--shared", "8Gi",
+             "--sweep", "cpu=1Gi..4Gi", "--sweep", "shared=8Gi..32Gi", "--json", str(out),
+             "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "sweep of the cpu tier" in r.stdout and "sweep of the shared tier" in r.stdout
+    data = json.loads(out.read_text())
+    cpu, shared = data["sweeps"]
+    assert [pt["size"] for pt in cpu["points"]] == [1 << 30, 2 << 30, 4 << 30]
+    assert [pt["size"] for pt in shared["points"]] == [8 << 30, 16 << 30, 32 << 30]
+    # the summary is the set of knees, replayed: both tiers at their knee in the block
+    assert f"cpu: {{size: {cpu['knee'] >> 30}Gi" in r.stdout
+    assert "(2,100 requests replayed" in r.stdout   # 300 x (3 + 3 sizes + the set of knees)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = plan(str(SLICE), "--cpu", "1Gi", "--sweep", "cpu=1Gi..2Gi", "--sweep", "cpu=4Gi..8Gi")
+    assert r.returncode == 2 and "--sweep: each tier once (cpu, cpu)" in r.stderr
+
+
+def test_recommended_sizes_are_exact_and_never_rounded_down():
+    from kvpool_cli.plan import exact
+    from kvpool_cli.plan_pool import managed_memory
+
+    assert exact(4 << 40) == "4Ti" and exact(4819 << 30) == "4819Gi" and exact(1536) == "1536"
+    assert exact(1 << 20) == "1Mi"
+    # 4 TiB of objects need 4819 GiB of managed Redis memory (maxmemory 85%), not "4.7Ti"
+    assert managed_memory(4 << 40) == 4819 << 30
+    block = tiers_block(pool(tiers=(TierModel("shared", 4 << 40, True),)), "redis")
+    assert block == "tiers:\n  redis:\n    managed: {memory: 4819Gi}"
