@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eviction", choices=("lru", "arc"), default="lru",
                     help="the cpu tier's eviction policy")
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--no-tails", action="store_true", help="no tail objects (the connector's "
+                    "tail_objects: false): a prompt's blocks past its last chunk are not stored")
     ap.add_argument("--model", default=None, metavar="CONFIG", help="a model's config.json "
                     "(or its directory): KV bytes per token")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto = bfloat16)")
@@ -382,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             manifest=manifest_cache)
         notes.append(f"vLLM's own cache: {gib(cache) if cache else 0} per engine, {cache_source}")
         pool = replace(pool, window_bytes_per_token=shape.window, engine_cache_bytes=cache,
-                       window_tokens=shape.window_tokens, block_tokens=args.block_size)
+                       window_tokens=shape.window_tokens, block_tokens=args.block_size,
+                       tails=not args.no_tails)
         sweeps = [parse_sweep(spec) for spec in args.sweep]
         if args.png and not sweeps:
             return fail("--png draws a sweep's curve: add --sweep TIER=LOW..HIGH")

@@ -61,6 +61,7 @@ class PoolModel:
     window_bytes_per_token: int = 0
     window_tokens: int = 0
     block_tokens: int = 16
+    tails: bool = True   # the connector's tail_objects (on by default)
 
     def object_bytes(self) -> int:
         kept = self.chunk_tokens
@@ -130,6 +131,24 @@ def chunk_keys(req: Request, block_tokens: int, chunk_tokens: int) -> tuple[list
     return keys, req.input_tokens - len(keys) * chunk_tokens
 
 
+def tail_object(req: Request, block_tokens: int, chunk_tokens: int, n_keys: int,
+                vllm_block: int) -> tuple[bytes, int] | None:
+    """(key, tokens) of the tail object kvpool stores past a prompt's last whole chunk: its
+    whole vLLM blocks (tails.py), keyed by the prefix and the trace ids that cover them; None
+    when there is no whole block past the chunks or the trace does not hash those tokens
+    (pure). At the trace's granularity a tail matches only the same ids: a repeated prompt."""
+    start = n_keys * chunk_tokens
+    tokens = (req.input_tokens - start) // vllm_block * vllm_block
+    first, last = start // block_tokens, -(-(start + tokens) // block_tokens)
+    if tokens <= 0 or last > len(req.hash_ids):
+        return None
+    h = b""
+    for i in req.hash_ids[:last]:
+        h = _link(h, i)
+    return PLAN_KEY_SPACE + xxh3_128_digest(h + b"|tail|" + first.to_bytes(4, "little")
+                                            + tokens.to_bytes(4, "little")), tokens
+
+
 def check_granularity(block_tokens: int, chunk_tokens: int) -> None:
     small, big = sorted((block_tokens, chunk_tokens))
     if small <= 0 or big % small:
@@ -197,12 +216,29 @@ class Fleet:
         return any(t.shared and t.name == name for t in self.pool.tiers)
 
 
-def _put(idx: SlotIndex, key: bytes, n: int) -> bool:
+def _put(idx: SlotIndex, key: bytes, n: int, evict_first: bool = False) -> bool:
     taken = idx.take(key, n)
     if taken is None:
         return False
-    idx.commit(key, taken.slots, n, b"", evict_first=False)
+    idx.commit(key, taken.slots, n, b"", evict_first=evict_first)
     return True
+
+
+def _tail_lookup(r: Result, tail: tuple[bytes, int] | None, cache: SlotIndex,
+                 tiers: list[tuple[str, SlotIndex]]) -> str | None:
+    """After every whole chunk hit: the source of the prompt's tail object (vLLM's cache,
+    then the tiers in order), its tokens counted served; None when nothing holds it."""
+    if tail is None:
+        return None
+    if cache.touch(tail[0]) is not None:
+        r.served["engine"] += tail[1]
+        return "engine"
+    for name, idx in tiers:
+        if idx.touch(tail[0]) is not None:
+            r.served[name] += tail[1]
+            r.reads[name] += 1
+            return name
+    return None
 
 
 def replay(trace: Trace, pool: PoolModel,
@@ -218,6 +254,8 @@ def replay(trace: Trace, pool: PoolModel,
     seen: set[bytes] = set()
     for n, req in enumerate(trace.requests, 1):
         keys, _ = chunk_keys(req, trace.block_tokens, ct)
+        tail = (tail_object(req, trace.block_tokens, ct, len(keys), pool.block_tokens)
+                if pool.tails else None)
         r.requests += 1
         r.prompt_tokens += req.input_tokens
         r.chunks += len(keys)
@@ -228,6 +266,10 @@ def replay(trace: Trace, pool: PoolModel,
         r.bound_chunks += b
         r.bound_tokens += b * ct
         seen.update(keys)
+        if tail is not None:
+            if b == len(keys) and tail[0] in seen:
+                r.bound_tokens += tail[1]
+            seen.add(tail[0])
 
         e = fleet.route(keys, req.session)
         fleet.assigned[e] += 1
@@ -249,7 +291,8 @@ def replay(trace: Trace, pool: PoolModel,
             i += 1
         hits = i
         r.chunk_hits += hits
-        r.computed_tokens += req.input_tokens - hits * ct
+        tail_from = _tail_lookup(r, tail, cache, tiers) if hits == len(keys) else None
+        r.computed_tokens += req.input_tokens - hits * ct - (tail[1] if tail and tail_from else 0)
         # after the request: the engine holds the prompt; loads are promoted into the tiers
         # above the one that served them; computed chunks are written to every tier
         first_loaded = hits - len(from_tier)
@@ -261,6 +304,18 @@ def replay(trace: Trace, pool: PoolModel,
             upto = from_tier[k - first_loaded] if k < hits else len(tiers)
             for name, idx in tiers[:upto]:
                 if idx.nslots and _put(idx, key, obj):
+                    r.writes[name] += 1
+        if tail is not None:  # evict-first objects, as the connector writes its tails
+            if cache.touch(tail[0]) is None and cache.nslots:
+                _put(cache, tail[0], obj)
+            # computed: into every tier; loaded: promoted above the tier that served it;
+            # from vLLM's own cache: the tiers keep what they hold
+            names = [name for name, _ in tiers]
+            upto = (len(tiers) if tail_from is None else 0 if tail_from == "engine"
+                    else names.index(tail_from))
+            tail_bytes = tail[1] * obj // ct
+            for name, idx in tiers[:upto]:
+                if idx.nslots and _put(idx, tail[0], tail_bytes, evict_first=True):
                     r.writes[name] += 1
         if progress is not None and n % 1000 == 0:
             progress(1000)

@@ -450,3 +450,20 @@ def test_recommended_sizes_are_exact_and_never_rounded_down():
     assert managed_memory(4 << 40) == 4819 << 30
     block = tiers_block(pool(tiers=(TierModel("shared", 4 << 40, True),)), "redis")
     assert block == "tiers:\n  redis:\n    managed: {memory: 4819Gi}"
+
+
+def test_tail_objects_serve_a_repeated_prompts_blocks_past_its_last_chunk():
+    # 10 tokens in 4-token chunks: 2 chunks, then 2 tokens = one whole 2-token vLLM block
+    twice = trace((10, [1, 2, 3]), (10, [1, 2, 3]), (10, [1, 2, 4]))
+    p = pool(engines=2, block_tokens=2, tiers=(TierModel("shared", 1 << 20, shared=True),))
+    r = replay(twice, p)
+    # the repeat loads both chunks and the tail; the third request only the chunks (its
+    # tail's ids differ)
+    assert r.served == {"engine": 0, "shared": 8 + 2 + 8} and r.bound_tokens == 18
+    assert r.hit_ratio == r.bound
+    off = replay(twice, PoolModel(**{**p.__dict__, "tails": False}))
+    assert off.served == {"engine": 0, "shared": 16} and off.bound_tokens == 16
+    from kvpool_connector.plan.sim import tail_object
+
+    assert tail_object(twice.requests[0], 4, 4, 2, 2) == tail_object(twice.requests[1], 4, 4, 2, 2)
+    assert tail_object(twice.requests[0], 4, 4, 2, 4) is None   # no whole 4-token block left
