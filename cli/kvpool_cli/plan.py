@@ -340,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg_path = cfg_path / "config.json" if cfg_path.is_dir() else cfg_path
             try:
                 config = json.loads(cfg_path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                return fail(f"--model {args.model}: {getattr(e, 'strerror', None) or e}")
+            except OSError as e:
+                return fail(f"--model {args.model}: {e.strerror or e}")
+            except json.JSONDecodeError as e:
+                return fail(f"--model {args.model}: not a JSON config.json ({e.msg})")
             shape = kv_shape(config, args.kv_dtype)
         else:
             shape = KVShape(args.bytes_per_token or 131072)

@@ -47,10 +47,12 @@ def prose_paragraphs(markdown: str) -> list[str]:
 
 def load_corpus(docs_dir: Path) -> list[str]:
     """Every paragraph of the Markdown files in `docs_dir`, files in name order."""
+    if not docs_dir.is_dir():
+        raise ValueError("no such directory")
     files = sorted(docs_dir.glob("*.md"))
     paragraphs = [p for f in files for p in prose_paragraphs(f.read_text(encoding="utf-8"))]
     if not paragraphs:
-        raise ValueError(f"--docs {docs_dir}: no Markdown prose (*.md) to chat about")
+        raise ValueError("no Markdown prose (*.md) to chat about")
     return paragraphs
 
 

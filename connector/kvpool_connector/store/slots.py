@@ -44,7 +44,10 @@ class SlotIndex:
         self.first: OrderedDict[bytes, None] = OrderedDict()
         self.slot_size = 0
         self.nslots = 0
-        self.free: list[int] = []
+        # free slots: those freed (reused first, last freed first) and the never used ones
+        # from `fresh` on, not listed, so a planned terabyte tier costs no memory up front
+        self.freed: list[int] = []
+        self.fresh = 0
         self.policy: Policy = make_policy(eviction, 1)  # resized with the slots
         if slot_size:
             self.size_slots(slot_size)
@@ -52,20 +55,29 @@ class SlotIndex:
     def size_slots(self, slot_size: int) -> None:
         self.slot_size = min(slot_size, self.capacity)
         self.nslots = self.capacity // self.slot_size if self.slot_size else 0
-        self.free = list(range(self.nslots - 1, -1, -1))
+        self.freed, self.fresh = [], 0
         self.policy = make_policy(self.eviction, self.nslots)
 
     def units(self, n: int) -> int:
         return max(1, -(-n // self.slot_size))
 
+    def free_slots(self) -> int:
+        return len(self.freed) + self.nslots - self.fresh
+
     def used_bytes(self) -> int:
-        return (self.nslots - len(self.free)) * self.slot_size
+        return (self.nslots - self.free_slots()) * self.slot_size
+
+    def _pop_free(self) -> int:
+        if self.freed:
+            return self.freed.pop()
+        self.fresh += 1
+        return self.fresh - 1
 
     def release(self, key: bytes, evicted: bool) -> Entry:
         """Forget `key` (evicted=True: the policy keeps a ghost of it, as ARC does)."""
         e = self.entries.pop(key)
         self.first.pop(key, None)
-        self.free.extend(e.slots)
+        self.freed.extend(e.slots)
         self.policy.remove(key, evicted)
         return e
 
@@ -93,16 +105,16 @@ class SlotIndex:
             released.append(name)
         self.policy.admit(name)
         evicted = 0
-        while len(self.free) < units:
+        while self.free_slots() < units:
             victim = next(iter(self.first), None) or self.policy.victim()
             assert victim is not None  # fewer free slots than all: something is stored
             self.release(victim, evicted=True)
             released.append(victim)
             evicted += 1
-        return Taken(tuple(self.free.pop() for _ in range(units)), released, evicted)
+        return Taken(tuple(self._pop_free() for _ in range(units)), released, evicted)
 
     def give_back(self, slots: tuple[int, ...]) -> None:
-        self.free.extend(slots)
+        self.freed.extend(slots)
 
     def commit(self, name: bytes, slots: tuple[int, ...], n: int, layout: bytes,
                evict_first: bool) -> None:
@@ -114,4 +126,4 @@ class SlotIndex:
     def clear(self) -> None:
         self.entries.clear()
         self.first.clear()
-        self.free = []
+        self.freed, self.fresh = [], self.nslots  # nothing free: the arena is gone

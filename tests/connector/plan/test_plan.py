@@ -232,6 +232,8 @@ def test_the_recommended_tiers_block_is_a_valid_pool(tmp_path):
     (["--cpu", "lots"], "invalid size 'lots'"),
     (["--chunk-tokens", "384"], "chunk_tokens 384 and the trace's 512-token blocks must divide"),
     (["--model", "/nonexistent/config.json"], "--model /nonexistent/config.json: No such file"),
+    (["--model", str(SLICE.parent / "README.md")], "README.md: not a JSON config.json"),
+    (["--cpu", "1Gi", "--sweep", "cpu=1Gi..2Gi", "--sweep", "cpu=1Gi..2Gi"], "each tier once"),
 ])
 def test_bad_arguments_are_one_line(args, message):
     p = plan(str(SLICE), *args)

@@ -269,7 +269,21 @@ def test_slot_index_makes_room_evict_first_then_by_policy_without_bytes():
     t = idx.take(b"d", 8000)       # two slots: then LRU order, "b" and then "a"
     assert t is not None and t.released == [b"b", b"a"] and t.evicted == 2
     idx.give_back(t.slots)         # not committed: nothing of "d" held
-    assert set(idx.entries) == {b"c"} and len(idx.free) == 2
+    assert set(idx.entries) == {b"c"} and idx.free_slots() == 2
     t = idx.take(b"c", 100)        # the same name again: replaced, not an eviction
     assert t is not None and t.released == [b"c"] and t.evicted == 0
     assert idx.take(b"huge", 4 * 4096) is None  # larger than the arena: nothing changes
+
+
+def test_a_huge_slot_index_lists_no_free_slots_up_front():
+    """A planned tier of an exbibyte (kvpool plan --cpu 1Ei) is as cheap as a small one."""
+    from kvpool_connector.store.slots import SlotIndex
+
+    idx = SlotIndex(capacity=1 << 60, eviction="arc", slot_size=4096)
+    assert idx.nslots == 1 << 48 and idx.free_slots() == 1 << 48
+    t = idx.take(b"a", 4096)
+    assert t is not None and t.slots == (0,)
+    idx.commit(b"a", t.slots, 4096, b"L", evict_first=False)
+    assert idx.used_bytes() == 4096
+    idx.release(b"a", evicted=False)
+    assert idx.take(b"b", 8192).slots == (0, 1)   # the freed slot first, then a fresh one
