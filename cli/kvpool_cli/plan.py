@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool_cli.plan_pool import PoolFileError, managed_memory, managed_storage, read_pool
-from kvpool_connector.config import parse_size
+from kvpool_connector.config import format_size, parse_size
 from kvpool_connector.plan.sim import ROUTINGS, PoolModel, Result, TierModel, replay
 from kvpool_connector.plan.trace import FORMATS, MAX_REQUESTS, Trace, TraceError, read_trace
 
@@ -168,15 +168,6 @@ def gib(n: float) -> str:
     return f"{n:.0f}"
 
 
-def exact(n: int) -> str:
-    """A size a manifest can take, never rounded: the largest binary unit that divides it
-    ('4819Gi', not '4.7Ti', which is less) (pure)."""
-    for unit, div in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
-
-
 def result_json(r: Result, pool: PoolModel) -> dict[str, Any]:
     out: dict[str, Any] = {
         "hit_ratio": r.hit_ratio, "bound": r.bound, "block_hit_ratio": r.block_hit_ratio,
@@ -255,15 +246,15 @@ def tiers_block(pool: PoolModel, shared_type: str = "redis") -> str:
     for t in pool.tiers:
         kind = shared_type if t.name == "shared" else t.name
         if kind == "cpu":
-            lines.append(f"  cpu: {{size: {exact(t.size)}, evictionPolicy: {t.eviction}}}")
+            lines.append(f"  cpu: {{size: {format_size(t.size)}, evictionPolicy: {t.eviction}}}")
         elif kind == "redis":
-            lines.append(f"  redis:\n    managed: {{memory: {exact(managed_memory(t.size))}}}")
+            lines.append(f"  redis:\n    managed: {{memory: {format_size(managed_memory(t.size))}}}")
         elif kind == "s3":
-            lines.append(f"  s3:\n    managed: {{storage: {exact(managed_storage(t.size))}}}")
+            lines.append(f"  s3:\n    managed: {{storage: {format_size(managed_storage(t.size))}}}")
         else:
             volume = ("persistentVolumeClaim: {claimName: shared-kv}  # ReadWriteMany, every node"
                       if t.shared else "hostPath: {path: /mnt/nvme/kvpool}  # a node-local NVMe")
-            lines.append(f"  disk:\n    size: {exact(t.size)}\n    volume:\n      {volume}")
+            lines.append(f"  disk:\n    size: {format_size(t.size)}\n    volume:\n      {volume}")
     return "\n".join(lines)
 
 
@@ -361,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             if sizes["cpu"]:
                 return fail("--cpu with -f: the manifest's tiers are the pool (--sweep cpu=... "
                             "varies its cpu tier)")
-            planned = read_pool(args.filename, bytes_per_token=bpt,
-                                engine_cache_bytes=sizes["engine_cache"], engines=args.engines,
+            planned = read_pool(args.filename, bytes_per_token=bpt, engines=args.engines,
                                 routing=args.routing, external_size=sizes["shared"])
             pool, notes = planned.pool, planned.notes
             gpus, manifest_cache = planned.gpus, planned.cpu_kv_cache
@@ -373,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 tiers.append(TierModel("cpu", sizes["cpu"], shared=False, eviction=args.eviction))
             if sizes["shared"]:
                 tiers.append(TierModel("shared", sizes["shared"], shared=True))
-            pool = PoolModel(engines=args.engines or 1, bytes_per_token=bpt,
-                             engine_cache_bytes=sizes["engine_cache"], tiers=tuple(tiers),
+            pool = PoolModel(engines=args.engines or 1, bytes_per_token=bpt, tiers=tuple(tiers),
                              routing=args.routing or "round_robin", chunk_tokens=args.chunk_tokens)
         if args.block_size < 1:
             return fail(f"--block-size must be >= 1, not {args.block_size}")

@@ -21,7 +21,6 @@ from kvpool_connector.plan.sim import PoolModel, TierModel
 REDIS_MAXMEMORY = 0.85   # ManagedRedis: maxmemory is 85% of memory (allkeys-lru)
 MINIO_QUOTA = 0.90       # ManagedS3: the bucket's quota is 90% of storage
 GI = 1 << 30
-ROUTER_POLICIES = ("round_robin", "cache_aware", "consistent_hash", "power_of_two")
 
 
 class PoolFileError(ValueError):
@@ -47,9 +46,8 @@ def managed_storage(capacity: int) -> int:
     return math.ceil(capacity / MINIO_QUOTA / GI) * GI
 
 
-def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes: int,
-              engines: int | None = None, routing: str | None = None,
-              external_size: int = 0) -> PlannedPool:
+def from_spec(spec: Any, name: str, *, bytes_per_token: int, engines: int | None = None,
+              routing: str | None = None, external_size: int = 0) -> PlannedPool:
     """A validated KVCachePoolSpec -> the replay's PoolModel (pure)."""
     notes: list[str] = []
     n = engines or spec.replicas
@@ -58,11 +56,8 @@ def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes:
         notes.append(f"autoscaling: planned at maxReplicas ({n}); --engines N for another count")
     if n < 1:
         raise PoolFileError("spec.replicas: 0 engines serve nothing; --engines N to plan")
-    policy = spec.router.policy if spec.router is not None else "round_robin"
-    if routing is None:
-        routing = policy if policy in ROUTER_POLICIES else "round_robin"
-        if policy not in ROUTER_POLICIES:
-            notes.append(f"spec.router.policy {policy} is not modelled: replayed as round robin")
+    if routing is None:  # every router policy is one the replay models (sim.ROUTINGS)
+        routing = spec.router.policy if spec.router is not None else "round_robin"
     t = spec.tiers
     tiers: list[TierModel] = []
     if t.cpu is not None:
@@ -86,8 +81,7 @@ def from_spec(spec: Any, name: str, *, bytes_per_token: int, engine_cache_bytes:
                                 f"--shared SIZE gives it (its {share})")
     m = spec.model
     cpu_kv = m.cpu_kv_cache_gib * GI * m.tensor_parallel_size if m.gpus == 0 else 0
-    return PlannedPool(PoolModel(engines=n, bytes_per_token=bytes_per_token,
-                                 engine_cache_bytes=engine_cache_bytes, tiers=tuple(tiers),
+    return PlannedPool(PoolModel(engines=n, bytes_per_token=bytes_per_token, tiers=tuple(tiers),
                                  routing=routing, chunk_tokens=spec.chunk_tokens), notes, name,
                        gpus=m.gpus, cpu_kv_cache=cpu_kv)
 

@@ -70,6 +70,15 @@ def parse_size(value: int | float | str) -> int:
     return int(n)
 
 
+def format_size(nbytes: int) -> str:
+    """A byte count as a quantity in the largest binary unit that divides it (79456894976 ->
+    74Gi): parse_size's inverse, never rounded."""
+    for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if nbytes and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 PositiveSize = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 

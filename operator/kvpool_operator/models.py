@@ -27,6 +27,7 @@ from kvpool_connector.config import (
     CREDENTIALS_IN_URL,
     REDIS_QUERY_KEYS,
     SIZE_MAX_CHARS,
+    format_size as format_size,  # re-exported: the renderers call models.format_size
     parse_size,
     url_problem,
 )
@@ -160,14 +161,6 @@ def _normal_path(value: str) -> str:
     if re.search(NORMAL_PATH_RULE[0].removeprefix("!self.matches('").removesuffix("')"), value):
         raise ValueError(NORMAL_PATH_RULE[1])
     return value
-
-
-def format_size(nbytes: int) -> str:
-    """A byte count as a quantity in the largest binary unit that divides it (79456894976 -> 74Gi)."""
-    for suffix, unit in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if nbytes and nbytes % unit == 0:
-            return f"{nbytes // unit}{suffix}"
-    return str(nbytes)
 
 
 def _rules(*rules: tuple[str, str, str | None]) -> dict[str, Any]:

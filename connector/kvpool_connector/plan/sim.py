@@ -173,6 +173,10 @@ class Fleet:
         self.tiers: list[list[tuple[str, SlotIndex]]] = [
             [(t.name, shared[t.name] if t.shared else SlotIndex(t.size, t.eviction, obj))
              for t in pool.tiers] for _ in range(pool.engines)]
+        # what an engine holds itself (its cache and unshared tiers): cache_aware's score
+        self.local = [[self.engine_cache[e].entries] + [
+            idx.entries for t, (_, idx) in zip(pool.tiers, self.tiers[e], strict=True)
+            if not t.shared] for e in range(pool.engines)]
         self.assigned = [0] * pool.engines
         self._next = 0
         self._rng = random.Random(0)   # power_of_two's draws: the same replay every run
@@ -203,17 +207,12 @@ class Fleet:
         return e
 
     def _local_prefix(self, e: int, keys: list[bytes]) -> int:
-        local = [self.engine_cache[e].entries] + [idx.entries for name, idx in self.tiers[e]
-                                                  if not self._shared(name)]
         k = 0
         for key in keys:
-            if not any(key in held for held in local):
+            if not any(key in held for held in self.local[e]):
                 break
             k += 1
         return k
-
-    def _shared(self, name: str) -> bool:
-        return any(t.shared and t.name == name for t in self.pool.tiers)
 
 
 def _put(idx: SlotIndex, key: bytes, n: int, evict_first: bool = False) -> bool:

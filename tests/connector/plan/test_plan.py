@@ -278,14 +278,14 @@ def test_a_pool_manifest_is_the_model(tmp_path):
 
     f = tmp_path / "pool.yaml"
     f.write_text(POOL)
-    planned = read_pool(str(f), bytes_per_token=1024, engine_cache_bytes=0)
+    planned = read_pool(str(f), bytes_per_token=1024)
     p = planned.pool
     assert (p.engines, p.routing, p.chunk_tokens, planned.name) == (3, "cache_aware", 512, "planned")
     assert p.tiers == (TierModel("cpu", 2 << 30, shared=False, eviction="arc"),
                        TierModel("disk", 8 << 30, shared=True),       # on a claim: shared
                        TierModel("redis", int(20 * 0.85 * (1 << 30)), shared=True))  # maxmemory
     assert planned.notes == ["disk on a claim: one tier every engine shares, evicting at its size"]
-    local = read_pool(str(f), bytes_per_token=1024, engine_cache_bytes=0, engines=5,
+    local = read_pool(str(f), bytes_per_token=1024, engines=5,
                       routing="round_robin")
     assert (local.pool.engines, local.pool.routing) == (5, "round_robin")
 
@@ -443,8 +443,8 @@ def test_several_tiers_swept_each_with_the_others_as_given(tmp_path):
 
 
 def test_recommended_sizes_are_exact_and_never_rounded_down():
-    from kvpool_cli.plan import exact
     from kvpool_cli.plan_pool import managed_memory
+    from kvpool_connector.config import format_size as exact
 
     assert exact(4 << 40) == "4Ti" and exact(4819 << 30) == "4819Gi" and exact(1536) == "1536"
     assert exact(1 << 20) == "1Mi"
